@@ -1,0 +1,75 @@
+/* kvgen_codec.h -- C ABI of a kvgen family library's cold-page codec (ABI version 1).
+ *
+ * Every library built by `kvgen build` (lib<kvgen_family>.so, one per family and arch) exports
+ * these symbols with the meaning of TensorRT-LLM's IKvCacheColdPageCodec (COLD_PAGE_FORMAT.md §6).
+ * A C++ KV-cache manager includes this header and dlopen()s the library (RTLD_LOCAL: every
+ * family library exports the same names).  Plain C types only: no torch, no C++ ABI.
+ *
+ * Pool descriptors: one per (layer, buffer), layers in the family's order 0..L-1, and inside a
+ * layer the quantized buffers (K then V; or the MLA latent / CSA entry) then the side buffers, as
+ * `kvgen show FAMILY` lists them.  Hot page p of that buffer starts at base + p * page_stride_bytes
+ * and holds the page exactly as the engine writes it (HND or NHD rows).  Bases and strides must
+ * be 16-byte aligned for quantized buffers (side buffers: aligned to their copy word).
+ *
+ * encode/decode only enqueue work on `stream` and return 1 when submission succeeded, 0 otherwise
+ * (kvgen_last_error() then says why).  Host index arrays are read during the call only; device
+ * index arrays must stay valid until the stream work completes.
+ */
+#ifndef KVGEN_CODEC_H_
+#define KVGEN_CODEC_H_
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define KVGEN_ABI_VERSION 1
+
+typedef struct kvgen_pool_desc {
+  void* base;
+  int64_t page_stride_bytes;
+} kvgen_pool_desc;
+
+typedef struct kvgen_page_pair { /* 8 bytes, 8-aligned */
+  int32_t dst;                   /* encode: cold slot; decode: hot page */
+  int32_t src;                   /* encode: hot page;  decode: cold slot */
+} kvgen_page_pair;
+
+typedef enum kvgen_index_location {
+  KVGEN_INDEX_HOST = 0,
+  KVGEN_INDEX_DEVICE = 1
+} kvgen_index_location;
+
+typedef struct kvgen_codec kvgen_codec;
+
+int kvgen_abi_version(void);
+const char* kvgen_family_name(void);
+/* Message of the last failed call on this thread ("" if none). */
+const char* kvgen_last_error(void);
+
+/* configure: descriptors for every layer × buffer of the family (see above).  Returns NULL on a
+ * count or alignment error, or when the GPU cannot hold one layer record in shared memory. */
+kvgen_codec* kvgen_codec_configure(const kvgen_pool_desc* descs, int64_t num_descs,
+                                   kvgen_index_location index_location);
+void kvgen_codec_destroy(kvgen_codec* codec);
+
+int kvgen_codec_num_lifecycles(const kvgen_codec* codec);
+/* Bytes of one cold page of a lifecycle; 0 for an unknown lifecycle. */
+int64_t kvgen_codec_query_cold_page_bytes(const kvgen_codec* codec, int lifecycle);
+/* Smallest equivalent lifecycle (identity: every lifecycle has its own pools). */
+int kvgen_codec_get_batching_layer_group_id(const kvgen_codec* codec, int lifecycle);
+kvgen_index_location kvgen_codec_query_page_index_location(const kvgen_codec* codec, int lifecycle);
+
+/* cold_base: device memory or a mapped pinned host pointer (UVA); slot i at cold_base + i *
+ * cold_page_bytes.  stream: a cudaStream_t (NULL = legacy default stream). */
+int kvgen_codec_encode(kvgen_codec* codec, int lifecycle, void* cold_base, const kvgen_page_pair* pairs,
+                       int64_t num_pairs, void* stream);
+int kvgen_codec_decode(kvgen_codec* codec, int lifecycle, const void* cold_base, const kvgen_page_pair* pairs,
+                       int64_t num_pairs, void* stream);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* KVGEN_CODEC_H_ */

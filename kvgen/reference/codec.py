@@ -1,0 +1,177 @@
+"""Reference cold-page codec: one layer record and one lifecycle page (COLD_PAGE_FORMAT.md §2).
+
+Plain PyTorch over the block arithmetic of ``kvgen.reference.nvfp4``. Every generated codec kernel
+must produce exactly these bytes. Inputs are hot pages as written by the engine: one tensor per
+quantized buffer holding ``rows × row_dim`` elements in hot row order (HND or NHD, the codec does
+not care: it keeps the order), and one uint8 tensor per side buffer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from ..layout import BufferSchema, LayerRecord, Lifecycle, family_layout
+from ..spec import FamilySpec
+from . import nvfp4
+
+HOT_TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8_e4m3": torch.float8_e4m3fn}
+
+LayerInput = tuple[Mapping[str, torch.Tensor], Mapping[str, torch.Tensor]]
+
+
+def _rows(hot: torch.Tensor, b: BufferSchema) -> torch.Tensor:
+    """[pages, rows, row_dim] view of one page or a batch of pages of a buffer."""
+    per_page = b.rows * b.row_dim
+    if hot.numel() == 0 or hot.numel() % per_page:
+        raise ValueError(f"buffer {b.name!r}: expected pages of {b.rows}×{b.row_dim} elements, "
+                         f"got shape {tuple(hot.shape)}")
+    return hot.contiguous().reshape(-1, b.rows, b.row_dim)
+
+
+def _encode_run(run: torch.Tensor, b: BufferSchema) -> dict[str, torch.Tensor]:
+    """Encode the quantized run [pages, rows, q] into the byte regions of one buffer."""
+    pages = run.shape[0]
+    blocks = run.reshape(pages, b.rows, b.q // 16, 16)
+    codes, scales = nvfp4.encode_blocks(blocks, b.G, b.Q)
+    out = {}
+    if b.r:
+        first = b.residual_start // 16
+        last = first + b.r // 16
+        main_c, main_s, res_c, res_s = nvfp4.encode_blocks_2fp4(blocks[:, :, first:last], b.G, b.Q)
+        codes[:, :, first:last] = main_c
+        scales[:, :, first:last] = main_s
+        out["residual"] = nvfp4.pack_nibbles(res_c.reshape(pages, b.rows * b.r))
+        out["residual_scales"] = res_s.reshape(pages, -1)
+    out["data"] = nvfp4.pack_nibbles(codes.reshape(pages, b.rows * b.q))
+    out["scales"] = scales.reshape(pages, -1)
+    return out
+
+
+def _lossless_bytes(hot: torch.Tensor, b: BufferSchema) -> torch.Tensor:
+    """Prefix bytes then suffix bytes of every row, exactly as in the hot page."""
+    pages = hot.shape[0]
+    raw = hot.view(torch.uint8).reshape(pages, b.rows, b.row_dim * b.elem_bytes)
+    prefix = raw[:, :, : b.prefix * b.elem_bytes]
+    suffix = raw[:, :, (b.row_dim - b.suffix) * b.elem_bytes :]
+    return torch.cat([prefix, suffix], dim=2).reshape(pages, -1)
+
+
+def encode_buffer(hot: torch.Tensor, b: BufferSchema) -> dict[str, torch.Tensor]:
+    """Byte regions (``data``, ``scales``, ``residual``, ``residual_scales``, ``lossless``) of one buffer."""
+    hot = _rows(hot, b)
+    x = nvfp4.hot_to_f32(hot)
+    out = _encode_run(x[:, :, b.prefix : b.prefix + b.q], b)
+    if b.lossless:
+        out["lossless"] = _lossless_bytes(hot, b)
+    return out
+
+
+def encode_records(record: LayerRecord, buffers: Mapping[str, torch.Tensor],
+                   side_buffers: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """Encode a batch of pages of one layer into zero-padded records: uint8 [pages, record.bytes]."""
+    parts = {b.name: encode_buffer(buffers[b.name], b) for b in record.buffers}
+    pages, device = next(iter(parts.values()))["data"].shape[0], next(iter(buffers.values())).device
+    for s in record.sides:
+        raw = side_buffers[s.name].contiguous().view(torch.uint8).reshape(-1)
+        if raw.numel() != pages * s.bytes:
+            raise ValueError(f"side buffer {s.name!r}: expected {pages}×{s.bytes} bytes, got {raw.numel()}")
+        parts[s.name] = {"side": raw.reshape(pages, s.bytes)}
+    out = torch.zeros(pages, record.bytes, dtype=torch.uint8, device=device)
+    for region in record.regions:
+        if region.kind != "pad":
+            out[:, region.offset : region.offset + region.size] = parts[region.buffer][region.kind].to(device)
+    return out
+
+
+def encode_record(record: LayerRecord, buffers: Mapping[str, torch.Tensor],
+                  side_buffers: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """Encode one page of one layer into its zero-padded record of ``record.bytes`` bytes."""
+    out = encode_records(record, buffers, side_buffers)
+    if out.shape[0] != 1:
+        raise ValueError(f"encode_record takes one page; got {out.shape[0]} (use encode_records)")
+    return out[0]
+
+
+def _region_bytes(recs: torch.Tensor, record: LayerRecord, buffer: str, kind: str) -> torch.Tensor:
+    """One region of a batch of records: uint8 [pages, region size]."""
+    region = record.region(buffer, kind)
+    return recs[:, region.offset : region.offset + region.size]
+
+
+def decode_buffer(recs: torch.Tensor, record: LayerRecord, b: BufferSchema, dtype: str) -> torch.Tensor:
+    """Hot rows [pages, rows, row_dim] of one buffer, in the hot dtype."""
+    pages = recs.shape[0]
+    codes = nvfp4.unpack_nibbles(_region_bytes(recs, record, b.name, "data")).reshape(pages, b.rows, b.q // 16, 16)
+    scales = _region_bytes(recs, record, b.name, "scales").reshape(pages, b.rows, b.q // 16)
+    y = nvfp4.decode_blocks(codes, scales, b.Q)
+    if b.r:
+        first = b.residual_start // 16
+        last = first + b.r // 16
+        res_c = nvfp4.unpack_nibbles(_region_bytes(recs, record, b.name, "residual"))
+        res_s = _region_bytes(recs, record, b.name, "residual_scales").reshape(pages, b.rows, b.r // 16)
+        y[:, :, first:last] = nvfp4.decode_blocks_2fp4(codes[:, :, first:last], scales[:, :, first:last],
+                                                       res_c.reshape(pages, b.rows, b.r // 16, 16), res_s, b.Q)
+    run = nvfp4.round_to_hot(y.reshape(pages, b.rows, b.q), dtype)
+    hot = torch.empty(pages, b.rows, b.row_dim, dtype=run.dtype, device=recs.device)
+    hot[:, :, b.prefix : b.prefix + b.q] = run
+    if b.lossless:
+        eb = b.elem_bytes
+        raw = _region_bytes(recs, record, b.name, "lossless").reshape(pages, b.rows, b.lossless * eb)
+        hot_raw = hot.view(torch.uint8).reshape(pages, b.rows, b.row_dim * eb)
+        hot_raw[:, :, : b.prefix * eb] = raw[:, :, : b.prefix * eb]
+        hot_raw[:, :, (b.row_dim - b.suffix) * eb :] = raw[:, :, b.prefix * eb :]
+    return hot
+
+
+def decode_records(record: LayerRecord, recs: torch.Tensor, dtype: str
+                   ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Inverse of ``encode_records``: ({buffer: [pages, rows, row_dim]}, {side: [pages, bytes]})."""
+    if recs.dim() != 2 or recs.shape[1] != record.bytes:
+        raise ValueError(f"expected records of {record.bytes} bytes as [pages, bytes], got {tuple(recs.shape)}")
+    buffers = {b.name: decode_buffer(recs, record, b, dtype) for b in record.buffers}
+    sides = {s.name: _region_bytes(recs, record, s.name, "side").clone() for s in record.sides}
+    return buffers, sides
+
+
+def decode_record(record: LayerRecord, rec: torch.Tensor, dtype: str
+                  ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Inverse of ``encode_record``: ({buffer: hot rows [rows, row_dim]}, {side: bytes})."""
+    if rec.numel() != record.bytes:
+        raise ValueError(f"expected a {record.bytes}-byte record, got {rec.numel()} bytes")
+    buffers, sides = decode_records(record, rec.reshape(1, -1), dtype)
+    return {k: v[0] for k, v in buffers.items()}, {k: v[0] for k, v in sides.items()}
+
+
+# ---------------------------------------------------------------- spec-level entry points
+
+
+def encode_layer(spec: FamilySpec, buffers: Mapping[str, torch.Tensor],
+                 side_buffers: Mapping[str, torch.Tensor] | None = None) -> torch.Tensor:
+    return encode_record(family_layout(spec).record, buffers, side_buffers or {})
+
+
+def decode_layer(spec: FamilySpec, record: torch.Tensor
+                 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    return decode_record(family_layout(spec).record, record, spec.dtype)
+
+
+def _lifecycle(spec: FamilySpec, lifecycle: int) -> Lifecycle:
+    return family_layout(spec).lifecycles[lifecycle]
+
+
+def encode_page(spec: FamilySpec, layers: Sequence[LayerInput], lifecycle: int = 0) -> torch.Tensor:
+    """One cold page: the layer records of every layer of the lifecycle, ascending."""
+    lc = _lifecycle(spec, lifecycle)
+    if len(layers) != len(lc.layers):
+        raise ValueError(f"lifecycle {lifecycle} has {len(lc.layers)} layers, got {len(layers)}")
+    return torch.cat([encode_layer(spec, bufs, sides) for bufs, sides in layers])
+
+
+def decode_page(spec: FamilySpec, page: torch.Tensor, lifecycle: int = 0) -> list[tuple[dict, dict]]:
+    lc = _lifecycle(spec, lifecycle)
+    if page.numel() != lc.cold_page_bytes:
+        raise ValueError(f"expected a {lc.cold_page_bytes}-byte cold page, got {page.numel()} bytes")
+    records = page.reshape(len(lc.layers), lc.record_bytes)
+    return [decode_layer(spec, rec) for rec in records]

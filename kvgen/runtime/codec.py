@@ -1,0 +1,97 @@
+"""``ColdPageCodec``: the cold-page codec of one family, driven from torch tensors.
+
+Hot pools are any tensors whose dim 0 indexes pages (``[num_pages, ...one page...]``, possibly a
+strided view such as ``kv_pool[:, 0]`` for K inside a combined K/V pool). Cold storage is a uint8
+tensor on the GPU or in pinned host memory (the kernel then writes and reads it over the bus
+directly). Page pairs are ``int32 [n, 2]`` tensors of ``(dst, src)``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+
+import torch
+
+from ..layout import FamilyLayout
+from .library import FamilyLibrary, LibraryError, PoolDesc
+
+INDEX_LOCATIONS = {"host": 0, "device": 1}
+
+
+def pool_descriptors(pools: Sequence[Sequence[torch.Tensor]]) -> list[tuple[int, int]]:
+    """(base address, page stride in bytes) per (layer, buffer), layers then buffers in order."""
+    descs = []
+    for layer, buffers in enumerate(pools):
+        for index, pool in enumerate(buffers):
+            if pool.dim() < 1:
+                raise ValueError(f"pool of layer {layer}, buffer {index} needs a page dimension")
+            descs.append((pool.data_ptr(), pool.stride(0) * pool.element_size()))
+    return descs
+
+
+def _stream_handle(stream: torch.cuda.Stream | None) -> int:
+    stream = stream or torch.cuda.current_stream()
+    return stream.cuda_stream
+
+
+class ColdPageCodec:
+    """One configured codec instance (C ABI ``kvgen_codec``), owning its device tables."""
+
+    def __init__(self, library: FamilyLibrary, layout: FamilyLayout, pools: Sequence[Sequence[torch.Tensor]],
+                 index_location: str = "host"):
+        if library.family != layout.family:
+            raise LibraryError(f"{library.path}: built for {library.family!r}, layout is {layout.family!r}")
+        self.library = library
+        self.layout = layout
+        self.index_location = index_location
+        self._pools = [list(p) for p in pools]  # keep the hot pools alive while configured
+        descs = pool_descriptors(self._pools)
+        array = (PoolDesc * len(descs))(*[PoolDesc(base, stride) for base, stride in descs])
+        handle = library.kvgen_codec_configure(array, len(descs), INDEX_LOCATIONS[index_location])
+        if not handle:
+            raise LibraryError(f"{library.path}: configure failed: {library.last_error()}")
+        self._handle = handle
+
+    def close(self) -> None:
+        if self._handle:
+            self.library.kvgen_codec_destroy(self._handle)
+            self._handle = None
+
+    def __del__(self) -> None:
+        self.close()
+
+    def cold_page_bytes(self, lifecycle: int = 0) -> int:
+        return self.library.kvgen_codec_query_cold_page_bytes(self._handle, lifecycle)
+
+    def _pairs(self, pairs: torch.Tensor) -> torch.Tensor:
+        if pairs.dtype != torch.int32 or pairs.dim() != 2 or pairs.shape[1] != 2:
+            raise ValueError("page pairs must be an int32 tensor of shape [n, 2] (dst, src)")
+        want_cuda = self.index_location == "device"
+        if pairs.is_cuda != want_cuda:
+            raise ValueError(f"this codec takes {self.index_location} index arrays")
+        return pairs.contiguous()
+
+    def _check_cold(self, cold: torch.Tensor, lifecycle: int) -> None:
+        if cold.dtype != torch.uint8 or not cold.is_contiguous():
+            raise ValueError("cold storage must be a contiguous uint8 tensor")
+        if not (cold.is_cuda or cold.is_pinned()):
+            raise ValueError("cold storage must be GPU memory or pinned host memory")
+        if cold.numel() % self.cold_page_bytes(lifecycle):
+            raise ValueError(f"cold storage size is not a multiple of {self.cold_page_bytes(lifecycle)} bytes")
+
+    def _run(self, fn, lifecycle: int, cold: torch.Tensor, pairs: torch.Tensor, stream) -> None:
+        self._check_cold(cold, lifecycle)
+        pairs = self._pairs(pairs)
+        ok = fn(self._handle, lifecycle, ctypes.c_void_p(cold.data_ptr()), ctypes.c_void_p(pairs.data_ptr()),
+                pairs.shape[0], ctypes.c_void_p(_stream_handle(stream)))
+        if not ok:
+            raise LibraryError(f"{self.library.path}: {self.library.last_error()}")
+
+    def encode(self, cold: torch.Tensor, pairs: torch.Tensor, lifecycle: int = 0, stream=None) -> None:
+        """Enqueue: hot page ``src`` of every layer of the lifecycle → cold slot ``dst``."""
+        self._run(self.library.kvgen_codec_encode, lifecycle, cold, pairs, stream)
+
+    def decode(self, cold: torch.Tensor, pairs: torch.Tensor, lifecycle: int = 0, stream=None) -> None:
+        """Enqueue: cold slot ``src`` → hot page ``dst`` of every layer of the lifecycle."""
+        self._run(self.library.kvgen_codec_decode, lifecycle, cold, pairs, stream)

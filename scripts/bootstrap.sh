@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Create (or refresh) the project's virtual environment in .venv with every toolchain kvgen
+# drives on a GPU-less build machine: torch (CPU wheel, pinned so pip does not pull a CUDA
+# build), Triton, CuTe DSL, optuna, nvcc 13.5 for sm_107a, and the test tools.
+# Idempotent: a second run installs nothing new.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+.venv/bin/python -m pip install -q --disable-pip-version-check "torch==2.13.0"
+.venv/bin/python -m pip install -q --disable-pip-version-check -e ".[triton,cute,tune,nvcc-rubin,dev]"

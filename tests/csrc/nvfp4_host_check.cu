@@ -1,0 +1,187 @@
+// Driver for kvgen/csrc/nvfp4.cuh: runs the header's __host__ __device__ arithmetic on the CPU
+// (and, optionally, on a GPU) so tests/test_nvfp4_block.py can compare it bit for bit with the
+// oracle kvgen/reference/nvfp4.py.
+//
+// Host build (no GPU, no driver: cudart is linked statically and never called):
+//   nvcc -x cu -std=c++17 -I<repo> tests/csrc/nvfp4_host_check.cu -o nvfp4_host_check
+// Device build (adds --device; runs the same code in a kernel, one thread per record):
+//   nvcc -x cu -std=c++17 -I<repo> -DKVGEN_CHECK_DEVICE -arch=sm_90a ... -o nvfp4_device_check
+//
+//   nvfp4_host_check --info            "key=value" lines (path macro, constants)
+//   nvfp4_host_check [--device] < in > out
+//
+// Input: records of 72 bytes: float x[16], float G, float Q (little-endian).
+// Output: one record of kOutBytes per input record, fields in this order, no padding, LE:
+//   element level, for the 16 inputs x_i taken one by one:
+//     u8  e4m3_sw[16]   e4m3_from_f32_sw(x_i)
+//     u8  e4m3_hw[16]   e4m3_from_f32_hw(x_i)  (fix-ups + the cvt, or NVIDIA's host model of it)
+//     u8  e2m1_sw[16]   e2m1_from_f32_sw(x_i)
+//     u8  e2m1_hw[16]   low nibble of e2m1x2_hw(x_i, 0)
+//     u8  e2m1_raw[16]  low nibble of e2m1x2_cvt_raw(x_i, 0): the bare instruction (model)
+//     u16 bf16_x[16], u16 fp16_x[16], u8 fp8_x[16]      round_to_*(x_i)
+//   then twice, for Path::Software and then Path::Hardware:
+//     u8  scale, u8 packed[8]                            encode_block_path
+//     f32 y[16]                                          decode_block
+//     u16 bf16_y[16], u16 fp16_y[16], u8 fp8_y[16]
+//     u8  scale2, u8 packed2[8], u8 res_scale, u8 res_packed[8]   encode_block_2fp4_path
+//     f32 y2[16]                                         decode_block_2fp4
+//     u16 bf16_y2[16], u16 fp16_y2[16], u8 fp8_y2[16]
+// On the host, and on GPUs without the FP4 cvt, Path::Hardware runs the fix-up logic around
+// NVIDIA's software model of the instruction; on a Blackwell build it runs the instruction.
+#include <cstdio>
+#include <cstring>
+#include <vector>
+
+#include "kvgen/csrc/nvfp4.cuh"
+
+namespace kn = kvgen::nvfp4;
+
+namespace {
+
+constexpr int kInFloats = 18;
+constexpr size_t kHotBytes = 16 * 2 + 16 * 2 + 16;
+constexpr size_t kPathBytes = 9 + 64 + kHotBytes + 18 + 64 + kHotBytes;
+constexpr size_t kOutBytes = 5 * 16 + kHotBytes + 2 * kPathBytes;
+
+// Byte writer usable on host and device (no std::vector in device code).
+struct Writer {
+  unsigned char* p;
+  __host__ __device__ void u8(uint32_t v) { *p++ = (unsigned char)v; }
+  __host__ __device__ void u16(uint32_t v) {
+    u8(v & 0xFFu);
+    u8(v >> 8);
+  }
+  __host__ __device__ void f32(float f) {
+    const uint32_t u = kn::f32_bits(f);
+    for (int k = 0; k < 4; ++k) u8(u >> (8 * k));
+  }
+};
+
+__host__ __device__ void put_block(Writer& w, const kn::Block& b) {
+  w.u8(b.scale);
+  for (int i = 0; i < 2; ++i)
+    for (int k = 0; k < 4; ++k) w.u8(b.packed[i] >> (8 * k));
+}
+
+__host__ __device__ void put_hot(Writer& w, const float (&y)[16]) {
+  for (int i = 0; i < 16; ++i) w.u16(kn::round_to_bf16_bits(y[i]));
+  for (int i = 0; i < 16; ++i) w.u16(kn::round_to_fp16_bits(y[i]));
+  for (int i = 0; i < 16; ++i) w.u8(kn::round_to_fp8_e4m3_bits(y[i]));
+}
+
+template <kn::Path P>
+__host__ __device__ void put_path(Writer& w, const float (&x)[16], float G, float Q) {
+  const kn::Block b = kn::encode_block_path<P>(x, G, Q);
+  float y[16];
+  kn::decode_block(b, Q, y);
+  put_block(w, b);
+  for (int i = 0; i < 16; ++i) w.f32(y[i]);
+  put_hot(w, y);
+
+  const kn::Block2FP4 b2 = kn::encode_block_2fp4_path<P>(x, G, Q);
+  float y2[16];
+  kn::decode_block_2fp4(b2, Q, y2);
+  put_block(w, b2.main);
+  put_block(w, b2.residual);
+  for (int i = 0; i < 16; ++i) w.f32(y2[i]);
+  put_hot(w, y2);
+}
+
+__host__ __device__ void fill(const float* rec, unsigned char* out) {
+  float x[16];
+  for (int i = 0; i < 16; ++i) x[i] = rec[i];
+  const float G = rec[16], Q = rec[17];
+  Writer w{out};
+  for (int i = 0; i < 16; ++i) w.u8(kn::e4m3_from_f32_sw(x[i]));
+  for (int i = 0; i < 16; ++i) w.u8(kn::e4m3_from_f32_hw(x[i]));
+  for (int i = 0; i < 16; ++i) w.u8(kn::e2m1_from_f32_sw(x[i]));
+  for (int i = 0; i < 16; ++i) w.u8(kn::e2m1x2_hw(x[i], 0.0f) & 0xFu);
+  for (int i = 0; i < 16; ++i) w.u8(kn::e2m1x2_cvt_raw(x[i], 0.0f) & 0xFu);
+  put_hot(w, x);
+  put_path<kn::Path::Software>(w, x, G, Q);
+  put_path<kn::Path::Hardware>(w, x, G, Q);
+}
+
+#if defined(KVGEN_CHECK_DEVICE)
+__global__ void check_kernel(const float* in, unsigned char* out, size_t n, int* path) {
+  const size_t r = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (r == 0) *path = KVGEN_NVFP4_HW_PATH;
+  if (r < n) fill(in + kInFloats * r, out + kOutBytes * r);
+}
+
+#define CK(call)                                                                  \
+  do {                                                                            \
+    cudaError_t e_ = (call);                                                      \
+    if (e_ != cudaSuccess) {                                                      \
+      fprintf(stderr, "%s failed: %s\n", #call, cudaGetErrorString(e_));          \
+      return false;                                                               \
+    }                                                                             \
+  } while (0)
+
+bool run_device(const std::vector<float>& in, std::vector<unsigned char>& out, size_t n) {
+  float* d_in = nullptr;
+  unsigned char* d_out = nullptr;
+  int* d_path = nullptr;
+  CK(cudaMalloc(&d_in, in.size() * sizeof(float) + 4));
+  CK(cudaMalloc(&d_out, out.size() + 1));
+  CK(cudaMalloc(&d_path, sizeof(int)));
+  CK(cudaMemcpy(d_in, in.data(), in.size() * sizeof(float), cudaMemcpyHostToDevice));
+  const unsigned threads = 64;
+  check_kernel<<<(unsigned)((n + threads - 1) / threads) + 1, threads>>>(d_in, d_out, n, d_path);
+  CK(cudaGetLastError());
+  CK(cudaDeviceSynchronize());
+  int path = -1;
+  CK(cudaMemcpy(out.data(), d_out, out.size(), cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(&path, d_path, sizeof(int), cudaMemcpyDeviceToHost));
+  fprintf(stderr, "device KVGEN_NVFP4_HW_PATH=%d\n", path);
+  cudaFree(d_in);
+  cudaFree(d_out);
+  cudaFree(d_path);
+  return true;
+}
+#endif
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  bool device = false;
+  for (int a = 1; a < argc; ++a) {
+    if (strcmp(argv[a], "--info") == 0) {
+      printf("KVGEN_NVFP4_HW_PATH=%d\n", KVGEN_NVFP4_HW_PATH);
+      printf("SIXTH_BITS=0x%08X\n", kn::f32_bits(kn::kSixth));
+      printf("OUT_BYTES=%zu\n", kOutBytes);
+      // Host arithmetic must keep subnormals (a -ffast-math build would break this).
+      printf("SUBNORMAL_OK=%d\n", kn::mul_rn(kn::bits_f32(1u), 1.0f) != 0.0f ? 1 : 0);
+#if defined(KVGEN_CHECK_DEVICE)
+      printf("DEVICE_BUILD=1\n");
+#else
+      printf("DEVICE_BUILD=0\n");
+#endif
+      return 0;
+    }
+    if (strcmp(argv[a], "--device") == 0) device = true;
+  }
+  std::vector<float> in;
+  float buf[kInFloats * 256];
+  size_t got;
+  while ((got = fread(buf, sizeof(float), kInFloats * 256, stdin)) > 0)
+    in.insert(in.end(), buf, buf + got);
+  if (in.size() % kInFloats != 0) {
+    fprintf(stderr, "input is not a whole number of 72-byte records\n");
+    return 2;
+  }
+  const size_t n = in.size() / kInFloats;
+  std::vector<unsigned char> out(n * kOutBytes);
+  if (device) {
+#if defined(KVGEN_CHECK_DEVICE)
+    if (!run_device(in, out, n)) return 4;
+#else
+    fprintf(stderr, "built without -DKVGEN_CHECK_DEVICE\n");
+    return 5;
+#endif
+  } else {
+    for (size_t r = 0; r < n; ++r) fill(&in[kInFloats * r], &out[kOutBytes * r]);
+  }
+  if (!out.empty() && fwrite(out.data(), 1, out.size(), stdout) != out.size()) return 3;
+  return 0;
+}

@@ -1,0 +1,159 @@
+"""Generated codec on the GPU against the oracle: encoded cold pages and decoded hot pages must be
+byte-identical (COLD_PAGE_FORMAT.md §4), for every shipped family, into device memory and into
+mapped pinned host memory, with host and device index arrays.
+
+Grid choices: every family runs with a few dozen page pairs (scattered sources, one hot page
+encoded into several slots, garbage in unused rows); qwen3-8b additionally runs 300 pairs, so a
+host index array is split over two launches (256 pairs each at most).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvgen.layout import FamilyLayout
+from kvgen.reference import decode_records, encode_records
+from kvgen.reference.codec import HOT_TORCH_DTYPES
+from kvgen.runtime import ColdPageCodec, FamilyLibrary
+
+from ..conftest import SPECS_DIR
+from .conftest import library_path, spec_and_layout
+
+pytestmark = pytest.mark.gpu
+
+FAMILIES = sorted(p.stem for p in SPECS_DIR.glob("*.yaml"))
+FILL = 0xA5  # bytes no kernel writes: untouched slots and pages must keep them
+
+
+def token_of_row(spec, rows: int) -> torch.Tensor:
+    """Token index of each row of a quantized buffer page (for partially filled pages)."""
+    r = torch.arange(rows)
+    if spec.attention == "csa":
+        return r * 4
+    if spec.layout == "NHD":
+        return r // spec.kv_heads
+    return r % spec.tokens_per_block
+
+
+def hot_pools(spec, layout: FamilyLayout, pages: int, gen: torch.Generator) -> list[list[torch.Tensor]]:
+    """Per layer: one pool per quantized buffer then per side buffer, [pages, ...] on the GPU.
+
+    Values have an outlier channel, zero blocks, and NaN/Inf/huge garbage in the rows of tokens
+    past each page's fill level (a partially filled page)."""
+    dtype = HOT_TORCH_DTYPES[spec.dtype]
+    pools = []
+    for _ in range(spec.layers):
+        layer = []
+        for b in layout.record.buffers:
+            x = torch.randn(pages, b.rows, b.row_dim, generator=gen) * 3
+            x[:, :, 5] *= 50
+            x[:, 0, :32] = 0
+            fill = torch.randint(1, spec.tokens_per_block + 1, (pages, 1), generator=gen)
+            garbage = token_of_row(spec, b.rows)[None, :] >= fill
+            junk = torch.tensor([float("nan"), float("inf"), -float("inf"), 1e30])
+            x[garbage] = junk[torch.randint(0, 4, (int(garbage.sum()), b.row_dim), generator=gen)]
+            if spec.dtype == "fp8_e4m3":
+                x = torch.where(x.isfinite(), x.clamp(-448, 448), x)
+            layer.append(x.to(dtype).cuda())
+        for s in layout.record.sides:
+            layer.append(torch.randint(0, 256, (pages, s.bytes), generator=gen, dtype=torch.uint8).cuda())
+        pools.append(layer)
+    return pools
+
+
+def split_pools(layout: FamilyLayout, layer_pools: list[torch.Tensor], index: torch.Tensor):
+    nq = len(layout.record.buffers)
+    buffers = {b.name: layer_pools[i][index] for i, b in enumerate(layout.record.buffers)}
+    sides = {s.name: layer_pools[nq + i][index] for i, s in enumerate(layout.record.sides)}
+    return buffers, sides
+
+
+def expected_cold(layout, pools, lifecycle, pairs, slots) -> torch.Tensor:
+    lc = layout.lifecycles[lifecycle]
+    cold = torch.full((slots, lc.cold_page_bytes), FILL, dtype=torch.uint8, device="cuda")
+    src, dst = pairs[:, 1].long().cuda(), pairs[:, 0].long().cuda()
+    for j, layer in enumerate(lc.layers):
+        recs = encode_records(layout.record, *split_pools(layout, pools[layer], src))
+        cold[dst, j * lc.record_bytes : (j + 1) * lc.record_bytes] = recs
+    return cold
+
+
+def cold_storage(slots: int, page_bytes: int, where: str) -> torch.Tensor:
+    cold = torch.full((slots, page_bytes), FILL, dtype=torch.uint8)
+    return cold.cuda() if where == "device" else cold.pin_memory()
+
+
+def encode_pairs(n: int, pages: int, slots: int, gen: torch.Generator) -> torch.Tensor:
+    src = torch.randint(0, pages, (n,), generator=gen)
+    src[: n // 4] = src[0]  # one hot page into several slots
+    dst = torch.randperm(slots, generator=gen)[:n]
+    return torch.stack([dst, src], dim=1).to(torch.int32)
+
+
+CASES = [(f, "device", "host", 40) for f in FAMILIES] + [
+    (f, "pinned", "host", 24) for f in FAMILIES] + [
+    ("qwen3-8b", "device", "host", 300), ("qwen3-8b", "pinned", "device", 300), ("glm-5", "device", "device", 40)]
+
+
+@pytest.mark.parametrize("family, where, index_location, n", CASES)
+def test_encode_decode_bit_exact(family, where, index_location, n):
+    spec, layout = spec_and_layout(family)
+    library = FamilyLibrary(library_path(family), family)
+    gen = torch.Generator().manual_seed(hash((family, where, n)) % 2**31)
+    pages = max(8, n // 2)
+    slots = n + 7
+    pools = hot_pools(spec, layout, pages, gen)
+    codec = ColdPageCodec(library, layout, pools, index_location=index_location)
+    for lifecycle, lc in enumerate(layout.lifecycles):
+        assert codec.cold_page_bytes(lifecycle) == lc.cold_page_bytes
+        pairs = encode_pairs(n, pages, slots, gen)
+        cold = cold_storage(slots, lc.cold_page_bytes, where)
+        codec.encode(cold, pairs.cuda() if index_location == "device" else pairs, lifecycle)
+        torch.cuda.synchronize()
+        want = expected_cold(layout, pools, lifecycle, pairs, slots)
+        assert torch.equal(cold.cuda(), want), f"{family} lifecycle {lifecycle}: encoded bytes differ"
+
+        # decode the oracle's bytes into fresh pools: pages hit must match the oracle, others untouched
+        out_pools = [[filled_like(p) for p in layer] for layer in pools]
+        out = ColdPageCodec(library, layout, out_pools, index_location=index_location)
+        hot_dst = torch.randperm(pages, generator=gen)[: min(n, pages)]
+        slot_src = pairs[: hot_dst.numel(), 0]
+        dpairs = torch.stack([hot_dst.to(torch.int32), slot_src], dim=1)
+        src_cold = cold_storage(slots, lc.cold_page_bytes, where)
+        src_cold.copy_(want)
+        out.decode(src_cold, dpairs.cuda() if index_location == "device" else dpairs, lifecycle)
+        torch.cuda.synchronize()
+        check_decoded(layout, lc, spec.dtype, out_pools, want, dpairs)
+        out.close()
+    codec.close()
+
+
+def filled_like(pool: torch.Tensor) -> torch.Tensor:
+    out = torch.empty_like(pool)
+    out.view(torch.uint8).fill_(FILL)
+    return out
+
+
+def check_decoded(layout, lc, dtype: str, out_pools, cold, dpairs) -> None:
+    dst, src = dpairs[:, 0].long().cuda(), dpairs[:, 1].long().cuda()
+    untouched = torch.ones(out_pools[0][0].shape[0], dtype=torch.bool, device="cuda")
+    untouched[dst] = False
+    for j, layer in enumerate(lc.layers):
+        recs = cold[src, j * lc.record_bytes : (j + 1) * lc.record_bytes]
+        buffers, sides = decode_records(layout.record, recs, dtype)
+        got = out_pools[layer]
+        expected = list(buffers.values()) + list(sides.values())
+        for pool, want in zip(got, expected):
+            raw = pool.view(torch.uint8).reshape(pool.shape[0], -1)
+            assert torch.equal(raw[dst], want.contiguous().view(torch.uint8).reshape(dst.numel(), -1))
+            assert bool((raw[untouched] == FILL).all())
+
+
+def test_bad_configure_is_a_clear_error():
+    family = "qwen3-8b"
+    spec, layout = spec_and_layout(family)
+    library = FamilyLibrary(library_path(family), family)
+    pools = hot_pools(spec, layout, 2, torch.Generator().manual_seed(0))
+    with pytest.raises(Exception, match="expected 72 pool descriptors"):
+        ColdPageCodec(library, layout, pools[:-1])
