@@ -211,11 +211,17 @@ def _copy_if_different(src: Path, dest: Path, sha256: str) -> None:
 
 
 def _library_entry(job: BuildJob, meta: Mapping[str, Any]) -> LibraryEntry:
+    # One JSON statement of the layout (the one `kvgen show --json` prints): the runtime reads it
+    # from the manifest instead of the spec. Imported here: the CLI module is not a build dependency.
+    from .cli import layout_json
+    from .layout import family_layout
+
     ops = tuple(OpEntry(p.op, p.template, p.key(), dict(p.params)) for p in job.plans)
+    spec = job.source.spec
     return LibraryEntry(family=job.family, arch=job.arch, symbol=job.plans[0].symbol(), ops=ops,
                         spec_sha256=job.source.sha256, artifact=job.library,
                         artifact_sha256=meta["artifact_sha256"], cache_key=meta["key"],
-                        toolchain=meta["toolchain"]["version"])
+                        toolchain=meta["toolchain"]["version"], layout=layout_json(spec, family_layout(spec)))
 
 
 def publish(registry_dir: Path, arch: str, results: Sequence[tuple[BuildJob, BuildOutcome, dict]]) -> Path:

@@ -331,6 +331,35 @@ def _add_build_parsers(sub) -> None:  # noqa: ANN001 - argparse's private subpar
     p.set_defaults(func=cmd_clear_cache)
 
 
+# ---------------------------------------------------------------- wheel
+
+
+def cmd_wheel(args: argparse.Namespace) -> int:
+    from .wheel import WheelError, build_wheels, registry_archs
+
+    archs = _build_archs(args) or registry_archs(args.registry)
+    if not archs:
+        _print_error(f"no manifests in {args.registry}; run: kvgen build --arch sm_90a --registry {args.registry}")
+        return 1
+    try:
+        paths = build_wheels(args.registry, archs, args.out)
+    except (WheelError, ValueError) as exc:
+        _print_error(str(exc))
+        return 1
+    for path in paths:
+        console.print(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB)")
+    return 0
+
+
+def _add_wheel_parser(sub) -> None:  # noqa: ANN001 - argparse's private subparsers type
+    p = sub.add_parser("wheel", help="package registry libraries as kernel wheels, one per arch family")
+    p.add_argument("--arch", action="append", help="comma list (default: $KVGEN_CUDA_ARCH_LIST, else every arch "
+                                                    "in the registry)")
+    p.add_argument("--registry", type=Path, default=Path("build/registry"), help="registry (default: build/registry)")
+    p.add_argument("--out", type=Path, default=Path("dist"), help="output directory (default: dist)")
+    p.set_defaults(func=cmd_wheel)
+
+
 # ---------------------------------------------------------------- entry
 
 
@@ -352,6 +381,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_show)
 
     _add_build_parsers(sub)
+    _add_wheel_parser(sub)
     return parser
 
 

@@ -28,7 +28,7 @@ TUNABLES: dict[str, dict[str, tuple[tuple[int, ...], int]]] = {
     },
     "compact": {
         "threads": ((64, 128, 256), 128),
-        "tile_tokens": ((8, 16, 32), 32),
+        "tile_tokens": ((8, 16, 32, 64), 32),
     },
     "pack": {
         "block": ((64, 128, 256, 512), 256),
@@ -160,6 +160,15 @@ def compact_geometry(spec: FamilySpec) -> dict[str, Any]:
     }
 
 
+def pack_geometry(spec: FamilySpec) -> dict[str, Any]:
+    """What the move packer needs: its (layer, KV head) rows and which layers slide (window or None)."""
+    return {
+        "num_layers": spec.layers,
+        "kv_heads": spec.kv_heads,
+        "swa_window": [spec.layer_window(layer) for layer in range(spec.layers)],
+    }
+
+
 def plans_for(spec: FamilySpec, params: Mapping[Op, Mapping[str, int]] | None = None) -> list[KernelPlan]:
     """Every kernel plan of a family, tuned params applied over the safe defaults."""
     params = params or {}
@@ -169,6 +178,8 @@ def plans_for(spec: FamilySpec, params: Mapping[Op, Mapping[str, int]] | None = 
     if spec.triattention.enabled:
         plans.append(KernelPlan(spec.name, "compact", "compact.cu.j2", compact_geometry(spec),
                                 {**default_params("compact"), **params.get("compact", {})}))
+        plans.append(KernelPlan(spec.name, "pack", "pack.py.j2", pack_geometry(spec),
+                                {**default_params("pack"), **params.get("pack", {})}))
     for plan in plans:
         check_params(plan.op, plan.params)
     return plans

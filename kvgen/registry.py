@@ -51,6 +51,9 @@ class LibraryEntry:
     toolchain: str                 # nvcc version, e.g. "13.0.88"
     kvgen_version: str = __version__
     abi_version: int = ABI_VERSION
+    # The family's cold-page layout as plain JSON (``kvgen show FAMILY --json``), so the runtime
+    # can size cold storage without the spec (and without pydantic). None in older manifests.
+    layout: Mapping[str, Any] | None = None
 
 
 @dataclass(frozen=True)

@@ -41,69 +41,88 @@ struct PairBatch {
 };
 
 // ---------------------------------------------------------------------------------------------
-// Hot dtypes: how 16 elements load from and store to a hot page
+// Hot dtypes: two elements at a time, with the packed hardware conversions where they are exact
 // ---------------------------------------------------------------------------------------------
+// widen2: the two elements in the low bits of `bits` (element 0 lowest) as binary32, exactly.
+// narrow2: two binary32 values rounded to the hot dtype (the contract's single rounding), packed
+// the same way.  The packed cvt instructions round to nearest even, overflow to +-Inf and write
+// the canonical NaN, exactly like the per-element functions of nvfp4.cuh (which the tests pin).
 
 struct HotBF16 {
   static constexpr int kBytes = 2;
-  static __device__ __forceinline__ float widen(uint32_t bits) { return nvfp4::bf16_bits_to_f32((uint16_t)bits); }
-  static __device__ __forceinline__ uint32_t narrow(float y) { return nvfp4::round_to_bf16_bits(y); }
+  static __device__ __forceinline__ float2 widen2(uint32_t bits) {
+    return make_float2(__uint_as_float(bits << 16), __uint_as_float(bits & 0xFFFF0000u));
+  }
+  static __device__ __forceinline__ uint32_t narrow2(float a, float b) {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+    return *reinterpret_cast<const uint32_t*>(&h);
+  }
 };
 
 struct HotFP16 {
   static constexpr int kBytes = 2;
-  static __device__ __forceinline__ float widen(uint32_t bits) { return nvfp4::fp16_bits_to_f32((uint16_t)bits); }
-  static __device__ __forceinline__ uint32_t narrow(float y) { return nvfp4::round_to_fp16_bits(y); }
+  static __device__ __forceinline__ float2 widen2(uint32_t bits) {
+    return __half22float2(*reinterpret_cast<const __half2*>(&bits));
+  }
+  static __device__ __forceinline__ uint32_t narrow2(float a, float b) {
+    const __half2 h = __floats2half2_rn(a, b);
+    return *reinterpret_cast<const uint32_t*>(&h);
+  }
 };
 
 struct HotFP8E4M3 {
   static constexpr int kBytes = 1;
-  static __device__ __forceinline__ float widen(uint32_t bits) { return nvfp4::fp8_e4m3_bits_to_f32((uint8_t)bits); }
-  static __device__ __forceinline__ uint32_t narrow(float y) { return nvfp4::round_to_fp8_e4m3_bits(y); }
+  // E4M3 -> f16 is exact (every E4M3 value, subnormals included, is an f16), and one cvt does two.
+  static __device__ __forceinline__ float2 widen2(uint32_t bits) {
+    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(bits & 0xFFFFu), __NV_E4M3);
+    return __half22float2(*reinterpret_cast<const __half2*>(&h));
+  }
+  // cvt.rn.satfinite.e4m3x2.f32: nearest even, saturating at +-448, NaN -> 0x7F, two at a time.
+  // Decoded values are finite (a valid record never holds a NaN scale), so nvfp4.cuh's Inf clamp
+  // is not needed here.
+  static __device__ __forceinline__ uint32_t narrow2(float a, float b) {
+    return __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
+  }
 };
 
-// 16 hot elements are 1 or 2 uint4 vectors; element i sits in 32-bit word i*kBytes/4.
+// 16 hot elements are 1 or 2 uint4 vectors, i.e. 4 or 8 32-bit words.
 template <class Hot>
 struct HotBlock {
-  static constexpr int kVectors = Hot::kBytes;  // 16 elements * kBytes / 16 bytes
-  uint4 v[kVectors];
+  static constexpr int kWords = 4 * Hot::kBytes;
+  static constexpr int kPairsPerWord = 2 / Hot::kBytes;  // bf16/fp16: one pair; fp8: two
+  uint32_t w[kWords];
 
   __device__ __forceinline__ void load(const uint8_t* __restrict__ p) {
 #pragma unroll
-    for (int i = 0; i < kVectors; ++i) v[i] = __ldg(reinterpret_cast<const uint4*>(p) + i);
+    for (int i = 0; i < kWords / 4; ++i) {
+      const uint4 v = __ldg(reinterpret_cast<const uint4*>(p) + i);
+      w[4 * i] = v.x;
+      w[4 * i + 1] = v.y;
+      w[4 * i + 2] = v.z;
+      w[4 * i + 3] = v.w;
+    }
   }
   __device__ __forceinline__ void store(uint8_t* p) const {
 #pragma unroll
-    for (int i = 0; i < kVectors; ++i) reinterpret_cast<uint4*>(p)[i] = v[i];
-  }
-  __device__ __forceinline__ uint32_t word(int w) const {
-    const uint4& q = v[w / 4];
-    const int k = w % 4;
-    return k == 0 ? q.x : k == 1 ? q.y : k == 2 ? q.z : q.w;
-  }
-  __device__ __forceinline__ void set_word(int w, uint32_t value) {
-    uint4& q = v[w / 4];
-    const int k = w % 4;
-    if (k == 0) q.x = value; else if (k == 1) q.y = value; else if (k == 2) q.z = value; else q.w = value;
+    for (int i = 0; i < kWords / 4; ++i) {
+      reinterpret_cast<uint4*>(p)[i] = make_uint4(w[4 * i], w[4 * i + 1], w[4 * i + 2], w[4 * i + 3]);
+    }
   }
   __device__ __forceinline__ void widen(float (&x)[16]) const {
-    constexpr int kPerWord = 4 / Hot::kBytes;
-    constexpr int kBits = 8 * Hot::kBytes;
 #pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      const uint32_t bits = (word(i / kPerWord) >> (kBits * (i % kPerWord))) & ((1u << kBits) - 1u);
-      x[i] = Hot::widen(bits);
+    for (int i = 0; i < 8; ++i) {
+      const uint32_t word = w[i / kPairsPerWord];
+      const float2 v = Hot::widen2(word >> (16 * (i % kPairsPerWord)));
+      x[2 * i] = v.x;
+      x[2 * i + 1] = v.y;
     }
   }
   __device__ __forceinline__ void narrow(const float (&y)[16]) {
-    constexpr int kPerWord = 4 / Hot::kBytes;
-    constexpr int kBits = 8 * Hot::kBytes;
 #pragma unroll
-    for (int w = 0; w < 16 / kPerWord; ++w) {
-      uint32_t word = 0;
+    for (int i = 0; i < kWords; ++i) w[i] = 0;
 #pragma unroll
-      for (int k = 0; k < kPerWord; ++k) word |= Hot::narrow(y[w * kPerWord + k]) << (kBits * k);
-      set_word(w, word);
+    for (int i = 0; i < 8; ++i) {
+      w[i / kPairsPerWord] |= Hot::narrow2(y[2 * i], y[2 * i + 1]) << (16 * (i % kPairsPerWord));
     }
   }
 };
@@ -188,57 +207,77 @@ struct Quantized {
   static constexpr int kLosslessAlign = align_of(B::kLossless);
   static_assert(B::kQ % 16 == 0 && B::kR % 16 == 0 && B::kPrefix % 16 == 0, "spans are multiples of 16");
 
-  static __device__ __forceinline__ bool is_residual(int blk) {
-    return kResBlocksPerRow > 0 && blk >= kResFirst && blk < kResFirst + kResBlocksPerRow;
+  // Work is split in two index spaces, plain blocks and 2FP4 blocks, each walked by the whole CTA:
+  // a warp then runs one path only (a 2FP4 block costs three plain ones), instead of diverging
+  // whenever a row's RoPE blocks fall into it.
+  static constexpr int kPlainPerRow = kBlocksPerRow - kResBlocksPerRow;
+
+  // Row and block-in-row of the i-th plain block (the 2FP4 run is contiguous inside the row).
+  static __device__ __forceinline__ int2 plain_block(int i) {
+    const int row = i / kPlainPerRow;
+    const int k = i % kPlainPerRow;
+    return make_int2(row, k < kResFirst ? k : k + kResBlocksPerRow);
   }
 
-  // Residual block index (row-major over the 2FP4 blocks only).
-  static __device__ __forceinline__ int residual_index(int row, int blk) {
-    return row * kResBlocksPerRow + (blk - kResFirst);
+  static __device__ __forceinline__ const uint8_t* hot_block(const uint8_t* page, int row, int blk) {
+    return page + row * kRowBytes + (B::kPrefix + blk * 16) * Hot::kBytes;
   }
 
   static __device__ __forceinline__ void encode(uint8_t* rec, const uint8_t* __restrict__ page) {
-    for (int t = threadIdx.x; t < kBlocks; t += blockDim.x) {
-      const int row = t / kBlocksPerRow;
-      const int blk = t % kBlocksPerRow;
-      HotBlock<Hot> hot;
-      hot.load(page + row * kRowBytes + (B::kPrefix + blk * 16) * Hot::kBytes);
+    for (int i = threadIdx.x; i < B::kRows * kPlainPerRow; i += blockDim.x) {
+      const int2 at = plain_block(i);
+      const int t = at.x * kBlocksPerRow + at.y;
       float x[16];
+      HotBlock<Hot> hot;
+      hot.load(hot_block(page, at.x, at.y));
       hot.widen(x);
-      nvfp4::Block main;
-      if (is_residual(blk)) {
-        const nvfp4::Block2FP4 both = nvfp4::encode_block_2fp4(x, B::kG, B::kQdec);
-        main = both.main;
-        const int r = residual_index(row, blk);
-        put8<align_of(B::kResidual)>(rec + B::kResidual + r * 8, both.residual);
-        rec[B::kResidualScales + r] = both.residual.scale;
-      } else {
-        main = nvfp4::encode_block(x, B::kG, B::kQdec);
-      }
+      const nvfp4::Block main = nvfp4::encode_block(x, B::kG, B::kQdec);
       put8<8>(rec + B::kData + t * 8, main);  // region offsets of packed data are multiples of 8
       rec[B::kScales + t] = main.scale;
+    }
+    if constexpr (kResBlocksPerRow > 0) {
+      for (int r = threadIdx.x; r < B::kRows * kResBlocksPerRow; r += blockDim.x) {
+        const int row = r / kResBlocksPerRow;
+        const int blk = kResFirst + r % kResBlocksPerRow;
+        const int t = row * kBlocksPerRow + blk;
+        float x[16];
+        HotBlock<Hot> hot;
+        hot.load(hot_block(page, row, blk));
+        hot.widen(x);
+        const nvfp4::Block2FP4 both = nvfp4::encode_block_2fp4(x, B::kG, B::kQdec);
+        put8<8>(rec + B::kData + t * 8, both.main);
+        rec[B::kScales + t] = both.main.scale;
+        put8<align_of(B::kResidual)>(rec + B::kResidual + r * 8, both.residual);
+        rec[B::kResidualScales + r] = both.residual.scale;
+      }
     }
     if constexpr (kLosslessRowBytes > 0) save_lossless(rec, page);
   }
 
   static __device__ __forceinline__ void decode(const uint8_t* rec, uint8_t* __restrict__ page) {
-    for (int t = threadIdx.x; t < kBlocks; t += blockDim.x) {
-      const int row = t / kBlocksPerRow;
-      const int blk = t % kBlocksPerRow;
-      const nvfp4::Block main = get8<8>(rec + B::kData + t * 8, rec[B::kScales + t]);
+    for (int i = threadIdx.x; i < B::kRows * kPlainPerRow; i += blockDim.x) {
+      const int2 at = plain_block(i);
+      const int t = at.x * kBlocksPerRow + at.y;
       float y[16];
-      if (is_residual(blk)) {
-        const int r = residual_index(row, blk);
-        nvfp4::Block2FP4 both;
-        both.main = main;
-        both.residual = get8<align_of(B::kResidual)>(rec + B::kResidual + r * 8, rec[B::kResidualScales + r]);
-        nvfp4::decode_block_2fp4(both, B::kQdec, y);
-      } else {
-        nvfp4::decode_block(main, B::kQdec, y);
-      }
+      nvfp4::decode_block(get8<8>(rec + B::kData + t * 8, rec[B::kScales + t]), B::kQdec, y);
       HotBlock<Hot> hot;
       hot.narrow(y);
-      hot.store(page + row * kRowBytes + (B::kPrefix + blk * 16) * Hot::kBytes);
+      hot.store(const_cast<uint8_t*>(hot_block(page, at.x, at.y)));
+    }
+    if constexpr (kResBlocksPerRow > 0) {
+      for (int r = threadIdx.x; r < B::kRows * kResBlocksPerRow; r += blockDim.x) {
+        const int row = r / kResBlocksPerRow;
+        const int blk = kResFirst + r % kResBlocksPerRow;
+        const int t = row * kBlocksPerRow + blk;
+        nvfp4::Block2FP4 both;
+        both.main = get8<8>(rec + B::kData + t * 8, rec[B::kScales + t]);
+        both.residual = get8<align_of(B::kResidual)>(rec + B::kResidual + r * 8, rec[B::kResidualScales + r]);
+        float y[16];
+        nvfp4::decode_block_2fp4(both, B::kQdec, y);
+        HotBlock<Hot> hot;
+        hot.narrow(y);
+        hot.store(const_cast<uint8_t*>(hot_block(page, row, blk)));
+      }
     }
     if constexpr (kLosslessRowBytes > 0) restore_lossless(rec, page);
   }

@@ -20,7 +20,7 @@ Why the code looks the way it does:
   sign of a NaN produced by e.g. ``inf - inf`` differs between x86 and GPUs, and bit-exactness
   must not depend on it.
 
-Contract points that this module had to decide (see the report in the task):
+Contract points that COLD_PAGE_FORMAT.md leaves open, as this module decides them:
 
 * ``e4m3_from_f32`` is used for the scale (inputs >= 0) and for the FP8 hot rounding.  For any
   input it rounds to nearest even and saturates at +-448 (also +-Inf); NaN gives ``0x7F``;
@@ -28,6 +28,14 @@ Contract points that this module had to decide (see the report in the task):
   as IEEE-style rounding of FP8 hot values does.
 * ``G`` and ``Q`` are binary32 by contract; Python floats are rounded to the nearest binary32
   before use (``G=0.37`` means ``fl32(0.37)``).
+* The float32 decode results (``decode_blocks*``) are plain IEEE results; a NaN there (only
+  possible with extreme ``Q``, e.g. ``inf + -inf`` in 2FP4) has no specified sign or payload.
+  Only the hot-dtype rounding pins NaN bits.
+* Bytes the encoder never writes decode without faulting: scale 0x7F/0xFF gives NaN, code 0x8
+  gives -0.0.
+* Section 4 calls a scale of 2^-7 "a normal E4M3 value"; in E4M3FN it is subnormal (the smallest
+  normal is 2^-6).  The no-drift property does hold from 2^-7 up (the block maximum then always
+  lands on code 7), and can fail at 2^-8 and 2^-9; tests use the 2^-7 threshold as written.
 """
 
 from __future__ import annotations

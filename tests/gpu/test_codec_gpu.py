@@ -79,6 +79,20 @@ def expected_cold(layout, pools, lifecycle, pairs, slots) -> torch.Tensor:
     return cold
 
 
+def describe_mismatch(layout: FamilyLayout, lifecycle: int, got: torch.Tensor, want: torch.Tensor) -> str:
+    """Where encoded bytes differ: count, and the first few as (slot, layer, region, offset, got, want)."""
+    lc = layout.lifecycles[lifecycle]
+    bad = (got != want).nonzero()
+    lines = [f"lifecycle {lifecycle}: {bad.shape[0]} bytes differ"]
+    for slot, col in bad[:8].tolist():
+        j, off = divmod(col, lc.record_bytes)
+        region = next((r for r in layout.record.regions if r.offset <= off < r.offset + r.size), None)
+        where = f"{region.buffer}.{region.kind}+{off - region.offset}" if region else "?"
+        lines.append(f"slot {slot} layer {lc.layers[j]} {where}: got {got[slot, col].item()} "
+                     f"want {want[slot, col].item()}")
+    return "\n".join(lines)
+
+
 def cold_storage(slots: int, page_bytes: int, where: str) -> torch.Tensor:
     cold = torch.full((slots, page_bytes), FILL, dtype=torch.uint8)
     return cold.cuda() if where == "device" else cold.pin_memory()
@@ -112,7 +126,7 @@ def test_encode_decode_bit_exact(family, where, index_location, n):
         codec.encode(cold, pairs.cuda() if index_location == "device" else pairs, lifecycle)
         torch.cuda.synchronize()
         want = expected_cold(layout, pools, lifecycle, pairs, slots)
-        assert torch.equal(cold.cuda(), want), f"{family} lifecycle {lifecycle}: encoded bytes differ"
+        assert torch.equal(cold.cuda(), want), describe_mismatch(layout, lifecycle, cold.cuda(), want)
 
         # decode the oracle's bytes into fresh pools: pages hit must match the oracle, others untouched
         out_pools = [[filled_like(p) for p in layer] for layer in pools]

@@ -1,0 +1,77 @@
+/* kvgen_compact.h -- C ABI of a kvgen family library's TriAttention compaction (ABI version 1).
+ *
+ * Every library built by `kvgen build` for a family with `triattention.enabled` exports these
+ * symbols beside the codec's (kvgen_codec.h).  Semantics: TRIATTENTION.md §7.  For every layer,
+ * KV head and request, the K and the V row of token src[m] is copied onto token dst[m], in place,
+ * through the page table; no length changes and no page is freed.
+ *
+ * Pools: one kvgen_compact_pool per layer, layers 0..L-1 in the family's order.  Page p of a
+ * layer's K pool starts at k_base + p * k_page_stride_bytes and holds the page densely in the
+ * family's layout: HND [kv_heads][tokens_per_block][head_dim] or NHD
+ * [tokens_per_block][kv_heads][head_dim], elements of elem_bytes.  V likewise.  Bases and strides
+ * must be 16-byte aligned.  The pool array is host memory, read during the call only.
+ *
+ * Moves (as the Triton packer writes them, kvgen.reference.triattention.Moves):
+ *   src, dst    int32 [num_layers][kv_heads][moves_per_head], row-major, device memory;
+ *   offsets     int32 [max_requests + 1], device memory: request r owns slots
+ *               offsets[r] .. offsets[r+1]-1 of every (layer, head) row (clamped to the row);
+ *   slots holding -1 (fill) and slots with src == dst move nothing.
+ * moves_per_head is the allocated row length (the packer's capacity), which may exceed
+ * offsets[max_requests]: no value is read back to the host, so a call can be captured in a CUDA graph.
+ * page_table: int32 [max_requests][>= pages of the longest request], row stride
+ * page_table_stride elements, device memory; rows of requests that move nothing are not read.
+ * The caller guarantees what the packer guarantees (§6): per (layer, head, request) sources strictly
+ * increase and dst <= src; and that the page table maps every moved token to a page of the pools.
+ *
+ * kvgen_compact only enqueues work on `stream` (a cudaStream_t, NULL = legacy default stream):
+ * no allocation, no synchronization.  It returns 1 when submission succeeded, 0 otherwise
+ * (kvgen_compact_last_error() then says why).
+ */
+#ifndef KVGEN_COMPACT_H_
+#define KVGEN_COMPACT_H_
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define KVGEN_COMPACT_ABI_VERSION 1
+
+typedef enum kvgen_page_layout { KVGEN_LAYOUT_HND = 0, KVGEN_LAYOUT_NHD = 1 } kvgen_page_layout;
+
+typedef struct kvgen_compact_pool { /* 32 bytes */
+  void* k_base;
+  int64_t k_page_stride_bytes;
+  void* v_base;
+  int64_t v_page_stride_bytes;
+} kvgen_compact_pool;
+
+/* What the library was generated for, so a loader can check its tensors without the family spec. */
+typedef struct kvgen_compact_info {
+  int32_t abi_version;      /* KVGEN_COMPACT_ABI_VERSION */
+  int32_t num_layers;
+  int32_t kv_heads;
+  int32_t head_dim;
+  int32_t tokens_per_block;
+  int32_t elem_bytes;       /* 2 (bf16, fp16) or 1 (fp8_e4m3) */
+  int32_t layout;           /* kvgen_page_layout */
+  int32_t threads;          /* launch parameters the library was built with */
+  int32_t tile_tokens;
+} kvgen_compact_info;
+
+int kvgen_compact_abi_version(void);
+/* Fills *info; returns 1 (0 if info is NULL). */
+int kvgen_compact_query_info(kvgen_compact_info* info);
+/* Message of the last failed kvgen_compact call on this thread ("" if none). */
+const char* kvgen_compact_last_error(void);
+
+int kvgen_compact(const kvgen_compact_pool* pools, int num_layers, const int32_t* page_table,
+                  int64_t page_table_stride, int max_requests, const int32_t* src, const int32_t* dst,
+                  const int32_t* offsets, int64_t moves_per_head, void* stream);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* KVGEN_COMPACT_H_ */

@@ -1,0 +1,155 @@
+"""``Compactor``: TriAttention's in-place compaction (``kvgen/csrc/kvgen_compact.h``) of one family,
+driven from torch tensors.
+
+The pools are registered once (their addresses travel by value in every launch); a call takes the
+page table and the packed moves, checks only tensor metadata (no device value is read) and
+enqueues the kernel on a stream, so it can be captured in a CUDA graph. Imports nothing of the
+build side (no spec, no pydantic): the library describes its own geometry.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from .library import LibraryError
+
+COMPACT_ABI_VERSION = 1
+LAYOUTS = ("HND", "NHD")  # kvgen_page_layout
+
+
+class CompactPool(ctypes.Structure):
+    _fields_ = [("k_base", ctypes.c_void_p), ("k_page_stride_bytes", ctypes.c_int64),
+                ("v_base", ctypes.c_void_p), ("v_page_stride_bytes", ctypes.c_int64)]
+
+
+class CompactInfo(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_int32) for name in ("abi_version", "num_layers", "kv_heads", "head_dim",
+                                                    "tokens_per_block", "elem_bytes", "layout", "threads",
+                                                    "tile_tokens")]
+
+    def as_dict(self) -> dict[str, int | str]:
+        info: dict[str, int | str] = {name: getattr(self, name) for name, _ in self._fields_}
+        info["layout"] = LAYOUTS[self.layout]
+        return info
+
+
+_c = ctypes
+_SIGNATURES = {
+    "kvgen_compact_abi_version": (_c.c_int, []),
+    "kvgen_compact_query_info": (_c.c_int, [_c.POINTER(CompactInfo)]),
+    "kvgen_compact_last_error": (_c.c_char_p, []),
+    "kvgen_compact": (_c.c_int, [_c.POINTER(CompactPool), _c.c_int, _c.c_void_p, _c.c_int64, _c.c_int, _c.c_void_p,
+                                 _c.c_void_p, _c.c_void_p, _c.c_int64, _c.c_void_p]),
+}
+
+
+class CompactLibrary:
+    """The compaction entry points of a family library, ABI checked and geometry read at load."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        try:
+            self._lib = ctypes.CDLL(str(self.path), mode=ctypes.RTLD_LOCAL)
+        except OSError as exc:
+            raise LibraryError(f"{self.path}: cannot load: {exc}") from None
+        for name, (restype, argtypes) in _SIGNATURES.items():
+            try:
+                fn = getattr(self._lib, name)
+            except AttributeError:
+                raise LibraryError(f"{self.path}: missing entry point {name}; the family was built without "
+                                   "TriAttention (triattention.enabled) or by an older kvgen") from None
+            fn.restype = restype
+            fn.argtypes = argtypes
+            setattr(self, name, fn)
+        abi = self.kvgen_compact_abi_version()
+        if abi != COMPACT_ABI_VERSION:
+            raise LibraryError(f"{self.path}: compaction ABI version {abi}, this kvgen runtime speaks "
+                               f"{COMPACT_ABI_VERSION}; rebuild with kvgen build")
+        info = CompactInfo()
+        self.kvgen_compact_query_info(ctypes.byref(info))
+        self.info = info.as_dict()
+
+    def last_error(self) -> str:
+        return self.kvgen_compact_last_error().decode(errors="replace")
+
+
+def _page_shape(info: dict) -> tuple[int, int, int]:
+    if info["layout"] == "HND":
+        return info["kv_heads"], info["tokens_per_block"], info["head_dim"]
+    return info["tokens_per_block"], info["kv_heads"], info["head_dim"]
+
+
+def check_pool(pool: torch.Tensor, info: dict, what: str) -> None:
+    """A pool is ``[num_pages, *page]`` with dense pages of the library's layout and dtype size;
+    any page stride (a K or V view of a combined pool is fine) as long as it is 16-byte aligned."""
+    page = _page_shape(info)
+    if pool.dim() != 4 or tuple(pool.shape[1:]) != page or pool.element_size() != info["elem_bytes"]:
+        raise ValueError(f"{what}: expected [pages, {', '.join(map(str, page))}] ({info['layout']}) of "
+                         f"{info['elem_bytes']}-byte elements, got {list(pool.shape)} {pool.dtype}")
+    if pool.shape[0] and not pool[0].is_contiguous():
+        raise ValueError(f"{what}: pages must be dense (only the page stride may differ)")
+    if pool.data_ptr() % 16 or (pool.stride(0) * pool.element_size()) % 16:
+        raise ValueError(f"{what}: base and page stride must be 16-byte aligned")
+    if not pool.is_cuda:
+        raise ValueError(f"{what}: pools must be CUDA tensors")
+
+
+def _stream_handle(stream: torch.cuda.Stream | None) -> int:
+    stream = stream or torch.cuda.current_stream()
+    return stream.cuda_stream
+
+
+class Compactor:
+    """Compaction over fixed K and V pools (one pair per layer of the family)."""
+
+    def __init__(self, library: CompactLibrary | str | Path, k_pools: Sequence[torch.Tensor],
+                 v_pools: Sequence[torch.Tensor]):
+        self.library = library if isinstance(library, CompactLibrary) else CompactLibrary(library)
+        info = self.library.info
+        if len(k_pools) != info["num_layers"] or len(v_pools) != info["num_layers"]:
+            raise ValueError(f"{self.library.path}: {info['num_layers']} layers, got {len(k_pools)} K and "
+                             f"{len(v_pools)} V pools")
+        for layer, (k, v) in enumerate(zip(k_pools, v_pools)):
+            check_pool(k, info, f"K pool of layer {layer}")
+            check_pool(v, info, f"V pool of layer {layer}")
+        self.device = k_pools[0].device
+        self._pools = (list(k_pools), list(v_pools))  # keep the memory alive while registered
+        self._descs = (CompactPool * len(k_pools))(*[
+            CompactPool(k.data_ptr(), k.stride(0) * k.element_size(), v.data_ptr(), v.stride(0) * v.element_size())
+            for k, v in zip(k_pools, v_pools)])
+
+    def _check_moves(self, page_table: torch.Tensor, src: torch.Tensor, dst: torch.Tensor,
+                     offsets: torch.Tensor) -> None:
+        info = self.library.info
+        rows = (info["num_layers"], info["kv_heads"])
+        for name, t in (("src", src), ("dst", dst)):
+            if t.dtype != torch.int32 or t.dim() != 3 or tuple(t.shape[:2]) != rows or not t.is_contiguous():
+                raise ValueError(f"{name}: expected a contiguous int32 [{rows[0]}, {rows[1]}, N] tensor, got "
+                                 f"{list(t.shape)} {t.dtype}")
+        if src.shape != dst.shape:
+            raise ValueError(f"src {list(src.shape)} and dst {list(dst.shape)} differ")
+        if offsets.dtype != torch.int32 or offsets.dim() != 1 or offsets.numel() < 1 or not offsets.is_contiguous():
+            raise ValueError("offsets: expected a contiguous int32 [max_requests + 1] tensor")
+        max_requests = offsets.numel() - 1
+        if page_table.dtype != torch.int32 or page_table.dim() != 2 or page_table.stride(1) != 1:
+            raise ValueError("page_table: expected an int32 [requests, pages] tensor with unit column stride")
+        if page_table.shape[0] < max_requests:
+            raise ValueError(f"page_table has {page_table.shape[0]} rows for {max_requests} requests; pad it to "
+                             "max_requests rows (rows of requests that move nothing are never read)")
+        for name, t in (("page_table", page_table), ("src", src), ("dst", dst), ("offsets", offsets)):
+            if t.device != self.device:
+                raise ValueError(f"{name} is on {t.device}, the pools on {self.device}")
+
+    def __call__(self, page_table: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, offsets: torch.Tensor,
+                 stream: torch.cuda.Stream | None = None) -> None:
+        """Enqueue the compaction of every (layer, KV head, request) on ``stream`` (default: current)."""
+        self._check_moves(page_table, src, dst, offsets)
+        ok = self.library.kvgen_compact(self._descs, len(self._descs), page_table.data_ptr(), page_table.stride(0),
+                                        offsets.numel() - 1, src.data_ptr(), dst.data_ptr(), offsets.data_ptr(),
+                                        src.shape[2], _stream_handle(stream))
+        if not ok:
+            raise LibraryError(f"{self.library.path}: {self.library.last_error()}")

@@ -1,0 +1,81 @@
+"""The generated Triton move packer of a family (``generated/<family>/pack.py``), loaded from its file.
+
+The generated module needs only torch and Triton; it carries the family's layers, KV heads and
+windows, so nothing here reads a spec. ``load_pack_module`` imports a file once per path;
+``MovePacker`` calls its ``pack_moves`` (signature of ``kvgen.reference.triattention.pack_moves``
+without the geometry, plus ``capacity`` for graph capture).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+REQUIRED = ("FAMILY", "NUM_LAYERS", "KV_HEADS", "SWA_WINDOW", "pack_moves")
+
+
+class PackModuleError(RuntimeError):
+    """A file that is not a generated packer; the message names it."""
+
+
+def pack_module_path(generated_dir: str | Path, family: str) -> Path:
+    return Path(generated_dir) / family / "pack.py"
+
+
+def import_pack_module(path: str | Path) -> ModuleType:
+    """Execute the file as a fresh module (Triton decides JIT or interpreter here, from
+    TRITON_INTERPRET at import time)."""
+    path = Path(path).resolve()
+    if not path.is_file():
+        raise PackModuleError(f"{path}: no generated packer; render it with: kvgen build --render-only")
+    name = "kvgen_pack_" + hashlib.sha256(str(path).encode()).hexdigest()[:16]
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    missing = [attr for attr in REQUIRED if not hasattr(module, attr)]
+    if missing:
+        raise PackModuleError(f"{path}: not a kvgen packer (missing {', '.join(missing)})")
+    return module
+
+
+@functools.lru_cache(maxsize=None)
+def _cached(path: str) -> ModuleType:
+    return import_pack_module(path)
+
+
+def load_pack_module(path: str | Path) -> ModuleType:
+    """The packer module of ``path``, imported once per process."""
+    return _cached(str(Path(path).resolve()))
+
+
+class MovePacker:
+    """One family's packer: ``packer(kept, P, S, tail, active, budget, mode, max_requests, capacity)``
+    returns ``(src, dst, offsets)``, the oracle's ``Moves`` fields."""
+
+    def __init__(self, path: str | Path, family: str | None = None):
+        self.module = load_pack_module(path)
+        self.family = self.module.FAMILY
+        if family is not None and family != self.family:
+            raise PackModuleError(f"{path}: generated for family {self.family!r}, not {family!r}")
+
+    @property
+    def num_layers(self) -> int:
+        return self.module.NUM_LAYERS
+
+    @property
+    def kv_heads(self) -> int:
+        return self.module.KV_HEADS
+
+    @property
+    def swa_window(self) -> tuple[int | None, ...]:
+        return tuple(self.module.SWA_WINDOW)
+
+    def __call__(self, kept: torch.Tensor, P, S, tail, active, budget: int, mode: str,
+                 max_requests: int | None = None,
+                 capacity: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.module.pack_moves(kept, P, S, tail, active, budget, mode, max_requests, capacity)

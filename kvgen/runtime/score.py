@@ -1,0 +1,161 @@
+"""ctypes bindings of a TriAttention score library (``kvgen/csrc/kvgen_score.h``), torch in, no CUTLASS.
+
+``ScoreLibrary(path)`` loads ``lib<kvgen_family>_score.so`` (as published by
+``kvgen.backends.cute_aot`` into ``<registry>/<arch>/``, with its ``.json`` sidecar), checks the ABI
+version, the family and, when the sidecar is there, the sha256; ``check_geometry`` compares the
+kernel's compile-time geometry with a family's ``TriGeometry``; ``score`` launches it on torch
+tensors after checking their shapes, dtypes, devices and contiguity.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from ..reference.triattention import TriGeometry
+from .library import LibraryError
+
+ABI_VERSION = 1
+PAIRINGS = ("half", "interleaved")
+LAYOUTS = ("HND", "NHD")
+DTYPES = ("bf16", "fp16")
+TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+MAX_GRID_Z = 65535
+
+
+class ScoreGeometry(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_int32) for name in (
+        "abi_version", "head_dim", "query_heads", "kv_heads", "rotary_start", "rotary_dim", "pairing",
+        "tokens_per_block", "layout", "dtype", "threads", "heads_per_pass", "passes", "vector_elems")]
+
+    def as_dict(self) -> dict[str, int | str]:
+        out: dict[str, int | str] = {name: getattr(self, name) for name, _ in self._fields_}
+        out["pairing"] = PAIRINGS[self.pairing]
+        out["layout"] = LAYOUTS[self.layout]
+        out["dtype"] = DTYPES[self.dtype]
+        return out
+
+
+_c = ctypes
+_SIGNATURES = {
+    "kvgen_score_abi_version": (_c.c_int, []),
+    "kvgen_score_family_name": (_c.c_char_p, []),
+    "kvgen_score_arch": (_c.c_char_p, []),
+    "kvgen_score_last_error": (_c.c_char_p, []),
+    "kvgen_score_query_geometry": (_c.c_int, [_c.POINTER(ScoreGeometry)]),
+    "kvgen_score": (_c.c_int, [_c.c_void_p, _c.c_int64, _c.c_void_p, _c.c_int32, _c.c_void_p, _c.c_void_p,
+                               _c.c_void_p, _c.c_void_p, _c.c_void_p, _c.c_void_p, _c.c_void_p, _c.c_void_p,
+                               _c.c_void_p, _c.c_int32, _c.c_int32, _c.c_int32, _c.c_void_p]),
+}
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+class ScoreLibrary:
+    """A loaded score library: typed entry points; ABI, family and sha256 checked at load."""
+
+    def __init__(self, path: str | Path, family: str | None = None, verify: bool = True):
+        self.path = Path(path)
+        sidecar = self.path.with_suffix(".json")
+        self.meta = json.loads(sidecar.read_text()) if sidecar.is_file() else {}
+        if verify and self.meta.get("artifact_sha256") and self.path.is_file():
+            actual = _sha256(self.path)
+            if actual != self.meta["artifact_sha256"]:
+                raise LibraryError(f"{self.path}: sha256 {actual} differs from its sidecar's "
+                                   f"{self.meta['artifact_sha256']}; rebuild with kvgen build")
+        try:
+            self._lib = ctypes.CDLL(str(self.path), mode=ctypes.RTLD_LOCAL)
+        except OSError as exc:
+            raise LibraryError(f"{self.path}: cannot load: {exc}") from None
+        for name, (restype, argtypes) in _SIGNATURES.items():
+            try:
+                fn = getattr(self._lib, name)
+            except AttributeError:
+                raise LibraryError(f"{self.path}: missing entry point {name}; not a kvgen score library") from None
+            fn.restype = restype
+            fn.argtypes = argtypes
+        abi = self._lib.kvgen_score_abi_version()
+        if abi != ABI_VERSION:
+            raise LibraryError(f"{self.path}: score ABI version {abi}, this runtime speaks {ABI_VERSION}; "
+                               "rebuild with kvgen build")
+        self.family = self._lib.kvgen_score_family_name().decode()
+        self.arch = self._lib.kvgen_score_arch().decode()
+        if family is not None and family != self.family:
+            raise LibraryError(f"{self.path}: built for family {self.family!r}, not {family!r}")
+        raw = ScoreGeometry()
+        if self._lib.kvgen_score_query_geometry(ctypes.byref(raw)) != 0:
+            raise LibraryError(f"{self.path}: {self.last_error()}")
+        self.geometry = raw.as_dict()
+
+    def last_error(self) -> str:
+        return self._lib.kvgen_score_last_error().decode(errors="replace")
+
+    @property
+    def freqs(self) -> int:
+        return int(self.geometry["rotary_dim"]) // 2
+
+    def check_geometry(self, geometry: TriGeometry, dtype: str) -> None:
+        """The kernel must have been compiled for exactly this family geometry and K dtype."""
+        expected = {"head_dim": geometry.head_dim, "query_heads": geometry.query_heads,
+                    "kv_heads": geometry.kv_heads, "rotary_start": geometry.rotary_start,
+                    "rotary_dim": geometry.rotary_dim, "pairing": geometry.pairing,
+                    "tokens_per_block": geometry.tokens_per_block, "layout": geometry.layout, "dtype": dtype}
+        wrong = [f"{k}: library {self.geometry[k]!r}, family {v!r}" for k, v in expected.items()
+                 if self.geometry[k] != v]
+        if wrong:
+            raise LibraryError(f"{self.path}: compiled for another geometry ({'; '.join(wrong)}); rebuild it")
+
+    def score(self, k_layer_ptrs: torch.Tensor, page_stride: int, page_table: torch.Tensor, P: torch.Tensor,
+              S: torch.Tensor, c: torch.Tensor, d: torch.Tensor, qr: torch.Tensor, qi: torch.Tensor,
+              mlr: torch.Tensor, freq_scale_sq: torch.Tensor, scores: torch.Tensor,
+              stream: torch.cuda.Stream | None = None) -> None:
+        """Enqueue the scores ``[layers, B, Hq, W]`` (see ``kvgen_score.h`` for every argument)."""
+        layers, batch, heads, width = scores.shape
+        F = self.freqs
+        expected = {
+            "k_layer_ptrs": (k_layer_ptrs, torch.int64, (layers,)),
+            "page_table": (page_table, torch.int32, (batch, page_table.shape[-1])),
+            "P": (P, torch.int32, (batch,)),
+            "S": (S, torch.int32, (batch,)),
+            "c": (c, torch.float32, (batch, F)),
+            "d": (d, torch.float32, (batch, F)),
+            "qr": (qr, torch.float32, (layers, heads, F)),
+            "qi": (qi, torch.float32, (layers, heads, F)),
+            "mlr": (mlr, torch.float32, (layers, heads, F)),
+            "freq_scale_sq": (freq_scale_sq, torch.float32, (F,)),
+            "scores": (scores, torch.float32, (layers, batch, self.geometry["query_heads"], width)),
+        }
+        device = scores.device
+        for name, (tensor, dtype, shape) in expected.items():
+            _check(name, tensor, dtype, shape, device)
+        if layers * batch > MAX_GRID_Z:
+            raise ValueError(f"layers * batch = {layers * batch} > {MAX_GRID_Z}; score fewer layers per call")
+        stream = stream or torch.cuda.current_stream(device)
+        status = self._lib.kvgen_score(
+            k_layer_ptrs.data_ptr(), page_stride, page_table.data_ptr(), page_table.shape[1], P.data_ptr(),
+            S.data_ptr(), c.data_ptr(), d.data_ptr(), qr.data_ptr(), qi.data_ptr(), mlr.data_ptr(),
+            freq_scale_sq.data_ptr(), scores.data_ptr(), layers, batch, width, stream.cuda_stream)
+        if status != 0:
+            raise LibraryError(f"{self.path}: {self.last_error()}")
+
+
+def _check(name: str, tensor: torch.Tensor, dtype: torch.dtype, shape: Sequence[int], device: torch.device) -> None:
+    if tensor.dtype != dtype or tuple(tensor.shape) != tuple(shape) or not tensor.is_contiguous():
+        raise ValueError(f"{name}: expected a contiguous {str(dtype).replace('torch.', '')} {list(shape)} tensor, "
+                         f"got {str(tensor.dtype).replace('torch.', '')} {list(tensor.shape)}"
+                         f"{'' if tensor.is_contiguous() else ' (not contiguous)'}")
+    if tensor.device != device:
+        raise ValueError(f"{name} is on {tensor.device}, scores on {device}")
+
+
+def score_library_path(registry_dir: str | Path, arch: str, family: str) -> Path:
+    """Where ``kvgen.backends.cute_aot`` publishes a family's score library (same rule)."""
+    symbol = "kvgen_" + "".join(ch if ch.isalnum() else "_" for ch in family)
+    return Path(registry_dir) / arch / f"lib{symbol}_score.so"

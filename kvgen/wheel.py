@@ -1,0 +1,256 @@
+"""Pre-generated kernel wheels: a registry's manifests and shared libraries as an installable package.
+
+``kvgen wheel --arch sm_90a,sm_100a`` writes one wheel per arch family (``kvgen_kernels_sm90``,
+``kvgen_kernels_sm100``: each stays far under PyPI's and GitHub's 100 MB per-file limit):
+
+    kvgen_kernels_sm90/__init__.py                 REGISTRY, KVGEN_VERSION, ARCHS; never imported by kvgen
+    kvgen_kernels_sm90/registry/<arch>/manifest.json and lib<kvgen_family>.so
+    kvgen_kernels_sm90-<v>.dist-info/              METADATA (Requires-Dist: kvgen==<v>), WHEEL,
+                                                   entry_points.txt, RECORD
+
+How the runtime finds it: the wheel declares an entry point in the group ``kvgen.registries``
+whose value is the package name; ``kvgen.runtime.registry.installed_sources`` locates that package
+with ``importlib.util.find_spec`` (no code from the wheel runs) and searches its ``registry/``.
+The wheel's version is the kvgen version it was built by, and it requires exactly that kvgen: the
+libraries speak that version's C ABI and layout.
+
+Written with the standard library (zipfile, RECORD with sha256), byte-for-byte reproducible:
+members sorted, fixed timestamps and modes. Data only: the libraries link nothing from torch.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+import re
+import tempfile
+import zipfile
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import __version__
+from .cache import file_sha256
+from .registry import MANIFEST, fix_command, manifest_path, read_manifest
+
+ENTRY_POINT_GROUP = "kvgen.registries"
+PACKAGE_PREFIX = "kvgen_kernels_"
+PLATFORM_TAG = "manylinux_2_28_x86_64"
+WHEEL_TAG = f"py3-none-{PLATFORM_TAG}"
+# GitHub and PyPI refuse files over 100 MB; keep a margin so a growing registry fails here first.
+MAX_FILE_BYTES = 90 * 1000 * 1000
+_ZIP_TIME = (1980, 1, 1, 0, 0, 0)   # earliest zip time: reproducible wheels
+_ARCH = re.compile(r"^sm_(\d{2,3})([af]?)$")
+
+
+class WheelError(RuntimeError):
+    """A wheel that must not be written; the message says what to change."""
+
+
+# ---------------------------------------------------------------- arch names
+
+
+def parse_arch(arch: str) -> tuple[int, int, str]:
+    """``sm_103a`` -> (10, 3, "a"): major, minor, variant ("a" arch-specific, "f" family, "")."""
+    match = _ARCH.match(arch)
+    if not match:
+        raise ValueError(f"{arch!r} is not a CUDA arch (accepted: sm_90a, sm_100a, sm_100f, sm_103a, sm_107a, ...)")
+    number = int(match.group(1))
+    return number // 10, number % 10, match.group(2)
+
+
+def arch_for_capability(major: int, minor: int) -> str:
+    """The arch-specific target of a device: compute capability 9.0 -> ``sm_90a``."""
+    return f"sm_{major}{minor}a"
+
+
+def family_target(arch: str) -> str | None:
+    """The family build that also runs on ``arch`` (``sm_100f`` for every 10.x), or None.
+
+    CUDA family targets exist from Blackwell on; Hopper has only ``sm_90a``.
+    """
+    major, _, _ = parse_arch(arch)
+    return f"sm_{major}0f" if major >= 10 else None
+
+
+def arch_family(arch: str) -> str:
+    """Which wheel holds an arch: ``sm_90a`` -> ``sm90``; ``sm_100a/100f/103a/107a`` -> ``sm100``."""
+    major, _, _ = parse_arch(arch)
+    return f"sm{major}0"
+
+
+def package_name(arch: str) -> str:
+    return PACKAGE_PREFIX + arch_family(arch)
+
+
+def distribution_name(arch: str) -> str:
+    return package_name(arch).replace("_", "-")
+
+
+def pip_fix(arch: str, version: str = __version__) -> str:
+    return f"pip install {distribution_name(arch)}=={version}"
+
+
+# ---------------------------------------------------------------- members
+
+
+@dataclass(frozen=True)
+class Member:
+    """One file of the wheel: its archive name, and its bytes or the file that holds them."""
+
+    name: str
+    data: bytes | None = None
+    source: Path | None = None
+    mode: int = 0o644
+
+    def sha256(self) -> str:
+        if self.source is not None:
+            return file_sha256(self.source)
+        return hashlib.sha256(self.data or b"").hexdigest()
+
+    def size(self) -> int:
+        return self.source.stat().st_size if self.source is not None else len(self.data or b"")
+
+
+def _registry_members(registry_dir: Path, arch: str, package: str) -> list[Member]:
+    """The manifest and every library it lists, verified first: a wheel never ships a tampered
+    artifact or one of another kvgen version."""
+    path = manifest_path(registry_dir, arch)
+    if not path.is_file():
+        raise WheelError(f"{path}: no manifest for {arch}; run: {fix_command(arch)} --registry {registry_dir}")
+    manifest = read_manifest(path, verify=True)
+    prefix = f"{package}/registry/{arch}"
+    members = [Member(f"{prefix}/{MANIFEST}", source=path)]
+    for entry in manifest.libraries:
+        members.append(Member(f"{prefix}/{entry.artifact}", source=path.parent / entry.artifact, mode=0o755))
+    return members
+
+
+def _init_py(archs: Sequence[str]) -> str:
+    return (f'"""Pre-generated kvgen kernel libraries for {", ".join(archs)}: data only, found by\n'
+            f'kvgen.runtime through the `{ENTRY_POINT_GROUP}` entry point (this file is never imported by it)."""\n\n'
+            "from pathlib import Path\n\n"
+            f'KVGEN_VERSION = "{__version__}"\n'
+            f"ARCHS = {tuple(archs)!r}\n"
+            'REGISTRY = Path(__file__).resolve().parent / "registry"\n')
+
+
+def _metadata(dist: str, archs: Sequence[str]) -> str:
+    return (f"Metadata-Version: 2.1\nName: {dist}\nVersion: {__version__}\n"
+            f"Summary: Pre-generated kvgen kernel libraries (C ABI) for {', '.join(archs)}\n"
+            f"Requires-Python: >=3.11\nRequires-Dist: kvgen=={__version__}\n")
+
+
+def _wheel_file() -> str:
+    # Root-Is-Purelib false: shared libraries belong in platlib.
+    return (f"Wheel-Version: 1.0\nGenerator: kvgen {__version__}\nRoot-Is-Purelib: false\nTag: {WHEEL_TAG}\n")
+
+
+def _dist_info_members(package: str, archs: Sequence[str], payload: Sequence[Member]) -> list[Member]:
+    dist = package.replace("_", "-")
+    info = f"{package}-{_file_version()}.dist-info"
+    members = [
+        Member(f"{info}/METADATA", _metadata(dist, archs).encode()),
+        Member(f"{info}/WHEEL", _wheel_file().encode()),
+        Member(f"{info}/entry_points.txt", f"[{ENTRY_POINT_GROUP}]\n{package} = {package}\n".encode()),
+        Member(f"{info}/top_level.txt", f"{package}\n".encode()),
+    ]
+    record = _record([*payload, *members], f"{info}/RECORD")
+    return [*members, Member(f"{info}/RECORD", record.encode())]
+
+
+def _record(members: Iterable[Member], record_name: str) -> str:
+    lines = []
+    for m in members:
+        digest = base64.urlsafe_b64encode(bytes.fromhex(m.sha256())).rstrip(b"=").decode()
+        lines.append(f"{m.name},sha256={digest},{m.size()}")
+    lines.append(f"{record_name},,")
+    return "\n".join(lines) + "\n"
+
+
+def _file_version() -> str:
+    """Wheel file names use '_' where a version has '-' (PEP 427 escaping)."""
+    return __version__.replace("-", "_")
+
+
+def wheel_filename(package: str) -> str:
+    return f"{package}-{_file_version()}-{WHEEL_TAG}.whl"
+
+
+# ---------------------------------------------------------------- writing
+
+
+def _write_member(zf: zipfile.ZipFile, member: Member) -> None:
+    info = zipfile.ZipInfo(member.name, date_time=_ZIP_TIME)
+    info.compress_type = zipfile.ZIP_DEFLATED
+    info.external_attr = (0o100000 | member.mode) << 16   # regular file with this mode
+    with zf.open(info, "w") as out:
+        if member.source is None:
+            out.write(member.data or b"")
+            return
+        with open(member.source, "rb") as src:
+            for chunk in iter(lambda: src.read(1 << 20), b""):
+                out.write(chunk)
+
+
+def _write_zip(path: Path, members: Sequence[Member], limit_bytes: int) -> None:
+    """Written beside ``path`` and renamed into place only if it is under the size limit."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        with zipfile.ZipFile(tmp, "w") as zf:
+            for member in members:
+                _write_member(zf, member)
+        size = os.path.getsize(tmp)
+        if size > limit_bytes:
+            raise WheelError(f"{path.name} would be {size / 1e6:.1f} MB, over the {limit_bytes / 1e6:.0f} MB limit "
+                             "(files above 100 MB are refused by PyPI and GitHub); ship fewer archs or families "
+                             "per wheel")
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def build_wheel(registry_dir: Path, archs: Sequence[str], out_dir: Path,
+                limit_bytes: int = MAX_FILE_BYTES) -> Path:
+    """One wheel holding ``archs`` (all of one arch family) from ``registry_dir``."""
+    if not archs:
+        raise WheelError("no archs to package (pass --arch, e.g. sm_90a)")
+    packages = {package_name(a) for a in archs}
+    if len(packages) != 1:
+        raise WheelError(f"archs {', '.join(archs)} belong to different wheels ({', '.join(sorted(packages))})")
+    package = packages.pop()
+    archs = sorted(set(archs))
+    payload = [Member(f"{package}/__init__.py", _init_py(archs).encode())]
+    for arch in archs:
+        payload += _registry_members(Path(registry_dir), arch, package)
+    payload.sort(key=lambda m: m.name)
+    path = Path(out_dir) / wheel_filename(package)
+    _write_zip(path, [*payload, *_dist_info_members(package, archs, payload)], limit_bytes)
+    return path
+
+
+def group_by_wheel(archs: Iterable[str]) -> dict[str, list[str]]:
+    """package -> its archs, both sorted (so the same request always writes the same files)."""
+    groups: dict[str, list[str]] = {}
+    for arch in sorted(set(archs)):
+        groups.setdefault(package_name(arch), []).append(arch)
+    return dict(sorted(groups.items()))
+
+
+def build_wheels(registry_dir: Path, archs: Sequence[str], out_dir: Path,
+                 limit_bytes: int = MAX_FILE_BYTES) -> list[Path]:
+    """One wheel per arch family among ``archs``."""
+    return [build_wheel(registry_dir, group, out_dir, limit_bytes) for group in group_by_wheel(archs).values()]
+
+
+def registry_archs(registry_dir: Path) -> list[str]:
+    """Archs with a manifest in a registry (the default of ``kvgen wheel``)."""
+    root = Path(registry_dir)
+    if not root.is_dir():
+        return []
+    return sorted(d.name for d in root.iterdir() if (d / MANIFEST).is_file() and _ARCH.match(d.name))

@@ -1,0 +1,173 @@
+// Driver for kvgen/csrc/compact_kernels.cuh: runs the kernel's walk (walk_moves, cta_task,
+// request_range, resolve_move, row_offset) on the CPU over host memory, so
+// tests/test_compact_cpu.py can compare the compacted pools byte for byte with the oracle's
+// compact_paged.  Every "thread" of a phase runs in turn; the concurrent phase (loads of tile k+1,
+// stores of tile k) runs in the order asked for, and the addresses it touches are checked to be
+// disjoint, which is what makes the kernel's single barrier per tile sufficient.
+//
+// Build (no GPU, no driver: cudart is linked statically and never called):
+//   nvcc -x cu -std=c++17 -I<repo> tests/csrc/compact_host_check.cu -o compact_host_check
+//
+// stdin (little-endian):
+//   int64 header[13]: layout (0 HND, 1 NHD), row_bytes, kv_heads, tokens_per_block, num_layers,
+//                     num_pages, max_requests, max_pages, moves_per_head (N), threads (64, 128 or
+//                     256), tile_tokens, stores_first (0/1), kv_interleaved (0/1: K and V of a
+//                     layer share one buffer, page stride = 2 pages, as a combined KV pool)
+//   int32 page_table[max_requests * max_pages]
+//   int32 src[num_layers * kv_heads * N], int32 dst[same], int32 offsets[max_requests + 1]
+//   per layer: K pool bytes [num_pages * page_bytes], then V pool bytes
+// stdout: int64 overlaps (address conflicts found in concurrent phases), then the pools as read.
+#include <cstdio>
+#include <cstring>
+#include <set>
+#include <vector>
+
+#include "kvgen/csrc/compact_kernels.cuh"
+
+namespace kc = kvgen::compact;
+
+namespace {
+
+constexpr int kHostPer = 2 * kc::kMaxVectorsPerThread;  // the kernel's bound on vectors per thread
+
+// Exec of walk_moves on the host: phases run thread after thread.
+template <int kThreads>
+struct HostExec {
+  bool stores_first = false;
+  int tile = 1;
+  std::vector<kc::TileRegs<kHostPer>> regs_ = std::vector<kc::TileRegs<kHostPer>>(kThreads);
+  std::vector<kc::ResolvedMove> tiles_;
+  std::set<const uint8_t*>* record = nullptr;  // addresses touched in the current phase
+  long long overlaps = 0;
+
+  template <class F>
+  void each_thread(F f) {
+    for (int t = 0; t < kThreads; ++t) f(t);
+  }
+  template <class L, class S>
+  void overlap(L load, S store) {
+    std::set<const uint8_t*> loaded, stored;
+    if (stores_first) {
+      record = &stored;
+      each_thread(store);
+      record = &loaded;
+      each_thread(load);
+    } else {
+      record = &loaded;
+      each_thread(load);
+      record = &stored;
+      each_thread(store);
+    }
+    record = nullptr;
+    for (const uint8_t* p : loaded) overlaps += (long long)stored.count(p);
+  }
+  void barrier() {}
+  kc::TileRegs<kHostPer>& regs(int t) { return regs_[t]; }
+  kc::ResolvedMove* moves(int buffer) { return tiles_.data() + buffer * tile; }
+  uint4 load16(const uint8_t* p) {
+    if (record) record->insert(p);
+    uint4 v;
+    memcpy(&v, p, 16);
+    return v;
+  }
+  void store16(uint8_t* p, uint4 v) {
+    if (record) record->insert(p);
+    memcpy(p, &v, 16);
+  }
+};
+
+template <class T>
+bool read_into(std::vector<T>& v, size_t n) {
+  v.resize(n);
+  return n == 0 || fread(v.data(), sizeof(T), n, stdin) == n;
+}
+
+struct Case {
+  kc::Geometry g;
+  int64_t num_layers, num_pages, max_requests, max_pages, moves_per_head, threads, tile_tokens;
+  bool stores_first, kv_interleaved;
+  std::vector<int32_t> table, src, dst, offsets;
+};
+
+template <int kThreads>
+long long compact_all(const Case& c, std::vector<kc::LayerPools>& pools) {
+  HostExec<kThreads> ex;
+  ex.stores_first = c.stores_first;
+  ex.tile = kc::tile_moves(kThreads, (int)c.tile_tokens, c.g.row_vectors());
+  ex.tiles_.resize(3 * ex.tile);
+  if (kc::vectors_per_thread(kThreads, ex.tile, c.g.row_vectors()) > kHostPer) {
+    fprintf(stderr, "rows too long for %d threads\n", kThreads);
+    return -1;
+  }
+  // Any CTA order is valid (CTAs share no bytes); walk them as the grid enumerates them.
+  for (int layer = 0; layer < c.num_layers; ++layer) {
+    for (int head = 0; head < c.g.kv_heads; ++head) {
+      for (int r = 0; r < c.max_requests; ++r) {
+        const kc::RequestRange range = kc::request_range(c.offsets.data(), r, c.moves_per_head);
+        if (range.count == 0) continue;
+        const kc::CtaTask task = kc::cta_task(c.g, pools[layer], c.table.data(), c.max_pages, c.src.data(),
+                                              c.dst.data(), c.moves_per_head, range, r, head, layer);
+        kc::walk_moves<kThreads, kHostPer>(ex, c.g, task, ex.tile);
+      }
+    }
+  }
+  return ex.overlaps;
+}
+
+}  // namespace
+
+int main() {
+  int64_t h[13];
+  if (fread(h, sizeof(int64_t), 13, stdin) != 13) return 2;
+  Case c;
+  c.g = kc::Geometry{(int)h[0], (int)h[2], (int)h[3], (int)h[1]};
+  c.num_layers = h[4];
+  c.num_pages = h[5];
+  c.max_requests = h[6];
+  c.max_pages = h[7];
+  c.moves_per_head = h[8];
+  c.threads = h[9];
+  c.tile_tokens = h[10];
+  c.stores_first = h[11] != 0;
+  c.kv_interleaved = h[12] != 0;
+  const size_t moves = (size_t)(c.num_layers * c.g.kv_heads * c.moves_per_head);
+  if (!read_into(c.table, c.max_requests * c.max_pages) || !read_into(c.src, moves) || !read_into(c.dst, moves) ||
+      !read_into(c.offsets, c.max_requests + 1)) {
+    return 3;
+  }
+  const int64_t page_bytes = (int64_t)c.g.kv_heads * c.g.tokens_per_block * c.g.row_bytes;
+  const int64_t layer_bytes = 2 * c.num_pages * page_bytes;  // K and V
+  std::vector<uint8_t> memory(c.num_layers * layer_bytes);
+  std::vector<kc::LayerPools> pools;
+  for (int64_t layer = 0; layer < c.num_layers; ++layer) {
+    uint8_t* base = memory.data() + layer * layer_bytes;
+    if (c.kv_interleaved) {
+      pools.push_back(kc::LayerPools{base, 2 * page_bytes, base + page_bytes, 2 * page_bytes});
+    } else {
+      pools.push_back(kc::LayerPools{base, page_bytes, base + c.num_pages * page_bytes, page_bytes});
+    }
+  }
+  // Pools arrive (and leave) as K then V per layer, page after page.
+  auto each_page = [&](bool reading) {
+    for (int64_t layer = 0; layer < c.num_layers; ++layer) {
+      for (int kv = 0; kv < 2; ++kv) {
+        for (int64_t page = 0; page < c.num_pages; ++page) {
+          const kc::LayerPools& p = pools[layer];
+          uint8_t* at = kv == 0 ? p.k + page * p.k_page_stride : p.v + page * p.v_page_stride;
+          const size_t n = reading ? fread(at, 1, page_bytes, stdin) : fwrite(at, 1, page_bytes, stdout);
+          if ((int64_t)n != page_bytes) return false;
+        }
+      }
+    }
+    return true;
+  };
+  if (!each_page(true)) return 4;
+  long long overlaps = -1;
+  if (c.threads == 64) overlaps = compact_all<64>(c, pools);
+  if (c.threads == 128) overlaps = compact_all<128>(c, pools);
+  if (c.threads == 256) overlaps = compact_all<256>(c, pools);
+  if (overlaps < 0) return 5;
+  const int64_t out = overlaps;
+  fwrite(&out, sizeof(out), 1, stdout);
+  return each_page(false) ? 0 : 6;
+}

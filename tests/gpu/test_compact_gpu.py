@@ -1,0 +1,272 @@
+"""TriAttention compaction and move packing on the GPU, byte-exact against the oracle.
+
+Libraries come from the registry (conftest's REGISTRY/ARCH: build/registry/sm_90a/manifest.json,
+written by `kvgen build --arch sm_90a` and carried to the GPU machine); packers from
+generated/<family>/pack.py (`kvgen build --render-only`). Either missing skips its tests with the
+command that makes it.
+
+What the grid covers, and why:
+- every registry family with compaction: the dtypes and layouts the specs use (bf16 HND, bf16
+  and fp16 NHD), head_dim 64/128/256, tokens_per_block 16/32/64, 1 to 8 KV heads, 15 to 42 layers;
+- fp8 pages and tokens_per_block 128 appear in no TriAttention spec, so two more libraries are
+  rendered from compact.cu.j2 with plain jinja2 and compiled here (skipped without nvcc);
+- every mode per family (the moves differ; the kernel must not care), with a synthetic sliding
+  window on every third layer (fill slots, then the latest window rebased), tails of different
+  lengths, prompts of a few pages so moves cross pages, padded requests, and once K and V as
+  strided views of one combined pool;
+- the packer and the compaction captured together in one CUDA graph and replayed on new inputs.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvgen.reference.triattention import MODES, Moves, check_moves, compact_paged, pack_moves
+from kvgen.registry import RegistryError, manifest_path, read_manifest
+from kvgen.runtime.compact import CompactLibrary, Compactor
+from kvgen.runtime.pack import MovePacker, pack_module_path
+from tests.move_cases import Batch, geometry, random_batch, random_page_table
+
+from .conftest import ARCH, REGISTRY
+
+pytestmark = pytest.mark.gpu
+
+ROOT = Path(__file__).resolve().parents[2]
+MANIFEST = manifest_path(REGISTRY, ARCH)
+GENERATED = ROOT / "generated"
+WINDOW = 32        # synthetic sliding window of every third layer
+BUDGET = 48        # >= WINDOW
+POOL_DTYPE = {2: torch.bfloat16, 1: torch.float8_e4m3fn}  # by element bytes: compaction copies bytes
+
+
+def _registry() -> tuple[dict[str, Path], str]:
+    """family -> library path for families built with compaction, or ({}, why not)."""
+    if not MANIFEST.is_file():
+        return {}, f"no registry at {MANIFEST}; run: kvgen build --arch {ARCH} (and carry build/registry)"
+    try:
+        manifest = read_manifest(MANIFEST)
+    except RegistryError as exc:
+        return {}, str(exc)
+    libraries = {lib.family: MANIFEST.parent / lib.artifact for lib in manifest.libraries
+                 if any(op.op == "compact" for op in lib.ops)}
+    return libraries, "" if libraries else f"{MANIFEST} lists no family with compaction"
+
+
+LIBRARIES, WHY_NO_REGISTRY = _registry()
+FAMILIES = sorted(LIBRARIES) or [pytest.param(None, marks=pytest.mark.skip(reason=WHY_NO_REGISTRY))]
+
+
+# ---------------------------------------------------------------------------------------------
+# One compaction case: oracle vs library
+# ---------------------------------------------------------------------------------------------
+
+
+def _geometry_of(info: dict):
+    windows = [WINDOW if layer % 3 == 1 else None for layer in range(info["num_layers"])]
+    return geometry(info["num_layers"], info["kv_heads"], windows, info["head_dim"], info["tokens_per_block"],
+                    info["layout"])
+
+
+def _random_pools(geo, info: dict, num_pages: int, combined: bool, seed: int) -> tuple[list, list]:
+    """Random bytes on the GPU; ``combined``: K and V as strided views of one [pages, 2, page] pool."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    page = ((geo.kv_heads, geo.tokens_per_block) if geo.layout == "HND" else (geo.tokens_per_block, geo.kv_heads))
+    row = geo.head_dim * info["elem_bytes"]
+    dtype = POOL_DTYPE[info["elem_bytes"]]
+    k_pools, v_pools = [], []
+    for _ in range(geo.num_layers):
+        if combined:
+            kv = torch.randint(0, 256, (num_pages, 2, *page, row), dtype=torch.uint8, device="cuda", generator=g)
+            kv = kv.view(dtype)
+            k_pools.append(kv[:, 0])
+            v_pools.append(kv[:, 1])
+        else:
+            for pools in (k_pools, v_pools):
+                raw = torch.randint(0, 256, (num_pages, *page, row), dtype=torch.uint8, device="cuda", generator=g)
+                pools.append(raw.view(dtype))
+    return k_pools, v_pools
+
+
+def _batch(geo, mode: str, seed: int) -> Batch:
+    tpb = geo.tokens_per_block
+    return random_batch(geo, mode, BUDGET, batch=4, seed=seed, padding=2, max_prompt=2 * tpb, max_extra=tpb,
+                        max_tail=tpb // 2 + 5)
+
+
+def _check_compaction(library: CompactLibrary, mode: str, seed: int, combined: bool = False) -> None:
+    geo = _geometry_of(library.info)
+    batch = _batch(geo, mode, seed)
+    moves = pack_moves(*batch.args(), geo, batch.max_requests)
+    table, num_pages = random_page_table(batch.lengths, geo.tokens_per_block, batch.max_requests, seed)
+    real = (moves.src >= 0) & (moves.src != moves.dst)
+    assert bool(((moves.src[real] // geo.tokens_per_block) != (moves.dst[real] // geo.tokens_per_block)).any())
+    k_pools, v_pools = _random_pools(geo, library.info, num_pages, combined, seed)
+    k_ref = [p.clone() for p in k_pools]
+    v_ref = [p.clone() for p in v_pools]
+    compact_paged(k_ref, v_ref, table.cuda(), moves, geo)
+    compactor = Compactor(library, k_pools, v_pools)
+    compactor(table.cuda(), moves.src.cuda(), moves.dst.cuda(), moves.offsets.cuda())
+    torch.cuda.synchronize()
+    for layer in range(geo.num_layers):
+        assert torch.equal(k_pools[layer].view(torch.uint8), k_ref[layer].view(torch.uint8)), f"{mode}: K {layer}"
+        assert torch.equal(v_pools[layer].view(torch.uint8), v_ref[layer].view(torch.uint8)), f"{mode}: V {layer}"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_compaction_equals_oracle(family: str) -> None:
+    library = CompactLibrary(LIBRARIES[family])
+    for i, mode in enumerate(MODES):
+        _check_compaction(library, mode, seed=100 + i, combined=(i == 0))
+
+
+# ---------------------------------------------------------------------------------------------
+# fp8 pages and 128-token blocks: libraries rendered and compiled here
+# ---------------------------------------------------------------------------------------------
+
+SYNTHETIC = {
+    "fp8-hnd-d128-tpb32": {"dtype": "fp8_e4m3", "layout": "HND", "elem_bytes": 1, "kv_heads": 8, "head_dim": 128,
+                           "tokens_per_block": 32, "layers": 6},
+    "fp8-nhd-d64-tpb128": {"dtype": "fp8_e4m3", "layout": "NHD", "elem_bytes": 1, "kv_heads": 4, "head_dim": 64,
+                           "tokens_per_block": 128, "layers": 5},
+}
+
+
+def _render_synthetic(name: str, geometry_: dict) -> str:
+    """compact.cu.j2 with the context kvgen.render gives it (that module needs the spec, so pydantic)."""
+    import jinja2
+
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(ROOT / "kvgen" / "templates")),
+                             undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True,
+                             keep_trailing_newline=True)
+    plan = SimpleNamespace(family=name)
+    context = {"plan": plan, "g": geometry_, "p": {"threads": 128, "tile_tokens": 32}, "symbol": "kvgen_test",
+               "header": f"// test library {name}"}
+    return env.get_template("compact.cu.j2").render(context)
+
+
+@pytest.fixture(scope="module")
+def synthetic_libraries(tmp_path_factory) -> dict[str, CompactLibrary]:
+    from kvgen.backends.nvcc import compile_shared_library, probe_toolchain
+
+    nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
+    if not Path(nvcc).is_file():
+        pytest.skip("no nvcc on this machine to build the fp8 / tpb-128 test libraries")
+    toolchain = probe_toolchain(nvcc)
+    work = tmp_path_factory.mktemp("compact_synthetic")
+    libraries = {}
+    for name, geometry_ in SYNTHETIC.items():
+        source = work / f"{name}.cu"
+        source.write_text(_render_synthetic(name, geometry_))
+        out = work / f"lib{name}.so"
+        compile_shared_library([source], "sm_90a", [ROOT / "kvgen" / "csrc"], out, toolchain)
+        libraries[name] = CompactLibrary(out)
+    return libraries
+
+
+@pytest.mark.parametrize("name", sorted(SYNTHETIC))
+def test_fp8_and_long_blocks_equal_oracle(synthetic_libraries: dict, name: str) -> None:
+    library = synthetic_libraries[name]
+    assert library.info["elem_bytes"] == 1
+    for i, mode in enumerate(MODES):
+        _check_compaction(library, mode, seed=200 + i, combined=(i == 1))
+
+
+# ---------------------------------------------------------------------------------------------
+# The packer on the GPU, and packer + compaction in one CUDA graph
+# ---------------------------------------------------------------------------------------------
+
+
+def _packer(family: str) -> MovePacker:
+    path = pack_module_path(GENERATED, family)
+    if not path.is_file():
+        pytest.skip(f"no {path.relative_to(ROOT)}: run `kvgen build --render-only` and carry generated/")
+    return MovePacker(path, family)
+
+
+def _packer_geometry(packer: MovePacker):
+    return geometry(packer.num_layers, packer.kv_heads, packer.swa_window)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_packer_on_gpu_equals_oracle(family: str) -> None:
+    packer = _packer(family)
+    geo = _packer_geometry(packer)
+    budget = max([BUDGET] + [w for w in packer.swa_window if w])
+    for i, mode in enumerate(MODES):
+        batch = random_batch(geo, mode, budget, batch=6, seed=300 + i, padding=3)
+        ref = pack_moves(*batch.args(), geo, batch.max_requests)
+        n = ref.src.shape[-1]
+        for capacity in (None, n + 129):
+            src, dst, offsets = packer(*batch.to("cuda").args(), batch.max_requests, capacity)
+            assert torch.equal(offsets.cpu(), ref.offsets)
+            assert torch.equal(src[..., :n].cpu(), ref.src) and torch.equal(dst[..., :n].cpu(), ref.dst)
+            assert bool((src[..., n:] == -1).all()) and bool((dst[..., n:] == -1).all())
+
+
+def _copy_batch(static: Batch, new: Batch) -> None:
+    for name in ("kept", "P", "S", "tail", "active"):
+        getattr(static, name).copy_(getattr(new, name))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_pack_and_compact_replay_in_a_cuda_graph(family: str) -> None:
+    """Capture once, replay on three new batches and new pool bytes: what a serving engine does."""
+    packer = _packer(family)
+    library = CompactLibrary(LIBRARIES[family])
+    geo = _packer_geometry(packer)
+    info = library.info
+    geo_pages = geometry(geo.num_layers, geo.kv_heads, geo.swa_window, info["head_dim"], info["tokens_per_block"],
+                         info["layout"])
+    budget = max([BUDGET] + [w for w in packer.swa_window if w])
+    tpb = info["tokens_per_block"]
+
+    def new_batch(seed: int) -> Batch:
+        return random_batch(geo, "union", budget, batch=4, seed=seed, padding=2, max_prompt=2 * tpb,
+                            max_extra=tpb, max_tail=tpb // 2 + 5, active=[True, True, seed % 2 == 0, True])
+
+    first = new_batch(400)
+    longest = 2 * tpb + budget + tpb + tpb // 2 + 5  # P + (S - P) + tail, the most new_batch makes
+    lengths = torch.full((first.max_requests,), longest)
+    table, num_pages = random_page_table(lengths, tpb, first.max_requests, seed=400)
+    table = table.cuda()
+    k_pools, v_pools = _random_pools(geo_pages, info, num_pages, combined=False, seed=400)
+    compactor = Compactor(library, k_pools, v_pools)
+    static = first.to("cuda")
+    capacity = first.max_requests * (budget + tpb // 2 + 5)
+
+    def step():
+        src, dst, offsets = packer(*static.args(), static.max_requests, capacity)
+        compactor(table, src, dst, offsets)
+        return src, dst, offsets
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # warm-up: Triton compiles, the packer caches its window table
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = step()
+
+    for seed in (401, 402, 403):
+        batch = new_batch(seed)
+        _copy_batch(static, batch.to("cuda"))
+        for pool in k_pools + v_pools:
+            pool.view(torch.uint8).copy_(torch.randint_like(pool.view(torch.uint8), 0, 256))
+        k_ref = [p.clone() for p in k_pools]
+        v_ref = [p.clone() for p in v_pools]
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = pack_moves(*batch.args(), geo, batch.max_requests)
+        check_moves(ref)
+        n = ref.src.shape[-1]
+        assert torch.equal(outputs[2].cpu(), ref.offsets) and torch.equal(outputs[0][..., :n].cpu(), ref.src)
+        compact_paged(k_ref, v_ref, table, Moves(ref.src.cuda(), ref.dst.cuda(), ref.offsets.cuda()), geo_pages)
+        for layer in range(geo.num_layers):
+            assert torch.equal(k_pools[layer].view(torch.uint8), k_ref[layer].view(torch.uint8)), f"seed {seed} K"
+            assert torch.equal(v_pools[layer].view(torch.uint8), v_ref[layer].view(torch.uint8)), f"seed {seed} V"

@@ -1,0 +1,159 @@
+"""Kernel wheels (kvgen.wheel, ``kvgen wheel``): contents, RECORD hashes, metadata and version lock,
+reproducibility, the split by arch family, the size guard, and a real install with pip that the
+runtime then finds through its entry point.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from kvgen import __version__
+from kvgen.cli import main
+from kvgen.registry import RegistryError
+from kvgen.wheel import (ENTRY_POINT_GROUP, WHEEL_TAG, WheelError, build_wheel, build_wheels, group_by_wheel,
+                         registry_archs, wheel_filename)
+
+from .test_runtime_registry import REAL_FAMILY, ROOT, fake_registry, real_registry
+
+SM90 = f"kvgen_kernels_sm90-{__version__}"
+
+
+def _names(wheel: Path) -> list[str]:
+    with zipfile.ZipFile(wheel) as zf:
+        return zf.namelist()
+
+
+def _read(wheel: Path, name: str) -> str:
+    with zipfile.ZipFile(wheel) as zf:
+        return zf.read(name).decode()
+
+
+def test_wheel_contents_metadata_and_record(tmp_path: Path) -> None:
+    registry = fake_registry(tmp_path / "reg", "sm_90a", ["fam", "other"])
+    wheel = build_wheel(registry, ["sm_90a"], tmp_path / "dist")
+    assert wheel.name == f"{SM90}-{WHEEL_TAG}.whl" == wheel_filename("kvgen_kernels_sm90")
+    info = f"{SM90}.dist-info"
+    assert _names(wheel) == [
+        "kvgen_kernels_sm90/__init__.py",
+        "kvgen_kernels_sm90/registry/sm_90a/libkvgen_fam.so",
+        "kvgen_kernels_sm90/registry/sm_90a/libkvgen_other.so",
+        "kvgen_kernels_sm90/registry/sm_90a/manifest.json",
+        f"{info}/METADATA", f"{info}/WHEEL", f"{info}/entry_points.txt", f"{info}/top_level.txt", f"{info}/RECORD"]
+    metadata = _read(wheel, f"{info}/METADATA")
+    assert "Name: kvgen-kernels-sm90\n" in metadata and f"Version: {__version__}\n" in metadata
+    assert f"Requires-Dist: kvgen=={__version__}\n" in metadata
+    wheel_file = _read(wheel, f"{info}/WHEEL")
+    assert f"Tag: {WHEEL_TAG}\n" in wheel_file and "Root-Is-Purelib: false\n" in wheel_file
+    entry_points = _read(wheel, f"{info}/entry_points.txt")
+    assert entry_points == f"[{ENTRY_POINT_GROUP}]\nkvgen_kernels_sm90 = kvgen_kernels_sm90\n"
+    assert f'KVGEN_VERSION = "{__version__}"' in _read(wheel, "kvgen_kernels_sm90/__init__.py")
+    assert '"kvgen_version": "' + __version__ in _read(wheel, "kvgen_kernels_sm90/registry/sm_90a/manifest.json")
+    _check_record(wheel, f"{info}/RECORD")
+
+
+def _check_record(wheel: Path, record_name: str) -> None:
+    """Every member but RECORD is listed once with its urlsafe-base64 sha256 and size."""
+    with zipfile.ZipFile(wheel) as zf:
+        rows = [line.split(",") for line in zf.read(record_name).decode().splitlines()]
+        listed = {name: (digest, size) for name, digest, size in rows}
+        assert listed.pop(record_name) == ("", "")
+        assert sorted(listed) == sorted(n for n in zf.namelist() if n != record_name)
+        for name, (digest, size) in listed.items():
+            data = zf.read(name)
+            want = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+            assert digest == f"sha256={want}" and int(size) == len(data), name
+        modes = {info.filename: (info.external_attr >> 16) & 0o777 for info in zf.infolist()}
+        assert all(mode == (0o755 if name.endswith(".so") else 0o644) for name, mode in modes.items())
+
+
+def test_wheel_is_reproducible(tmp_path: Path) -> None:
+    registry = fake_registry(tmp_path / "reg", "sm_90a", ["fam"])
+    first = build_wheel(registry, ["sm_90a"], tmp_path / "a").read_bytes()
+    os.utime(registry / "sm_90a" / "libkvgen_fam.so", (1, 1))          # mtimes are not inputs
+    assert build_wheel(registry, ["sm_90a"], tmp_path / "b").read_bytes() == first
+
+
+def test_wheels_split_by_arch_family(tmp_path: Path) -> None:
+    registry = tmp_path / "reg"
+    for arch in ("sm_90a", "sm_100a", "sm_100f", "sm_103a", "sm_107a"):
+        fake_registry(registry, arch, ["fam"])
+    assert registry_archs(registry) == ["sm_100a", "sm_100f", "sm_103a", "sm_107a", "sm_90a"]
+    assert group_by_wheel(registry_archs(registry)) == {
+        "kvgen_kernels_sm100": ["sm_100a", "sm_100f", "sm_103a", "sm_107a"], "kvgen_kernels_sm90": ["sm_90a"]}
+    sm100, sm90 = build_wheels(registry, registry_archs(registry), tmp_path / "dist")
+    assert sm90.name.startswith(SM90) and sm100.name.startswith(f"kvgen_kernels_sm100-{__version__}")
+    archs = {n.split("/")[2] for n in _names(sm100) if n.startswith("kvgen_kernels_sm100/registry/")}
+    assert archs == {"sm_100a", "sm_100f", "sm_103a", "sm_107a"}
+    with pytest.raises(WheelError, match="belong to different wheels"):
+        build_wheel(registry, ["sm_90a", "sm_100a"], tmp_path / "dist")
+
+
+def test_size_guard_fails_clearly_and_leaves_nothing(tmp_path: Path) -> None:
+    registry = fake_registry(tmp_path / "reg", "sm_90a", ["fam"])
+    with pytest.raises(WheelError, match=r"kvgen_kernels_sm90-.*\.whl would be 0\.0 MB, over the 0 MB limit.*100 MB"):
+        build_wheel(registry, ["sm_90a"], tmp_path / "dist", limit_bytes=100)
+    assert list((tmp_path / "dist").iterdir()) == []
+
+
+def test_refuses_tampered_missing_or_foreign_registries(tmp_path: Path) -> None:
+    registry = fake_registry(tmp_path / "reg", "sm_90a", ["fam"])
+    (registry / "sm_90a" / "libkvgen_fam.so").write_bytes(b"tampered")
+    with pytest.raises(RegistryError, match="sha256 mismatch.*kvgen build --arch sm_90a --family fam"):
+        build_wheel(registry, ["sm_90a"], tmp_path / "dist")
+    with pytest.raises(WheelError, match="no manifest for sm_100a; run: kvgen build --arch sm_100a --registry"):
+        build_wheel(registry, ["sm_100a"], tmp_path / "dist")
+    old = fake_registry(tmp_path / "old", "sm_90a", ["fam"], kvgen_version="0.0.1")
+    with pytest.raises(RegistryError, match="written by kvgen 0.0.1"):
+        build_wheel(old, ["sm_90a"], tmp_path / "dist")
+
+
+def test_cli_wheel(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    registry = fake_registry(tmp_path / "reg", "sm_90a", ["fam"])
+    fake_registry(registry, "sm_103a", ["fam"])
+    assert main(["wheel", "--registry", str(registry), "--out", str(tmp_path / "dist")]) == 0
+    assert sorted(p.name.split("-")[0] for p in (tmp_path / "dist").iterdir()) == [
+        "kvgen_kernels_sm100", "kvgen_kernels_sm90"]
+    assert "wrote" in capsys.readouterr().out
+    assert main(["wheel", "--arch", "sm_100a", "--registry", str(registry), "--out", str(tmp_path / "d2")]) == 1
+    assert "no manifest for sm_100a" in capsys.readouterr().err
+    assert main(["wheel", "--registry", str(tmp_path / "none"), "--out", str(tmp_path / "d3")]) == 1
+
+
+def _pip_install(wheel: Path, target: Path) -> None:
+    result = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "--quiet",
+                             "--disable-pip-version-check", "--target", str(target), str(wheel)],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+RESOLVE = """
+from kvgen.runtime import RuntimeRegistry
+registry = RuntimeRegistry.default(environ={})
+resolved = registry.resolve("FAMILY", "sm_90a")
+library = registry.load("FAMILY", "sm_90a")
+print(resolved.source.package, resolved.source.version, resolved.artifact, library.family)
+"""
+
+
+def test_installed_wheel_is_found_and_loads(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
+    registry = real_registry(tmp_path_factory)
+    wheel = build_wheel(registry, ["sm_90a"], tmp_path / "dist")
+    target = tmp_path / "site"
+    _pip_install(wheel, target)
+    assert (target / f"{SM90}.dist-info" / "RECORD").is_file()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(target), str(ROOT)])}
+    env.pop("KVGEN_REGISTRY", None)
+    result = subprocess.run([sys.executable, "-c", RESOLVE.replace("FAMILY", REAL_FAMILY)], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    package, version, artifact, family = result.stdout.split()
+    assert (package, version, family) == ("kvgen-kernels-sm90", __version__, REAL_FAMILY)
+    assert Path(artifact) == target / "kvgen_kernels_sm90" / "registry" / "sm_90a" / "libkvgen_qwen3_8b.so"
