@@ -194,6 +194,13 @@ def make_pools(info: dict, pages: int, moved_layers: int, fill: bool) -> tuple[l
     return k_pools, v_pools
 
 
+def verify_packer(src, dst, offsets, b: dict, mode: str, geo: TriGeometry) -> bool:
+    ref = oracle_pack_moves(*batch_args(b, mode), geo, b["kept"].shape[0])
+    n = ref.src.shape[-1]
+    return (torch.equal(src[..., :n], ref.src) and torch.equal(dst[..., :n], ref.dst)
+            and torch.equal(offsets, ref.offsets) and bool((src[..., n:] == -1).all()))
+
+
 def verify(compactor: Compactor, k_pools: list, v_pools: list, table, moves: tuple, geo: TriGeometry) -> bool:
     """One eager compaction against the oracle's compact_paged on copies of the same pools."""
     from kvgen.reference.triattention import Moves
@@ -220,6 +227,7 @@ def bench_compaction(library: CompactLibrary, packer: MovePacker, geo: TriGeomet
     b = make_batch(batch, rows, seed=batch)
     capacity = batch * (BUDGET + MAX_TAIL)
     src, dst, offsets = packer(*batch_args(b, mode), batch, capacity)
+    packer_verified = verify_packer(src, dst, offsets, b, mode, geo) if batch == 1 else None
     moved_layers = layers_that_fit(info, pages)
     src[moved_layers:] = -1  # layers that do not fit move nothing (see the module docstring)
     dst[moved_layers:] = -1
@@ -240,6 +248,7 @@ def bench_compaction(library: CompactLibrary, packer: MovePacker, geo: TriGeomet
     gbps = moved_bytes / t["median_ms"] / 1e6
     result = {"batch": batch, "layers_moved": moved_layers, "layers": info["num_layers"], "real_moves": real,
               "moved_bytes": moved_bytes, "rotation_sets": sets, "verified_against_oracle": verified,
+              "packer_verified_against_oracle": packer_verified,
               "compact": {**_short(t), "gbps": gbps, "fraction_of_copy": gbps / copy_gbps}}
     del graphs
     return result, b, capacity

@@ -16,6 +16,9 @@ libraries speak that version's C ABI and layout.
 
 Written with the standard library (zipfile, RECORD with sha256), byte-for-byte reproducible:
 members sorted, fixed timestamps and modes. Data only: the libraries link nothing from torch.
+Platform tag ``manylinux_2_28_x86_64``, raised to the newest glibc symbol version the libraries
+really reference (``manylinux_2_34`` when linked on a glibc >= 2.34 system), so pip never installs
+a wheel whose libraries cannot load.
 """
 
 from __future__ import annotations
@@ -36,12 +39,14 @@ from .registry import MANIFEST, fix_command, manifest_path, read_manifest
 
 ENTRY_POINT_GROUP = "kvgen.registries"
 PACKAGE_PREFIX = "kvgen_kernels_"
-PLATFORM_TAG = "manylinux_2_28_x86_64"
-WHEEL_TAG = f"py3-none-{PLATFORM_TAG}"
+# The oldest glibc a tag may claim; raised to what the libraries really need (see glibc_needed).
+MIN_GLIBC_MINOR = 28
+WHEEL_TAG = "py3-none-manylinux_2_28_x86_64"     # for libraries that need nothing newer than 2.28
 # GitHub and PyPI refuse files over 100 MB; keep a margin so a growing registry fails here first.
 MAX_FILE_BYTES = 90 * 1000 * 1000
 _ZIP_TIME = (1980, 1, 1, 0, 0, 0)   # earliest zip time: reproducible wheels
 _ARCH = re.compile(r"^sm_(\d{2,3})([af]?)$")
+_GLIBC = re.compile(rb"GLIBC_2\.(\d+)")
 
 
 class WheelError(RuntimeError):
@@ -142,17 +147,35 @@ def _metadata(dist: str, archs: Sequence[str]) -> str:
             f"Requires-Python: >=3.11\nRequires-Dist: kvgen=={__version__}\n")
 
 
-def _wheel_file() -> str:
+def _wheel_file(tag: str) -> str:
     # Root-Is-Purelib false: shared libraries belong in platlib.
-    return (f"Wheel-Version: 1.0\nGenerator: kvgen {__version__}\nRoot-Is-Purelib: false\nTag: {WHEEL_TAG}\n")
+    return f"Wheel-Version: 1.0\nGenerator: kvgen {__version__}\nRoot-Is-Purelib: false\nTag: {tag}\n"
 
 
-def _dist_info_members(package: str, archs: Sequence[str], payload: Sequence[Member]) -> list[Member]:
+def glibc_needed(paths: Iterable[Path]) -> int:
+    """Highest ``GLIBC_2.N`` symbol version the libraries name (N), at least MIN_GLIBC_MINOR.
+
+    Libraries linked on a new distribution need its glibc (e.g. 2.34, where pthread moved into
+    libc); a manylinux tag older than that would let pip install a wheel that cannot dlopen.
+    The version names are plain strings in the dynamic string table, so a byte scan finds them.
+    """
+    needed = MIN_GLIBC_MINOR
+    for path in paths:
+        needed = max([needed, *(int(m) for m in _GLIBC.findall(Path(path).read_bytes()))])
+    return needed
+
+
+def wheel_tag(payload: Iterable[Member]) -> str:
+    libraries = [m.source for m in payload if m.source is not None and m.name.endswith(".so")]
+    return f"py3-none-manylinux_2_{glibc_needed(libraries)}_x86_64"
+
+
+def _dist_info_members(package: str, archs: Sequence[str], payload: Sequence[Member], tag: str) -> list[Member]:
     dist = package.replace("_", "-")
     info = f"{package}-{_file_version()}.dist-info"
     members = [
         Member(f"{info}/METADATA", _metadata(dist, archs).encode()),
-        Member(f"{info}/WHEEL", _wheel_file().encode()),
+        Member(f"{info}/WHEEL", _wheel_file(tag).encode()),
         Member(f"{info}/entry_points.txt", f"[{ENTRY_POINT_GROUP}]\n{package} = {package}\n".encode()),
         Member(f"{info}/top_level.txt", f"{package}\n".encode()),
     ]
@@ -174,8 +197,8 @@ def _file_version() -> str:
     return __version__.replace("-", "_")
 
 
-def wheel_filename(package: str) -> str:
-    return f"{package}-{_file_version()}-{WHEEL_TAG}.whl"
+def wheel_filename(package: str, tag: str = WHEEL_TAG) -> str:
+    return f"{package}-{_file_version()}-{tag}.whl"
 
 
 # ---------------------------------------------------------------- writing
@@ -229,8 +252,9 @@ def build_wheel(registry_dir: Path, archs: Sequence[str], out_dir: Path,
     for arch in archs:
         payload += _registry_members(Path(registry_dir), arch, package)
     payload.sort(key=lambda m: m.name)
-    path = Path(out_dir) / wheel_filename(package)
-    _write_zip(path, [*payload, *_dist_info_members(package, archs, payload)], limit_bytes)
+    tag = wheel_tag(payload)
+    path = Path(out_dir) / wheel_filename(package, tag)
+    _write_zip(path, [*payload, *_dist_info_members(package, archs, payload, tag)], limit_bytes)
     return path
 
 

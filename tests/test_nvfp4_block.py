@@ -373,8 +373,12 @@ def _nvcc_candidates() -> list[str]:
     for c in [os.environ.get("KVGEN_NVCC"), shutil.which("nvcc"), "/usr/local/bin/nvcc", "/usr/local/cuda/bin/nvcc"]:
         if c and os.path.isfile(c) and os.access(c, os.X_OK) and c not in found:
             found.append(c)
-    # Extra toolchains (e.g. pip's nvidia-cuda-nvcc 13.5 for sm_107a), os.pathsep-separated.
-    for c in os.environ.get("KVGEN_EXTRA_NVCC", "").split(os.pathsep):
+    # Extra toolchains (pip's nvidia-cuda-nvcc 13.5 for sm_107a, found like `kvgen build` finds it,
+    # or listed in KVGEN_EXTRA_NVCC, os.pathsep-separated).
+    from kvgen.backends.nvcc import pip_nvcc_paths
+
+    extra = [str(p) for p in pip_nvcc_paths()] + os.environ.get("KVGEN_EXTRA_NVCC", "").split(os.pathsep)
+    for c in extra:
         if c and os.path.isfile(c) and c not in found:
             found.append(c)
     return found

@@ -11,13 +11,15 @@ import os
 import subprocess
 import sys
 import zipfile
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from kvgen import __version__
+from kvgen.cache import file_sha256
 from kvgen.cli import main
-from kvgen.registry import RegistryError
+from kvgen.registry import RegistryError, manifest_path, parse_manifest, write_manifest
 from kvgen.wheel import (ENTRY_POINT_GROUP, WHEEL_TAG, WheelError, build_wheel, build_wheels, group_by_wheel,
                          registry_archs, wheel_filename)
 
@@ -72,6 +74,18 @@ def _check_record(wheel: Path, record_name: str) -> None:
             assert digest == f"sha256={want}" and int(size) == len(data), name
         modes = {info.filename: (info.external_attr >> 16) & 0o777 for info in zf.infolist()}
         assert all(mode == (0o755 if name.endswith(".so") else 0o644) for name, mode in modes.items())
+
+
+def test_platform_tag_follows_the_glibc_the_libraries_need(tmp_path: Path) -> None:
+    registry = fake_registry(tmp_path / "reg", "sm_90a", ["fam"])
+    lib = registry / "sm_90a" / "libkvgen_fam.so"
+    lib.write_bytes(b"\x7fELF...GLIBC_2.2.5\0GLIBC_2.34\0GLIBC_2.17\0")
+    manifest = parse_manifest(manifest_path(registry, "sm_90a"))
+    entry = replace(manifest.libraries[0], artifact_sha256=file_sha256(lib))
+    write_manifest(manifest_path(registry, "sm_90a"), replace(manifest, libraries=(entry,)))
+    wheel = build_wheel(registry, ["sm_90a"], tmp_path / "dist")
+    assert wheel.name == f"{SM90}-py3-none-manylinux_2_34_x86_64.whl"
+    assert "Tag: py3-none-manylinux_2_34_x86_64\n" in _read(wheel, f"{SM90}.dist-info/WHEEL")
 
 
 def test_wheel_is_reproducible(tmp_path: Path) -> None:

@@ -347,6 +347,28 @@ struct Layer {
 // Kernels: grid (pairs, layers of the lifecycle); blockIdx.y picks the layer's descriptors.
 // ---------------------------------------------------------------------------------------------
 
+// The whole record between the cold slot and shared memory, in 16-byte words, each thread
+// issuing kInFlight loads before its stores: over PCIe (mapped pinned slots) a load takes
+// microseconds, so several outstanding loads per thread are what keeps the bus busy.
+template <int kBytes, int kThreads>
+__device__ __forceinline__ void copy_record(uint8_t* __restrict__ dst, const uint8_t* __restrict__ src) {
+  constexpr int kWords = kBytes / 16;
+  constexpr int kInFlight = 4;
+  const uint4* in = reinterpret_cast<const uint4*>(src);
+  uint4* out = reinterpret_cast<uint4*>(dst);
+  for (int base = threadIdx.x; base < kWords; base += kThreads * kInFlight) {
+    uint4 v[kInFlight];
+#pragma unroll
+    for (int k = 0; k < kInFlight; ++k) {
+      if (base + k * kThreads < kWords) v[k] = in[base + k * kThreads];
+    }
+#pragma unroll
+    for (int k = 0; k < kInFlight; ++k) {
+      if (base + k * kThreads < kWords) out[base + k * kThreads] = v[k];
+    }
+  }
+}
+
 template <bool kDevicePairs>
 __device__ __forceinline__ PagePair pair_at(const PairBatch& batch, const PagePair* pairs, int64_t i) {
   if constexpr (kDevicePairs) return pairs[i];
@@ -363,7 +385,7 @@ encode_kernel(const PoolDesc* __restrict__ pools, uint8_t* cold, int64_t cold_pa
   L::encode(rec, pools + blockIdx.y * L::kNumParts, pair.src);
   __syncthreads();
   uint8_t* slot = cold + pair.dst * cold_page_bytes + (int64_t)blockIdx.y * L::kRecordBytes;
-  cta_copy<L::kRecordBytes, 16>(slot, rec);
+  copy_record<L::kRecordBytes, kThreads>(slot, rec);
 }
 
 template <class L, int kThreads, bool kDevicePairs>
@@ -374,7 +396,7 @@ decode_kernel(const PoolDesc* __restrict__ pools, const uint8_t* cold, int64_t c
   uint8_t* rec = reinterpret_cast<uint8_t*>(smem);
   const PagePair pair = pair_at<kDevicePairs>(batch, pairs, blockIdx.x);
   const uint8_t* slot = cold + pair.src * cold_page_bytes + (int64_t)blockIdx.y * L::kRecordBytes;
-  cta_copy<L::kRecordBytes, 16>(rec, slot);
+  copy_record<L::kRecordBytes, kThreads>(rec, slot);
   __syncthreads();
   L::decode(rec, pools + blockIdx.y * L::kNumParts, pair.dst);
 }

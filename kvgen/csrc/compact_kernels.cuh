@@ -135,9 +135,11 @@ __host__ __device__ inline CtaTask cta_task(const Geometry& g, const LayerPools&
 constexpr int kMaxVectorsPerThread = 16;
 
 // Moves per tile: the tunable tile_tokens, reduced when long rows would need more than
-// kMaxVectorsPerThread vectors per thread (then the kernel would spill).  At least one move.
+// kMaxVectorsPerThread vectors per thread (then the kernel would spill), and to one move per
+// thread (each thread resolves at most one move of a tile).  At least one move.
 __host__ __device__ constexpr int tile_moves(int threads, int tile_tokens, int row_vectors) {
-  const int cap = kMaxVectorsPerThread * threads / (2 * row_vectors);
+  const int spill_cap = kMaxVectorsPerThread * threads / (2 * row_vectors);
+  const int cap = spill_cap < threads ? spill_cap : threads;
   return cap < 1 ? 1 : (tile_tokens < cap ? tile_tokens : cap);
 }
 

@@ -465,16 +465,12 @@ KVGEN_NVFP4_HD void decode_block_2fp4(const Block2FP4& b, float Q, float (&y)[16
 // the result never depends on how the instruction treats Inf, and pin NaN to 0x7F.
 
 KVGEN_NVFP4_HD uint16_t round_to_bf16_bits(float y) {
-#if !defined(__CUDA_ARCH__)
-  if (is_nan(y)) return kBF16NaN;  // cvt.rn.bf16.f32 writes this NaN on the device by itself
-#endif
+  if (is_nan(y)) return kBF16NaN;
   return __bfloat16_as_ushort(__float2bfloat16_rn(y));
 }
 
 KVGEN_NVFP4_HD uint16_t round_to_fp16_bits(float y) {
-#if !defined(__CUDA_ARCH__)
-  if (is_nan(y)) return kFP16NaN;  // cvt.rn.f16.f32 writes this NaN on the device by itself
-#endif
+  if (is_nan(y)) return kFP16NaN;
   return __half_as_ushort(__float2half_rn(y));
 }
 

@@ -5,10 +5,12 @@
 //
 // The exported wrapper takes one struct per tensor argument ({data, dynamic_shapes,
 // dynamic_strides}, only the modes that were symbolic at compile time); this file fills them from
-// plain pointers and sizes, checks what the kernel cannot, and loads the embedded cubin once.
+// plain pointers and sizes, checks what the kernel cannot, and loads the embedded cubin (once per
+// process, prepared once per device).
 #include <cstdio>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include <cuda_runtime.h>
 
@@ -17,45 +19,81 @@
 namespace {
 
 thread_local std::string g_last_error;
-std::once_flag g_load_once;
-cudaError_t g_load_error = cudaSuccess;  // first error of the one-time module load
-std::string g_load_message;
 
-void note_cuda_error(cudaError_t err, const char* what) {
-  if (err != cudaSuccess && g_load_error == cudaSuccess) {
-    g_load_error = err;
-    g_load_message = std::string(what) + ": " + cudaGetErrorName(err) + ": " + cudaGetErrorString(err);
-  }
+// The exported header's loader reports CUDA errors through CUTE_DSL_CUDA_ERROR_CHECK (it prints
+// by default); collect them instead. Only the header's inline loader uses it, and this file calls
+// the underlying init / load-to-device functions itself (below), so it is defined for the include.
+cudaError_t g_header_error = cudaSuccess;
+void note_cuda_error(cudaError_t err) {
+  if (err != cudaSuccess && g_header_error == cudaSuccess) g_header_error = err;
 }
 
 }  // namespace
 
-// The exported header's loader reports CUDA errors through this macro (it prints by default).
-#define CUTE_DSL_CUDA_ERROR_CHECK(err) note_cuda_error((err), #err)
+#define CUTE_DSL_CUDA_ERROR_CHECK(err) note_cuda_error(err)
 #include "kvgen_score_impl.h"
 #include "score_family.h"
 
 namespace {
 
+// The embedded cubin is loaded once per process (cudaLibraryLoadData) and prepared lazily per
+// device on the first call made on it; the header's own loader would prepare every visible GPU,
+// creating a context on each (hundreds of MB apiece on an 8-GPU host serving one rank per GPU).
 kvgen_score_impl_Kernel_Module_t g_module;
+std::mutex g_load_mutex;
+bool g_initialized = false;
+cudaError_t g_init_error = cudaSuccess;
+std::vector<bool> g_device_ready;
 
 int fail(int code, const std::string& message) {
   g_last_error = message;
   return code;
 }
 
-int load_module() {
-  std::call_once(g_load_once, [] {
-    int device = 0;
-    bool restore = cudaGetDevice(&device) == cudaSuccess;
-    kvgen_score_impl_Kernel_Module_Load(&g_module);
-    if (restore) {
-      cudaSetDevice(device);
-    }
-  });
-  if (g_load_error != cudaSuccess) {
+std::string cuda_text(cudaError_t err) {
+  return std::string(cudaGetErrorName(err)) + ": " + cudaGetErrorString(err);
+}
+
+int load_module_on_current_device() {
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  std::lock_guard<std::mutex> lock(g_load_mutex);
+  if (err != cudaSuccess) {
     return fail(KVGEN_SCORE_ELOAD, "kvgen_score (" KVGEN_SCORE_FAMILY ", " KVGEN_SCORE_ARCH
-                                   "): cannot load the embedded kernel: " + g_load_message);
+                                   "): no current CUDA device: " + cuda_text(err));
+  }
+  if (!g_initialized) {
+    g_initialized = true;
+    cudaLibrary_t* library = &g_module.module;
+    struct {
+      cudaLibrary_t** library;
+      cudaError_t* ret;
+    } init_args = {&library, &g_init_error};
+    _mlir_kvgen_score_impl_cuda_init(reinterpret_cast<void**>(&init_args));
+  }
+  if (g_init_error != cudaSuccess) {
+    return fail(KVGEN_SCORE_ELOAD, "kvgen_score (" KVGEN_SCORE_FAMILY ", " KVGEN_SCORE_ARCH
+                                   "): cannot load the embedded kernel: " + cuda_text(g_init_error));
+  }
+  if (device >= static_cast<int>(g_device_ready.size())) {
+    g_device_ready.resize(device + 1, false);
+  }
+  if (!g_device_ready[device]) {
+    cudaLibrary_t* library = &g_module.module;
+    int32_t device_id = device;
+    cudaError_t ret = cudaSuccess;
+    struct {
+      cudaLibrary_t** library;
+      int32_t* device_id;
+      cudaError_t* ret;
+    } load_args = {&library, &device_id, &ret};
+    _mlir_kvgen_score_impl_cuda_load_to_device(reinterpret_cast<void**>(&load_args));
+    if (ret != cudaSuccess) {
+      return fail(KVGEN_SCORE_ELOAD, "kvgen_score (" KVGEN_SCORE_FAMILY ", " KVGEN_SCORE_ARCH
+                                     "): cannot prepare the kernel on device " + std::to_string(device) + ": " +
+                                     cuda_text(ret));
+    }
+    g_device_ready[device] = true;
   }
   return 0;
 }
@@ -110,7 +148,7 @@ int kvgen_score(const int64_t* k_layer_ptrs, int64_t page_stride, const int32_t*
   if (max_pages == 0) {
     return fail(KVGEN_SCORE_EINVAL, "kvgen_score: max_pages must be > 0");
   }
-  int loaded = load_module();
+  int loaded = load_module_on_current_device();
   if (loaded != 0) {
     return loaded;
   }

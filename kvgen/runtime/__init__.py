@@ -1,13 +1,17 @@
 """Run-time side of kvgen: load generated family libraries through their C ABI and drive them
-with torch tensors. Importing this package creates no files and needs no compiler."""
+with torch tensors. Importing this package creates no files, needs no compiler and no build-time
+dependency (pydantic): registries carry the layouts the runtime needs."""
 
 from .codec import ColdPageCodec, pool_descriptors
+from .compact import CompactLibrary, Compactor
 from .library import FamilyLibrary, LibraryError
-
-__all__ = ["ColdPageCodec", "FamilyLibrary", "LibraryError", "pool_descriptors"]
-
+from .pack import MovePacker, PackModuleError, load_pack_module, pack_module_path
 from .registry import (RegistryLayout, RegistrySource, Resolved, RuntimeRegistry, check_spec, codec_from_registry,
                        installed_sources, register_codec)
 
-__all__ += ["RegistryLayout", "RegistrySource", "Resolved", "RuntimeRegistry", "check_spec", "codec_from_registry",
-            "installed_sources", "register_codec"]
+__all__ = [
+    "ColdPageCodec", "CompactLibrary", "Compactor", "FamilyLibrary", "LibraryError", "MovePacker",
+    "PackModuleError", "load_pack_module", "pack_module_path", "RegistryLayout", "RegistrySource", "Resolved",
+    "RuntimeRegistry", "check_spec", "codec_from_registry", "installed_sources", "pool_descriptors",
+    "register_codec",
+]

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
-from ..layout import FamilyLayout
 from .library import FamilyLibrary, LibraryError, PoolDesc
+
+if TYPE_CHECKING:  # the layout module needs the spec (pydantic); the runtime only reads attributes
+    from ..layout import FamilyLayout
 
 INDEX_LOCATIONS = {"host": 0, "device": 1}
 
@@ -38,7 +41,7 @@ def _stream_handle(stream: torch.cuda.Stream | None) -> int:
 class ColdPageCodec:
     """One configured codec instance (C ABI ``kvgen_codec``), owning its device tables."""
 
-    def __init__(self, library: FamilyLibrary, layout: FamilyLayout, pools: Sequence[Sequence[torch.Tensor]],
+    def __init__(self, library: FamilyLibrary, layout: "FamilyLayout", pools: Sequence[Sequence[torch.Tensor]],
                  index_location: str = "host"):
         if library.family != layout.family:
             raise LibraryError(f"{library.path}: built for {library.family!r}, layout is {layout.family!r}")

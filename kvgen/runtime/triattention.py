@@ -139,6 +139,16 @@ def oracle_compactor(k_pools: Sequence[torch.Tensor], v_pools: Sequence[torch.Te
     return compact
 
 
+def generated_backends(family: str, k_pools: Sequence[torch.Tensor], v_pools: Sequence[torch.Tensor],
+                       pack_module: str | Path, compact_library: str | Path) -> tuple[Packer, Compactor]:
+    """The family's generated Triton packer (``generated/<family>/pack.py``) and CUDA compactor
+    (its family library) as the manager's ``packer`` and ``compactor``."""
+    from .compact import Compactor as CudaCompactor
+    from .pack import MovePacker
+
+    return MovePacker(pack_module, family=family), CudaCompactor(compact_library, k_pools, v_pools)
+
+
 class TriAttentionManager:
     """TriAttention as an iteration-driven KV-cache compression method.
 

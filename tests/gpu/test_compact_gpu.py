@@ -42,6 +42,7 @@ GENERATED = ROOT / "generated"
 WINDOW = 32        # synthetic sliding window of every third layer
 BUDGET = 48        # >= WINDOW
 POOL_DTYPE = {2: torch.bfloat16, 1: torch.float8_e4m3fn}  # by element bytes: compaction copies bytes
+DEVICE = "cuda"
 
 
 def _registry() -> tuple[dict[str, Path], str]:
@@ -74,20 +75,20 @@ def _geometry_of(info: dict):
 
 def _random_pools(geo, info: dict, num_pages: int, combined: bool, seed: int) -> tuple[list, list]:
     """Random bytes on the GPU; ``combined``: K and V as strided views of one [pages, 2, page] pool."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
     page = ((geo.kv_heads, geo.tokens_per_block) if geo.layout == "HND" else (geo.tokens_per_block, geo.kv_heads))
     row = geo.head_dim * info["elem_bytes"]
     dtype = POOL_DTYPE[info["elem_bytes"]]
     k_pools, v_pools = [], []
     for _ in range(geo.num_layers):
         if combined:
-            kv = torch.randint(0, 256, (num_pages, 2, *page, row), dtype=torch.uint8, device="cuda", generator=g)
+            kv = torch.randint(0, 256, (num_pages, 2, *page, row), dtype=torch.uint8, device=DEVICE, generator=g)
             kv = kv.view(dtype)
             k_pools.append(kv[:, 0])
             v_pools.append(kv[:, 1])
         else:
             for pools in (k_pools, v_pools):
-                raw = torch.randint(0, 256, (num_pages, *page, row), dtype=torch.uint8, device="cuda", generator=g)
+                raw = torch.randint(0, 256, (num_pages, *page, row), dtype=torch.uint8, device=DEVICE, generator=g)
                 pools.append(raw.view(dtype))
     return k_pools, v_pools
 
@@ -108,9 +109,10 @@ def _check_compaction(library: CompactLibrary, mode: str, seed: int, combined: b
     k_pools, v_pools = _random_pools(geo, library.info, num_pages, combined, seed)
     k_ref = [p.clone() for p in k_pools]
     v_ref = [p.clone() for p in v_pools]
-    compact_paged(k_ref, v_ref, table.cuda(), moves, geo)
+    table = table.to(DEVICE)
+    compact_paged(k_ref, v_ref, table, moves, geo)
     compactor = Compactor(library, k_pools, v_pools)
-    compactor(table.cuda(), moves.src.cuda(), moves.dst.cuda(), moves.offsets.cuda())
+    compactor(table, moves.src.to(DEVICE), moves.dst.to(DEVICE), moves.offsets.to(DEVICE))
     torch.cuda.synchronize()
     for layer in range(geo.num_layers):
         assert torch.equal(k_pools[layer].view(torch.uint8), k_ref[layer].view(torch.uint8)), f"{mode}: K {layer}"
@@ -202,7 +204,7 @@ def test_packer_on_gpu_equals_oracle(family: str) -> None:
         ref = pack_moves(*batch.args(), geo, batch.max_requests)
         n = ref.src.shape[-1]
         for capacity in (None, n + 129):
-            src, dst, offsets = packer(*batch.to("cuda").args(), batch.max_requests, capacity)
+            src, dst, offsets = packer(*batch.to(DEVICE).args(), batch.max_requests, capacity)
             assert torch.equal(offsets.cpu(), ref.offsets)
             assert torch.equal(src[..., :n].cpu(), ref.src) and torch.equal(dst[..., :n].cpu(), ref.dst)
             assert bool((src[..., n:] == -1).all()) and bool((dst[..., n:] == -1).all())
@@ -233,10 +235,10 @@ def test_pack_and_compact_replay_in_a_cuda_graph(family: str) -> None:
     longest = 2 * tpb + budget + tpb + tpb // 2 + 5  # P + (S - P) + tail, the most new_batch makes
     lengths = torch.full((first.max_requests,), longest)
     table, num_pages = random_page_table(lengths, tpb, first.max_requests, seed=400)
-    table = table.cuda()
+    table = table.to(DEVICE)
     k_pools, v_pools = _random_pools(geo_pages, info, num_pages, combined=False, seed=400)
     compactor = Compactor(library, k_pools, v_pools)
-    static = first.to("cuda")
+    static = first.to(DEVICE)
     capacity = first.max_requests * (budget + tpb // 2 + 5)
 
     def step():
@@ -255,7 +257,7 @@ def test_pack_and_compact_replay_in_a_cuda_graph(family: str) -> None:
 
     for seed in (401, 402, 403):
         batch = new_batch(seed)
-        _copy_batch(static, batch.to("cuda"))
+        _copy_batch(static, batch.to(DEVICE))
         for pool in k_pools + v_pools:
             pool.view(torch.uint8).copy_(torch.randint_like(pool.view(torch.uint8), 0, 256))
         k_ref = [p.clone() for p in k_pools]
@@ -266,7 +268,7 @@ def test_pack_and_compact_replay_in_a_cuda_graph(family: str) -> None:
         check_moves(ref)
         n = ref.src.shape[-1]
         assert torch.equal(outputs[2].cpu(), ref.offsets) and torch.equal(outputs[0][..., :n].cpu(), ref.src)
-        compact_paged(k_ref, v_ref, table, Moves(ref.src.cuda(), ref.dst.cuda(), ref.offsets.cuda()), geo_pages)
+        compact_paged(k_ref, v_ref, table, Moves(*(t.to(DEVICE) for t in (ref.src, ref.dst, ref.offsets))), geo_pages)
         for layer in range(geo.num_layers):
             assert torch.equal(k_pools[layer].view(torch.uint8), k_ref[layer].view(torch.uint8)), f"seed {seed} K"
             assert torch.equal(v_pools[layer].view(torch.uint8), v_ref[layer].view(torch.uint8)), f"seed {seed} V"

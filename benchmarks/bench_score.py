@@ -1,0 +1,223 @@
+"""TriAttention scoring and whole eviction rounds on the GPU, against ceilings measured in the same run.
+
+Score kernel (per variant: family, batch B, decode region W tokens after a 1024-token prompt, pages
+scattered, every scored layer in one launch):
+  effective bandwidth = (K bytes the kernel must read + score bytes written) / time, as a fraction
+  of the device-to-device copy bandwidth measured here (``copy_ceiling``: bytes read + written per
+  second; the kernel is a read stream, so this is the ceiling of a memory-bound kernel). K bytes =
+  scored layers x B x Hkv x W x rotated span bytes x passes over K (1 for every group <= 16).
+  Variants: Qwen3-8B geometry (36 layers, 32/8 heads, head 128, bf16) at B = 32 and B = 1;
+  head 64 (gpt-oss-20b, 64/8, 12 scored of 24 layers) and head 256 (gemma-2-9b, 16/8, 21 scored of
+  42; qwen3.5-397b-a17b, 32/2, partial rotary 64 of 256) at B = 32.
+Peers: the oracle's ``score_paged`` (float32) on the GPU, eager and under ``torch.compile``, one
+  layer of the Qwen3-8B B = 32 variant (an out-of-memory is recorded, not raised).
+Round: one whole round (score -> z -> aggregate -> select -> pack -> compact) for Qwen3-8B, B = 32,
+  every request due (budget 2048), stage by stage, against an estimate of one decode step's
+  attention over the same cache: K + V bytes of every layer / copy bandwidth (an estimate of a
+  perfect memory-bound attention kernel, not a measurement), before and after compaction.
+
+Usage: python benchmarks/bench_score.py [--width 16384] [--batch 32] [--no-peers] [--no-round]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import copy_ceiling, environment, time_ms, write_result  # noqa: E402
+from kvgen.reference.triattention import (mean_phase_table, save_calibration, score_paged,  # noqa: E402
+                                          synthetic_calibration)
+from kvgen.runtime.score import TORCH_DTYPES, ScoreLibrary, score_library_path  # noqa: E402
+from kvgen.runtime.triattention import TriAttentionManager, generated_backends  # noqa: E402
+from kvgen.spec import load_spec  # noqa: E402
+from kvgen.spec_tri import rope_scaling, tri_geometry  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPT = 1024
+VARIANTS = [("qwen3-8b", 32), ("qwen3-8b", 1), ("gpt-oss-20b", 32), ("gemma-2-9b", 32), ("qwen3.5-397b-a17b", 32)]
+
+
+def page_shape(g) -> tuple[int, int, int]:
+    if g.layout == "HND":
+        return g.kv_heads, g.tokens_per_block, g.head_dim
+    return g.tokens_per_block, g.kv_heads, g.head_dim
+
+
+class Cache:
+    """K (and optionally V) pools of a family for B requests of ``PROMPT + width`` tokens, pages
+    scattered, plus everything the kernel takes."""
+
+    def __init__(self, family: str, batch: int, width: int, all_layers: bool = False, with_v: bool = False,
+                 only_layer: int | None = None):
+        self.spec = load_spec(ROOT / "specs" / f"{family}.yaml")
+        g = self.geometry = tri_geometry(self.spec)
+        self.batch, self.width = batch, width
+        dtype = TORCH_DTYPES[self.spec.dtype]
+        tokens = PROMPT + width
+        per_request = math.ceil(tokens / g.tokens_per_block)
+        pages = batch * per_request
+        layers = range(g.num_layers) if all_layers else g.scored_layers
+        if only_layer is not None:
+            layers = [only_layer]
+        self.k_pools = {layer: torch.empty((pages, *page_shape(g)), dtype=dtype, device="cuda").normal_()
+                        for layer in layers}
+        self.v_pools = ({layer: torch.empty_like(self.k_pools[layer]).normal_() for layer in layers}
+                        if with_v else {})
+        self.page_table = torch.randperm(pages, device="cuda").to(torch.int32).reshape(batch, per_request)
+        self.calibration = synthetic_calibration(g, seed=0, theta=self.spec.rope.theta, scaling=rope_scaling(self.spec))
+        self.P = [PROMPT] * batch
+        self.S = [PROMPT + width] * batch
+
+    def kernel_inputs(self) -> dict:
+        g, calib = self.geometry, self.calibration
+        scored = list(g.scored_layers)
+        e_q = calib.E_q[scored].cuda()
+        qr, qi = e_q.real.float().contiguous(), e_q.imag.float().contiguous()
+        cos_rows, sin_rows = mean_phase_table(calib.omega.cuda(), PROMPT + self.width + 1)
+        L = torch.tensor(self.S, device="cuda")
+        return {
+            "k_layer_ptrs": torch.tensor([self.k_pools[layer].data_ptr() for layer in scored], dtype=torch.int64,
+                                         device="cuda"),
+            "page_stride": self.k_pools[scored[0]].stride(0),
+            "page_table": self.page_table,
+            "P": torch.tensor(self.P, dtype=torch.int32, device="cuda"),
+            "S": torch.tensor(self.S, dtype=torch.int32, device="cuda"),
+            "c": cos_rows[L].contiguous(), "d": sin_rows[L].contiguous(), "qr": qr, "qi": qi,
+            "mlr": (calib.E_q_norm[scored].cuda() - torch.hypot(qr, qi)).contiguous(),
+            "freq_scale_sq": calib.freq_scale_sq.cuda(),
+            "scores": torch.empty((len(scored), self.batch, g.query_heads, self.width), device="cuda"),
+        }
+
+
+def score_library(family: str, registry: Path, arch: str) -> ScoreLibrary:
+    return ScoreLibrary(score_library_path(registry, arch, family), family=family)
+
+
+def bench_score(family: str, batch: int, width: int, copy: dict, registry: Path, arch: str) -> dict:
+    cache = Cache(family, batch, width)
+    g = cache.geometry
+    lib = score_library(family, registry, arch)
+    inputs = cache.kernel_inputs()
+    t = time_ms(lambda: lib.score(**inputs), reps=10, warmup=2)
+    passes = int(lib.geometry["passes"])
+    elem = cache.k_pools[g.scored_layers[0]].element_size()
+    k_bytes = len(g.scored_layers) * batch * g.kv_heads * width * g.rotary_dim * elem * passes
+    score_bytes = inputs["scores"].numel() * 4
+    gbps = (k_bytes + score_bytes) / t["median_ms"] / 1e6
+    result = {"family": family, "batch": batch, "width": width, "scored_layers": len(g.scored_layers),
+              "head_dim": g.head_dim, "rotary_dim": g.rotary_dim, "query_heads": g.query_heads,
+              "kv_heads": g.kv_heads, "passes": passes, "k_bytes": k_bytes, "score_bytes": score_bytes,
+              "gbps": gbps, "fraction_of_copy": gbps / copy["gbps_read_plus_write"],
+              **{k: v for k, v in t.items()}}
+    print(f"score {family:22s} B={batch:3d} W={width}: {t['median_ms']:.3f} ms, {gbps:.0f} GB/s "
+          f"= {result['fraction_of_copy']:.2f} of copy")
+    del cache, inputs
+    torch.cuda.empty_cache()
+    return result
+
+
+def bench_oracle(width: int, batch: int) -> dict:
+    """The oracle's scoring of one layer (f32), eager and compiled."""
+    layer = 0
+    cache = Cache("qwen3-8b", batch, width, only_layer=layer)
+    g = cache.geometry
+    calib = cache.calibration.to("cuda")
+    args = (cache.k_pools[layer], cache.page_table, torch.tensor(cache.P, device="cuda"),
+            torch.tensor(cache.S, device="cuda"), torch.zeros(batch, dtype=torch.int64, device="cuda"), calib,
+            layer, g, torch.float32)
+    out = {"family": "qwen3-8b", "batch": batch, "width": width, "layers_timed": 1,
+           "note": "one layer; a full round scores 36"}
+    for name, fn in (("eager", score_paged), ("compiled", torch.compile(score_paged))):
+        try:
+            t = time_ms(lambda: fn(*args), reps=3, warmup=1)
+            out[name] = {k: v for k, v in t.items()}
+            print(f"oracle {name}: {t['median_ms']:.1f} ms per layer")
+        except torch.cuda.OutOfMemoryError as exc:
+            out[name] = {"error": f"out of memory: {str(exc).splitlines()[0]}"}
+        torch.cuda.empty_cache()
+    return out
+
+
+def bench_round(width: int, batch: int, copy: dict, registry: Path, arch: str) -> dict:
+    family = "qwen3-8b"
+    cache = Cache(family, batch, width, all_layers=True, with_v=True)
+    g, spec = cache.geometry, cache.spec
+    k_pools = [cache.k_pools[layer] for layer in range(g.num_layers)]
+    v_pools = [cache.v_pools[layer] for layer in range(g.num_layers)]
+    with tempfile.TemporaryDirectory() as tmp:
+        calib_path = Path(tmp) / "calib.pt"
+        save_calibration(cache.calibration, calib_path)
+        backends, which = {}, "oracle pack_moves + compact_paged"
+        pack = ROOT / "generated" / family / "pack.py"
+        compact = registry / arch / "libkvgen_qwen3_8b.so"
+        if pack.is_file() and compact.is_file():
+            try:
+                packer, compactor = generated_backends(family, k_pools, v_pools, pack, compact)
+                backends, which = {"packer": packer, "compactor": compactor}, "generated Triton packer + CUDA compactor"
+            except Exception as exc:  # noqa: BLE001 - fall back and say so in the record
+                which = f"oracle (generated backends unusable: {exc})"
+        manager = TriAttentionManager(spec, calib_path, k_pools, v_pools, score_library(family, registry, arch),
+                                      budget=2048, beta=128, eviction_mode="union", max_position=PROMPT + width + 1,
+                                      **backends)
+    P, S, L, tail = cache.P, cache.S, cache.S, [0] * batch
+    stages = {}
+    scores = manager.score(cache.page_table, P, S, L)
+    stages["score"] = time_ms(lambda: manager.score(cache.page_table, P, S, L), reps=5, warmup=1)
+    kept = manager.decide(scores, P, S)
+    stages["normalize_aggregate_select"] = time_ms(lambda: manager.decide(scores, P, S), reps=5, warmup=1)
+    device_args = [torch.tensor(v, dtype=torch.int64, device="cuda") for v in (P, S, tail)]
+    active = torch.ones(batch, dtype=torch.bool, device="cuda")
+    moves = manager.packer(kept, *device_args, active, manager.budget, manager.mode, batch)
+    stages["pack"] = time_ms(lambda: manager.packer(kept, *device_args, active, manager.budget, manager.mode, batch),
+                             reps=5, warmup=1)
+    stages["compact"] = time_ms(lambda: manager.compactor(cache.page_table, *moves), reps=5, warmup=1)
+    total = time_ms(lambda: manager.run_round(cache.page_table, P, S, L, tail), reps=5, warmup=1)
+    elem = k_pools[0].element_size()
+    kv_bytes = lambda tokens: 2 * g.num_layers * batch * tokens * g.kv_heads * g.head_dim * elem  # noqa: E731
+    before = kv_bytes(PROMPT + width) / copy["gbps_read_plus_write"] / 1e6
+    after = kv_bytes(PROMPT + manager.budget) / copy["gbps_read_plus_write"] / 1e6
+    result = {"family": family, "batch": batch, "width": width, "budget": manager.budget, "pack_compact": which,
+              "stages": {k: {kk: vv for kk, vv in v.items() if kk != "samples_ms"} for k, v in stages.items()},
+              "round": {k: v for k, v in total.items()},
+              "decode_attention_estimate_ms": {"before_round": before, "after_round": after,
+                                               "estimate": "K+V bytes of every layer / copy bandwidth"},
+              "round_over_decode_step": total["median_ms"] / before,
+              "rounds_per_beta_steps": 1}
+    print(f"round: {total['median_ms']:.2f} ms; one decode step's attention ~{before:.2f} ms before, "
+          f"~{after:.2f} ms after ({which})")
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--width", type=int, default=16384)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--registry", type=Path, default=ROOT / "build" / "registry")
+    parser.add_argument("--arch", default="sm_90a")
+    parser.add_argument("--no-peers", action="store_true")
+    parser.add_argument("--no-round", action="store_true")
+    args = parser.parse_args(argv)
+    copy = copy_ceiling()
+    torch.cuda.empty_cache()
+    print(f"copy ceiling: {copy['gbps_read_plus_write']:.0f} GB/s (read + write)")
+    record = {"environment": environment(), "ceilings": {"copy": copy}, "score": []}
+    for family, batch in VARIANTS:
+        batch = args.batch if batch != 1 else 1
+        record["score"].append(bench_score(family, batch, args.width, copy, args.registry, args.arch))
+    if not args.no_peers:
+        record["oracle"] = bench_oracle(args.width, args.batch)
+    if not args.no_round:
+        record["round"] = bench_round(args.width, args.batch, copy, args.registry, args.arch)
+    print(f"wrote {write_result('bench_score', record)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

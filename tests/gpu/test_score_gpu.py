@@ -1,0 +1,195 @@
+"""The generated TriAttention score kernels on the GPU against the oracle (TRIATTENTION.md §3-§7).
+
+Libraries: ``<registry>/sm_90a/lib<kvgen_family>_score.so`` (``kvgen.backends.cute_aot``, built on
+the CPU machine, carried here); nothing here imports CUTLASS.
+
+Tolerance of the scores (derived, not tuned). The kernel computes in float32 what the oracle
+computes in float64: the coefficients ``a = s(qr·c − qi·d)``, ``b = s(qr·d + qi·c)`` from float32
+mean-phase rows (each rounded once, u = 2^-24) in four rounded operations, ``m = s·(E|q| − |Eq|)``
+in three; the magnitude ``sqrt(re² + im²)`` in two; then a chain of 3F fused multiply-adds. With
+``T = Σ_f s_f[(|qr||c| + |qi||d|)|re| + (|qr||d| + |qi||c|)|im| + (E|q| + |Eq|)|k_f|]`` (the sum of
+the magnitudes every rounding error is relative to) the first-order worst case is
+``|kernel − oracle| ≤ (3F + 16)·u·T``: 3F for the accumulation chain, the rest for the
+coefficients and the magnitude. The bound is asserted everywhere, so it holds for any inputs, not
+only on average. Columns past a request's width must be exactly 0.
+
+Grid: every TriAttention family, its first 6 cache layers (the kernel's layer count is a run-time
+size; for the SWA families 3 of the 6 slide), three requests: widths 300, 0 and 517 decode tokens,
+positions L = S + C up to ~70600 (the mean-phase table grows past its initial 2^15 rows), K/V of
+two families interleaved in one buffer (page stride twice the page), ten repeated K rows (ties).
+Full rounds: families whose windows fit a short decode (gemma-2-9b slides 4096 tokens, so its
+budget would need a 4096-token decode; its scores and selection are covered above), all layers,
+both with the oracle's packer/compactor and with the generated ones when they are built. The
+oracle's round scores with float32 torch ops, the manager with the kernel: both round, so with
+continuous random keys a value within ~1e-7 of the budget cut could flip. The decode therefore
+draws K rows from 24 distinct rows per layer (``DecodeSim(codebook=24)``): equal keys tie exactly
+in both (settled by index: many ties, all exercised), distinct keys score far apart, and the
+rounds must be byte-identical, with no tolerance.
+"""
+
+from __future__ import annotations
+
+import functools
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvgen.reference.triattention import (MODES, aggregate, gather_token_rows, load_calibration, mean_phase_rows,
+                                          score_paged, select_keep as oracle_select_keep, split_pairs, zscore)
+from kvgen.runtime.score import ScoreLibrary, score_library_path
+from kvgen.runtime.triattention import (TriAttentionManager, aggregate_layers, generated_backends, select_keep,
+                                        zscore_layers)
+from kvgen.spec import load_spec
+from kvgen.spec_tri import calibration_defaults, tri_geometry
+
+from ..conftest import ROOT, SPECS_DIR
+from ..tri_sim import DecodeSim, run_against_oracle, save_synthetic_calibration, small_spec
+from .conftest import ARCH, REGISTRY
+
+pytestmark = pytest.mark.gpu
+
+FAMILIES = sorted(p.stem for p in SPECS_DIR.glob("*.yaml") if load_spec(p).triattention.enabled)
+U = 2.0 ** -24
+PROMPTS, GENERATED, TAILS = [5, 37, 70], [300, 0, 517], [0, 2, 1]
+EVICTED = [0, 1000, 70000]
+COMBINED = {"qwen3-8b-nhd", "mistral-7b"}
+
+
+def score_library(family: str) -> ScoreLibrary:
+    path = score_library_path(REGISTRY, ARCH, family)
+    if not path.is_file():
+        pytest.skip(f"{path} missing; build it on the CPU machine: python -c \"from pathlib import Path; "
+                    f"from kvgen.spec import load_spec; from kvgen.backends.cute_aot import build_score_library; "
+                    f"build_score_library(load_spec('specs/{family}.yaml'), '{ARCH}', Path('.kvgen-cache'))\"")
+    return ScoreLibrary(path, family=family)
+
+
+@functools.lru_cache(maxsize=None)
+def scenario(family: str) -> dict:
+    """Kernel scores of one family's scenario (computed once per session)."""
+    spec = small_spec(load_spec(SPECS_DIR / f"{family}.yaml"), 6)
+    max_tokens = max(p + n + t for p, n, t in zip(PROMPTS, GENERATED, TAILS)) + 8
+    sim = DecodeSim(spec, PROMPTS, TAILS, max_tokens, torch.device("cuda"), seed=11, generated=GENERATED,
+                    combined=family in COMBINED)
+    sim.duplicate_rows(0, 1, range(10, 20))
+    path = save_synthetic_calibration(spec, Path(tempfile.mkdtemp(prefix="kvgen-calib-")) / f"{family}.pt", seed=4)
+    manager = TriAttentionManager(spec, path, sim.k_pools, sim.v_pools, score_library(family), budget=max(
+        100, max((w for w in tri_geometry(spec).swa_window if w), default=0)))
+    S = [n - t for n, t in zip(sim.lengths, TAILS)]
+    L = [s + c for s, c in zip(S, EVICTED)]
+    scores = manager.score(sim.page_table, PROMPTS, S, L)
+    torch.cuda.synchronize()
+    return {"spec": spec, "sim": sim, "manager": manager, "S": S, "scores": scores}
+
+
+def abs_bound(k_rows: torch.Tensor, calibration, layer: int, c: torch.Tensor, d: torch.Tensor,
+              geometry) -> torch.Tensor:
+    """``T`` of the module docstring, ``[B, Hq, W]``, in float64."""
+    re, im = split_pairs(k_rows.double(), geometry)
+    re = re.repeat_interleave(geometry.group, dim=-3).abs()
+    im = im.repeat_interleave(geometry.group, dim=-3).abs()
+    device = k_rows.device
+    qr = calibration.E_q[layer].real.double().to(device).abs()
+    qi = calibration.E_q[layer].imag.double().to(device).abs()
+    qa = calibration.E_q_norm[layer].double().to(device) + calibration.E_q[layer].abs().double().to(device)
+    s = calibration.freq_scale_sq.double().to(device)
+    c, d = c.abs()[:, None, None, :], d.abs()[:, None, None, :]
+    a = s * (qr[None, :, None, :] * c + qi[None, :, None, :] * d)
+    b = s * (qr[None, :, None, :] * d + qi[None, :, None, :] * c)
+    m = s * qa[None, :, None, :]
+    return (a * re + b * im + m * torch.hypot(re, im)).sum(dim=-1)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_scores_match_the_float64_oracle(family: str) -> None:
+    case = scenario(family)
+    sim, manager, scores = case["sim"], case["manager"], case["scores"]
+    g = manager.geometry
+    P = torch.tensor(PROMPTS, device="cuda")
+    S = torch.tensor(case["S"], device="cuda")
+    C = torch.tensor(EVICTED, device="cuda")
+    width = scores.shape[-1]
+    assert width == max(s - p for s, p in zip(case["S"], PROMPTS))
+    gamma = (3 * g.freqs + 16) * U
+    c, d = mean_phase_rows(manager.omega, S + C, torch.float64)
+    j = torch.arange(width, device="cuda")
+    valid = j[None, :] < (S - P)[:, None]
+    worst = 0.0
+    for index, layer in enumerate(g.scored_layers):
+        ref, ref_valid = score_paged(sim.k_pools[layer], sim.page_table, P, S, C, manager.calibration, layer, g,
+                                     torch.float64)
+        assert torch.equal(ref_valid, valid)
+        got = scores[index].double()
+        assert bool(torch.isfinite(got).all())
+        assert bool((got[~valid[:, None, :].expand_as(got)] == 0).all()), "columns past the width must be 0"
+        rows = gather_token_rows(sim.k_pools[layer], sim.page_table, P[:, None] + j, valid, g)
+        bound = gamma * abs_bound(rows, manager.calibration, layer, c, d, g)
+        err = (got - ref).abs()
+        mask = valid[:, None, :].expand_as(err)
+        ratio = (err[mask] / bound[mask].clamp(min=1e-300)).max().item()
+        worst = max(worst, ratio)
+        assert ratio <= 1.0, f"layer {layer}: error {ratio:.3g} x the bound (3F+16)u·T"
+    print(f"{family}: worst error / bound = {worst:.3g}")
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_selection_equals_the_oracle_on_the_kernel_scores(family: str, mode: str) -> None:
+    case = scenario(family)
+    manager, scores, g = case["manager"], case["scores"], case["manager"].geometry
+    P = torch.tensor(PROMPTS, device="cuda")
+    width = torch.tensor(case["S"], device="cuda") - P
+    valid = torch.arange(scores.shape[-1], device="cuda")[None, :] < width[:, None]
+    full = scores.new_zeros((len(PROMPTS), g.num_layers, g.query_heads, scores.shape[-1]))
+    for index, layer in enumerate(g.scored_layers):
+        full[:, layer] = zscore(scores[index], valid[:, None, :])
+    values_ref = aggregate(full, mode, g)
+    values = aggregate_layers(zscore_layers(scores, valid), mode, g)
+    assert torch.equal(values, values_ref)
+    for budget in (1, 100, 300, 600):
+        kept = select_keep(values, width, budget, P)
+        assert torch.equal(kept, oracle_select_keep(values_ref, width, budget, P)), f"budget {budget}"
+    tied = select_keep(values, width, 100, P)[0]
+    assert bool((tied[tied >= 0] >= PROMPTS[0]).all()) and bool((tied[:, 1:] > tied[:, :-1]).all())
+
+
+ROUND_CASES = [  # family, eviction mode, budget, beta
+    ("qwen3-8b", "union", 96, 32),
+    ("qwen3-8b-nhd", "per_head", 64, 16),
+    ("llama-3.1-8b", "per_head", 80, 32),
+    ("mistral-7b", "per_layer_perhead", 64, 16),       # NHD, fp16
+    ("gpt-oss-20b", "union", 160, 32),                  # sliding window 128 on even layers, YaRN
+    ("falcon-7b", "per_layer_perhead", 64, 16),         # MQA: 71 query heads over one KV head, 5 passes
+    ("qwen3.5-397b-a17b", "per_head", 64, 16),          # partial (leading) rotary, head_dim 256
+]
+
+
+def _backends(family: str, sim: DecodeSim, which: str):
+    if which == "oracle":
+        return {}
+    pack = ROOT / "generated" / family / "pack.py"
+    compact = REGISTRY / ARCH / ("libkvgen_" + "".join(ch if ch.isalnum() else "_" for ch in family) + ".so")
+    if not pack.is_file() or not compact.is_file():
+        pytest.skip(f"generated packer {pack} or compactor {compact} not built")
+    packer, compactor = generated_backends(family, sim.k_pools, sim.v_pools, pack, compact)
+    return {"packer": packer, "compactor": compactor}
+
+
+@pytest.mark.parametrize("backend", ["oracle", "generated"])
+@pytest.mark.parametrize("family,mode,budget,beta", ROUND_CASES)
+def test_full_rounds_are_byte_identical_to_the_oracle(tmp_path: Path, family: str, mode: str, budget: int,
+                                                      beta: int, backend: str) -> None:
+    spec = load_spec(SPECS_DIR / f"{family}.yaml")
+    prompts, tails, generated = [13, 150, 61, 7], [0, 1, 3, 2], [0, 9, 20, 31]
+    steps = budget + 3 * beta + 24
+    sim = DecodeSim(spec, prompts, tails, max(prompts) + max(tails) + max(generated) + steps + 8,
+                    torch.device("cuda"), seed=23, generated=generated, codebook=24)
+    calibration_path = save_synthetic_calibration(spec, tmp_path / "calib.pt", seed=9)
+    manager = TriAttentionManager(spec, calibration_path, sim.k_pools, sim.v_pools, score_library(family),
+                                  budget=budget, beta=beta, eviction_mode=mode, **_backends(family, sim, backend))
+    omega, scale = calibration_defaults(spec)
+    calibration = load_calibration(calibration_path, tri_geometry(spec), omega, scale)
+    rounds = run_against_oracle(manager, sim, steps, calibration)
+    assert len(rounds) >= 3 and len({tuple(r["due"]) for r in rounds}) > 1

@@ -1,0 +1,268 @@
+"""TriAttention score kernels on the build machine: spec -> TriGeometry mapping, the rendered CuTe
+DSL module, AOT compile + export + link for every target, and the loadable C ABI.
+
+Compile grid (measured here, 2 cores: every TriAttention family for sm_90a, sm_100a, sm_103a and
+sm_107a took 63 s, over the 60 s CI budget): CI compiles every family for sm_90a (the arch that
+runs) and one family per other arch (sm_100a, sm_100f, sm_103a, sm_107a: qwen3-8b, the shape the
+SM100 family ships with); ``-m slow`` compiles every family for every SM100-family target. The
+libraries are built once per session into a temporary cache and registry.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvgen.backends.cute_aot import (CUTE_ARCHS, SCORE_TUNABLES, CuteCompileError, build_score_libraries,
+                                     build_score_library, embedded_sm_versions, find_cute_toolchain,
+                                     score_cache_key, score_library_path, score_plan, source_texts)
+from kvgen.reference.triattention import GeometryError, load_calibration, save_calibration, synthetic_calibration
+from kvgen.reference.triattention_calib import rope_freq_scale_sq, rope_omega
+from kvgen.render import render
+from kvgen.runtime.score import ScoreLibrary
+from kvgen.spec import SpecError, load_spec, parse_spec
+from kvgen.spec_tri import calibration_defaults, require_scorable, tri_geometry
+
+ROOT = Path(__file__).resolve().parents[1]
+SPECS = ROOT / "specs"
+ALL_SPECS = {p.stem: load_spec(p) for p in sorted(SPECS.glob("*.yaml"))}
+TRI_FAMILIES = sorted(name for name, spec in ALL_SPECS.items() if spec.triattention.enabled)
+MLA_FAMILIES = sorted(name for name, spec in ALL_SPECS.items() if spec.attention in ("mla", "csa"))
+OTHER_ARCHS = ("sm_100a", "sm_100f", "sm_103a", "sm_107a")
+PROBE_FAMILY = "qwen3-8b"
+EXPORTED = {"kvgen_score", "kvgen_score_abi_version", "kvgen_score_family_name", "kvgen_score_arch",
+            "kvgen_score_last_error", "kvgen_score_query_geometry"}
+ALLOWED_NEEDED = {"libc.so.6", "libm.so.6", "libstdc++.so.6", "libgcc_s.so.1", "ld-linux-x86-64.so.2"}
+
+
+def _spec_text(**overrides: str) -> str:
+    base = {
+        "name": "toy", "attention": "gqa", "layers": "4", "query_heads": "8", "kv_heads": "2", "head_dim": "128",
+        "tokens_per_block": "16", "layout": "HND", "dtype": "bf16",
+    }
+    base.update(overrides)
+    rope = base.pop("rope", "  placement: full\n  pairing: half\n")
+    extra = base.pop("extra", "")
+    return "".join(f"{k}: {v}\n" for k, v in base.items()) + "rope:\n" + rope + extra
+
+
+# ---------------------------------------------------------------- spec -> TriGeometry
+
+
+def test_geometry_full_rope() -> None:
+    g = tri_geometry(ALL_SPECS["qwen3-8b"])
+    assert (g.num_layers, g.query_heads, g.kv_heads, g.head_dim) == (36, 32, 8, 128)
+    assert (g.rotary_start, g.rotary_dim, g.pairing, g.layout, g.tokens_per_block) == (0, 128, "half", "HND", 32)
+    assert g.swa_window == (None,) * 36 and g.scored_layers == tuple(range(36))
+
+
+def test_geometry_leading_partial_rope() -> None:
+    g = tri_geometry(ALL_SPECS["qwen3.5-397b-a17b"])
+    assert (g.head_dim, g.rotary_start, g.rotary_dim, g.freqs) == (256, 0, 64, 32)
+
+
+def test_geometry_trailing_rope_starts_after_the_unrotated_part() -> None:
+    spec = parse_spec(_spec_text(rope="  placement: trailing\n  rotary_dim: 64\n  pairing: interleaved\n"))
+    g = tri_geometry(spec)
+    assert (g.rotary_start, g.rotary_dim, g.pairing) == (64, 64, "interleaved")
+
+
+def test_geometry_sliding_window_layers() -> None:
+    gemma = tri_geometry(ALL_SPECS["gemma-2-9b"])
+    assert gemma.swa_window == tuple(4096 if layer % 2 == 0 else None for layer in range(42))
+    assert gemma.scored_layers == tuple(range(1, 42, 2))
+    gpt = tri_geometry(ALL_SPECS["gpt-oss-20b"])
+    assert gpt.swa_window[:4] == (128, None, 128, None) and len(gpt.scored_layers) == 12
+    listed = parse_spec(_spec_text(extra="sliding_window:\n  window: 64\n  layers: [0, 3]\n"))
+    assert tri_geometry(listed).swa_window == (64, None, None, 64)
+
+
+def test_geometry_nhd_mqa_and_fp16() -> None:
+    falcon = tri_geometry(ALL_SPECS["falcon-7b"])
+    assert (falcon.layout, falcon.kv_heads, falcon.group, falcon.head_dim) == ("NHD", 1, 71, 64)
+    mistral = ALL_SPECS["mistral-7b"]
+    assert tri_geometry(mistral).layout == "NHD" and require_scorable(mistral) is not None
+
+
+@pytest.mark.parametrize("family", MLA_FAMILIES)
+def test_mla_and_csa_are_refused_with_the_reason(family: str, tmp_path: Path) -> None:
+    spec = ALL_SPECS[family]
+    with pytest.raises(GeometryError, match=r"TriAttention cannot serve attention: (mla|csa) \(one shared latent"):
+        tri_geometry(spec)
+    with pytest.raises(GeometryError, match="cannot serve"):
+        build_score_library(spec, "sm_90a", tmp_path / "cache", tmp_path / "registry")
+    text = (SPECS / f"{family}.yaml").read_text() + "triattention:\n  enabled: true\n"
+    with pytest.raises(SpecError, match="TriAttention cannot serve attention"):
+        parse_spec(text, f"{family}.yaml")
+
+
+def test_fp8_and_disabled_families_are_not_scorable() -> None:
+    fp8 = ALL_SPECS["qwen3-8b-fp8"]
+    assert not fp8.triattention.enabled
+    with pytest.raises(GeometryError, match="enabled is false"):
+        require_scorable(fp8)
+    with pytest.raises(SpecError, match="fp8"):
+        parse_spec((SPECS / "qwen3-8b-fp8.yaml").read_text() + "triattention:\n  enabled: true\n")
+
+
+def test_calibration_defaults_follow_the_spec_rope(tmp_path: Path) -> None:
+    llama = ALL_SPECS["llama-3.1-8b"]
+    omega, scale = calibration_defaults(llama)
+    scaling = {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    assert torch.equal(omega, rope_omega(128, 500000.0, scaling)) and torch.equal(scale, torch.ones(64))
+    _, yarn_scale = calibration_defaults(ALL_SPECS["gpt-oss-20b"])
+    assert bool((yarn_scale > 1).all()) and yarn_scale.shape == (32,)
+    assert torch.equal(yarn_scale, rope_freq_scale_sq(64, {"type": "yarn", "factor": 32.0}))
+    # a calibration made with the family's RoPE loads and validates against the defaults
+    geometry = tri_geometry(llama)
+    path = tmp_path / "calib.pt"
+    save_calibration(synthetic_calibration(geometry, seed=1, theta=500000.0, scaling=scaling), path)
+    assert load_calibration(path, geometry, omega, scale).E_q.shape == (32, 32, 64)
+
+
+# ---------------------------------------------------------------- render
+
+
+@pytest.mark.parametrize("family", TRI_FAMILIES)
+def test_score_module_renders_the_family_constants(family: str) -> None:
+    spec = ALL_SPECS[family]
+    plan = score_plan(spec)
+    text = render(plan)
+    assert text == render(score_plan(spec)), "rendering is deterministic"
+    assert text.startswith("# Generated by kvgen") and f"plan key: {plan.key()}" in text
+    namespace: dict = {}
+    exec(compile(text, f"{family}/score.py", "exec"), namespace)  # needs no CUTLASS until make_kernel()
+    g = tri_geometry(spec)
+    assert namespace["FAMILY"] == family
+    assert namespace["GEOMETRY"] == {"dtype": spec.dtype, "layout": g.layout, "head_dim": g.head_dim,
+                                     "query_heads": g.query_heads, "kv_heads": g.kv_heads,
+                                     "rotary_start": g.rotary_start, "rotary_dim": g.rotary_dim,
+                                     "pairing": g.pairing, "tokens_per_block": g.tokens_per_block}
+    assert namespace["SCORED_LAYERS"] == g.scored_layers
+    assert namespace["PARAMS"] == {name: default for name, (_, default) in SCORE_TUNABLES.items()}
+
+
+def test_score_params_are_checked() -> None:
+    spec = ALL_SPECS[PROBE_FAMILY]
+    assert score_plan(spec, {"threads": 64}).params["threads"] == 64
+    with pytest.raises(ValueError, match="accepted: threads, max_heads"):
+        score_plan(spec, {"warps": 4})
+    with pytest.raises(ValueError, match="is not one of"):
+        score_plan(spec, {"threads": 96})
+
+
+# ---------------------------------------------------------------- compile, export, link
+
+
+def _ci_grid() -> list[tuple[str, str]]:
+    return [(family, "sm_90a") for family in TRI_FAMILIES] + [(PROBE_FAMILY, arch) for arch in OTHER_ARCHS]
+
+
+@pytest.fixture(scope="session")
+def toolchain():
+    try:
+        return find_cute_toolchain()
+    except CuteCompileError as exc:
+        pytest.skip(f"no CuTe DSL toolchain: {exc}")
+
+
+@pytest.fixture(scope="session")
+def built(tmp_path_factory, toolchain) -> dict:
+    """Build the CI grid once: {(family, arch): ScoreBuild}, plus the directories."""
+    root = tmp_path_factory.mktemp("score")
+    by_arch: dict[str, list] = {}
+    for family, arch in _ci_grid():
+        by_arch.setdefault(arch, []).append(ALL_SPECS[family])
+    def build_arch(arch: str) -> list:
+        return build_score_libraries(by_arch[arch], [arch], root / "cache", root / "registry", toolchain=toolchain)
+
+    with ThreadPoolExecutor(max_workers=2) as pool:   # one export process per arch, two at a time
+        builds = [build for arch_builds in pool.map(build_arch, sorted(by_arch)) for build in arch_builds]
+    return {"builds": {(b.family, b.arch): b for b in builds}, "root": root}
+
+
+def _check_library(path: Path, family: str, arch: str) -> None:
+    symbols = subprocess.run(["nm", "-D", "--defined-only", str(path)], capture_output=True, text=True, check=True)
+    exported = {line.split()[-1] for line in symbols.stdout.splitlines() if line.strip()}
+    assert exported == EXPORTED, "only the C ABI is exported (the DSL's symbols stay local)"
+    dynamic = subprocess.run(["readelf", "-d", str(path)], capture_output=True, text=True, check=True).stdout
+    needed = {line.split("[")[1].rstrip("]") for line in dynamic.splitlines() if "(NEEDED)" in line}
+    assert needed <= ALLOWED_NEEDED, f"CuTe DSL runtime and cudart must be static; needs {sorted(needed)}"
+    assert embedded_sm_versions(path) == [int(arch[3:-1])], "one cubin, for the target"
+    lib = ScoreLibrary(path, family=family)
+    assert (lib.family, lib.arch) == (family, arch)
+    g = tri_geometry(ALL_SPECS[family])
+    lib.check_geometry(g, ALL_SPECS[family].dtype)
+    assert lib.geometry["abi_version"] == 1 and lib.geometry["threads"] == 128
+    assert lib.geometry["passes"] * lib.geometry["heads_per_pass"] >= g.group
+
+
+@pytest.mark.parametrize("family,arch", _ci_grid())
+def test_score_library_builds_and_loads(built: dict, family: str, arch: str) -> None:
+    build = built["builds"][(family, arch)]
+    assert build.status == "built", build.error
+    assert build.artifact == score_library_path(built["root"] / "registry", arch, family)
+    _check_library(build.artifact, family, arch)
+
+
+def test_every_dsl_target_is_covered() -> None:
+    assert set(CUTE_ARCHS) == {"sm_90a", *OTHER_ARCHS}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", OTHER_ARCHS)
+def test_every_family_compiles_for_every_sm100_target(tmp_path: Path, toolchain, arch: str) -> None:
+    specs = [ALL_SPECS[f] for f in TRI_FAMILIES]
+    builds = build_score_libraries(specs, [arch], tmp_path / "cache", tmp_path / "registry", toolchain=toolchain)
+    for build in builds:
+        assert build.status == "built", build.error
+        _check_library(build.artifact, build.family, arch)
+
+
+def test_second_build_is_a_cache_hit_and_params_change_the_key(built: dict, toolchain) -> None:
+    root = built["root"]
+    spec = ALL_SPECS[PROBE_FAMILY]
+    (again,) = build_score_libraries([spec], ["sm_90a"], root / "cache", root / "registry", toolchain=toolchain)
+    assert again.status == "hit" and again.key == built["builds"][(PROBE_FAMILY, "sm_90a")].key
+    texts = source_texts(render(score_plan(spec)))
+    key = score_cache_key(texts, "sm_90a", toolchain)
+    assert key == again.key
+    assert score_cache_key(source_texts(render(score_plan(spec, {"threads": 64}))), "sm_90a", toolchain) != key
+    assert score_cache_key(texts, "sm_100a", toolchain) != key
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="garbage pointers must not reach a real GPU")
+def test_kernel_call_without_a_driver_fails_cleanly(built: dict) -> None:
+    lib = ScoreLibrary(built["builds"][(PROBE_FAMILY, "sm_90a")].artifact)
+    raw = lib._lib
+    bad = ctypes.c_void_p(16)
+    status = raw.kvgen_score(bad, 4096, bad, 4, bad, bad, bad, bad, bad, bad, bad, bad, bad, 1, 1, 8, None)
+    assert status == -2 and lib.last_error().startswith("kvgen_score (qwen3-8b, sm_90a): no current CUDA device")
+    assert raw.kvgen_score(bad, 3, bad, 4, bad, bad, bad, bad, bad, bad, bad, bad, bad, 1, 1, 8, None) == -1
+    assert "page_stride 3" in lib.last_error()
+    assert raw.kvgen_score(bad, 4096, bad, 4, bad, bad, bad, bad, bad, bad, bad, bad, bad, 300, 300, 8, None) == -1
+    assert "65535" in lib.last_error()
+    assert raw.kvgen_score(None, 4096, None, 4, None, None, None, None, None, None, None, None, None, 1, 1, 0,
+                           None) == 0, "an empty width is a no-op"
+
+
+def test_score_rejects_mismatched_tensors(built: dict) -> None:
+    lib = ScoreLibrary(built["builds"][(PROBE_FAMILY, "sm_90a")].artifact)
+    f32 = torch.float32
+    args = dict(k_layer_ptrs=torch.zeros(2, dtype=torch.int64), page_stride=4096,
+                page_table=torch.zeros(3, 4, dtype=torch.int32), P=torch.zeros(3, dtype=torch.int32),
+                S=torch.zeros(3, dtype=torch.int32), c=torch.zeros(3, 64), d=torch.zeros(3, 64),
+                qr=torch.zeros(2, 32, 64), qi=torch.zeros(2, 32, 64), mlr=torch.zeros(2, 32, 64),
+                freq_scale_sq=torch.zeros(64), scores=torch.zeros(2, 3, 32, 10, dtype=f32))
+    with pytest.raises(ValueError, match=r"c: expected a contiguous float32 \[3, 64\]"):
+        lib.score(**{**args, "c": torch.zeros(3, 32)})
+    with pytest.raises(ValueError, match="P: expected a contiguous int32"):
+        lib.score(**{**args, "P": torch.zeros(3, dtype=torch.int64)})
+    with pytest.raises(ValueError, match="not contiguous"):
+        lib.score(**{**args, "qr": torch.zeros(2, 64, 32).transpose(1, 2)})
