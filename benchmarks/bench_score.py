@@ -9,6 +9,8 @@ scattered, every scored layer in one launch):
   Variants: Qwen3-8B geometry (36 layers, 32/8 heads, head 128, bf16) at B = 32 and B = 1;
   head 64 (gpt-oss-20b, 64/8, 12 scored of 24 layers) and head 256 (gemma-2-9b, 16/8, 21 scored of
   42; qwen3.5-397b-a17b, 32/2, partial rotary 64 of 256) at B = 32.
+Variants: the same kernels with other tunable parameters (``lanes``, ``token_tiles``), from the
+  registries ``build/registry-score-*``, timed on the same cache and checked against the default.
 Peers: the oracle's ``score_paged`` (float32) on the GPU, eager and under ``torch.compile``, one
   layer of the Qwen3-8B B = 32 variant (an out-of-memory is recorded, not raised).
 Round: one whole round (score -> z -> aggregate -> select -> pack -> compact) for Qwen3-8B, B = 32,
@@ -100,27 +102,39 @@ def score_library(family: str, registry: Path, arch: str) -> ScoreLibrary:
     return ScoreLibrary(score_library_path(registry, arch, family), family=family)
 
 
-def bench_score(family: str, batch: int, width: int, copy: dict, registry: Path, arch: str) -> dict:
+def bench_score(family: str, batch: int, width: int, copy: dict, registries: list[Path], arch: str) -> dict:
+    """Every score-library variant (one per registry: tunable params differ) on the same cache; the
+    first is the reference the others' scores are compared with."""
     cache = Cache(family, batch, width)
     g = cache.geometry
-    lib = score_library(family, registry, arch)
     inputs = cache.kernel_inputs()
-    t = time_ms(lambda: lib.score(**inputs), reps=10, warmup=2)
-    passes = int(lib.geometry["passes"])
     elem = cache.k_pools[g.scored_layers[0]].element_size()
-    k_bytes = len(g.scored_layers) * batch * g.kv_heads * width * g.rotary_dim * elem * passes
     score_bytes = inputs["scores"].numel() * 4
-    gbps = (k_bytes + score_bytes) / t["median_ms"] / 1e6
     result = {"family": family, "batch": batch, "width": width, "scored_layers": len(g.scored_layers),
               "head_dim": g.head_dim, "rotary_dim": g.rotary_dim, "query_heads": g.query_heads,
-              "kv_heads": g.kv_heads, "passes": passes, "k_bytes": k_bytes, "score_bytes": score_bytes,
-              "gbps": gbps, "fraction_of_copy": gbps / copy["gbps_read_plus_write"],
-              **{k: v for k, v in t.items()}}
-    print(f"score {family:22s} B={batch:3d} W={width}: {t['median_ms']:.3f} ms, {gbps:.0f} GB/s "
-          f"= {result['fraction_of_copy']:.2f} of copy")
-    del cache, inputs
-    torch.cuda.empty_cache()
-    return result
+              "kv_heads": g.kv_heads, "score_bytes": score_bytes, "variants": []}
+    reference = None
+    for registry in registries:
+        path = score_library_path(registry, arch, family)
+        if not path.is_file():
+            continue
+        lib = ScoreLibrary(path, family=family)
+        t = time_ms(lambda: lib.score(**inputs), reps=10, warmup=2)
+        passes = int(lib.geometry["passes"])
+        k_bytes = len(g.scored_layers) * batch * g.kv_heads * width * g.rotary_dim * elem * passes
+        gbps = (k_bytes + score_bytes) / t["median_ms"] / 1e6
+        variant = {"registry": str(registry), "params": lib.meta.get("params", {}), "passes": passes,
+                   "k_bytes": k_bytes, "gbps": gbps, "fraction_of_copy": gbps / copy["gbps_read_plus_write"],
+                   **{k: v for k, v in t.items()}}
+        if reference is None:
+            reference = inputs["scores"].clone()
+        else:
+            scale = reference.abs().max().clamp(min=1e-30)
+            variant["max_abs_diff_over_max_abs"] = float((inputs["scores"] - reference).abs().max() / scale)
+        result["variants"].append(variant)
+        print(f"score {family:22s} B={batch:3d} W={width} {variant['params']}: {t['median_ms']:.3f} ms, "
+              f"{gbps:.0f} GB/s = {variant['fraction_of_copy']:.2f} of copy")
+    return result   # the cache is freed on return; the caller empties the allocator
 
 
 def bench_oracle(width: int, batch: int) -> dict:
@@ -189,7 +203,8 @@ def bench_round(width: int, batch: int, copy: dict, registry: Path, arch: str) -
               "decode_attention_estimate_ms": {"before_round": before, "after_round": after,
                                                "estimate": "K+V bytes of every layer / copy bandwidth"},
               "round_over_decode_step": total["median_ms"] / before,
-              "rounds_per_beta_steps": 1}
+              # a round runs once every beta generated tokens: its share of that many decode steps
+              "round_over_beta_decode_steps": total["median_ms"] / (manager.beta * before)}
     print(f"round: {total['median_ms']:.2f} ms; one decode step's attention ~{before:.2f} ms before, "
           f"~{after:.2f} ms after ({which})")
     return result
@@ -200,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--width", type=int, default=16384)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--registry", type=Path, default=ROOT / "build" / "registry")
+    parser.add_argument("--score-variants", type=Path, nargs="*", default=sorted(
+        (ROOT / "build").glob("registry-score-*")), help="more registries holding score-library variants")
     parser.add_argument("--arch", default="sm_90a")
     parser.add_argument("--no-peers", action="store_true")
     parser.add_argument("--no-round", action="store_true")
@@ -210,9 +227,12 @@ def main(argv: list[str] | None = None) -> int:
     record = {"environment": environment(), "ceilings": {"copy": copy}, "score": []}
     for family, batch in VARIANTS:
         batch = args.batch if batch != 1 else 1
-        record["score"].append(bench_score(family, batch, args.width, copy, args.registry, args.arch))
+        registries = [args.registry, *args.score_variants]
+        record["score"].append(bench_score(family, batch, args.width, copy, registries, args.arch))
+        torch.cuda.empty_cache()
     if not args.no_peers:
         record["oracle"] = bench_oracle(args.width, args.batch)
+        torch.cuda.empty_cache()
     if not args.no_round:
         record["round"] = bench_round(args.width, args.batch, copy, args.registry, args.arch)
     print(f"wrote {write_result('bench_score', record)}")

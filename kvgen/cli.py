@@ -252,7 +252,30 @@ def cmd_build(args: argparse.Namespace) -> int:
     counts = {s: len(report.with_status(s)) for s in ("built", "hit", "failed", "skipped")}
     console.print(", ".join(f"{n} {s}" for s, n in counts.items()) + f"; manifests: "
                   + (", ".join(map(str, report.manifests)) or "none"))
-    return 0 if report.ok else 1
+    scores_ok = _build_scores([source.spec for source in sources], args)
+    return 0 if report.ok and scores_ok else 1
+
+
+def _build_scores(specs, args: argparse.Namespace) -> bool:
+    """TriAttention score libraries (CuTe DSL, AOT) beside the family libraries."""
+    from .backends.cute_aot import CUTE_ARCHS, CuteCompileError, build_score_libraries, find_cute_toolchain
+
+    if not any(spec.triattention.enabled for spec in specs):
+        return True
+    try:
+        toolchain = find_cute_toolchain()
+    except CuteCompileError as exc:
+        _print_error(f"TriAttention score libraries not built: {exc}")
+        return False
+    archs = [a for a in _build_archs(args) or [] if a in CUTE_ARCHS] or None
+    with console.status("exporting CuTe DSL score kernels"):
+        builds = build_score_libraries(specs, archs, args.cache_dir, args.registry, toolchain=toolchain,
+                                       jobs=args.jobs, generated_dir=args.generated, templates_dir=args.templates)
+    for failed in [b for b in builds if b.status == "failed"]:
+        _print_error(f"{failed.family} {failed.arch} score:\n{failed.error}")
+    counts = {s: sum(b.status == s for b in builds) for s in ("built", "hit", "failed")}
+    console.print("score libraries: " + ", ".join(f"{n} {s}" for s, n in counts.items()))
+    return counts["failed"] == 0
 
 
 def _installed(dist: str) -> str:

@@ -18,7 +18,7 @@ from typing import Any, Literal, Mapping
 from .layout import FamilyLayout, family_layout
 from .spec import FamilySpec
 
-Op = Literal["codec", "compact", "pack"]
+Op = Literal["codec", "compact", "pack", "score"]
 
 # Tunable launch parameters per op: name -> (choices, safe default). One place, read by the
 # tuner (search space), the build (defaults) and the templates (values).
@@ -32,6 +32,12 @@ TUNABLES: dict[str, dict[str, tuple[tuple[int, ...], int]]] = {
     },
     "pack": {
         "block": ((64, 128, 256, 512), 256),
+    },
+    "score": {
+        "threads": ((64, 128, 256), 128),      # threads per CTA
+        "max_heads": ((4, 8, 16), 16),         # query heads accumulated per pass over K
+        "lanes": ((1, 2, 4), 1),               # threads per token (adjacent 16-byte pieces of its row)
+        "token_tiles": ((1, 2, 4), 1),         # token tiles per CTA (amortizes the coefficient prologue)
     },
 }
 
@@ -169,6 +175,32 @@ def pack_geometry(spec: FamilySpec) -> dict[str, Any]:
     }
 
 
+def score_geometry(spec: FamilySpec) -> dict[str, Any]:
+    from .spec_tri import require_scorable  # refuses families TriAttention cannot serve
+
+    geometry = require_scorable(spec)
+    return {
+        "dtype": spec.dtype,
+        "layout": geometry.layout,
+        "head_dim": geometry.head_dim,
+        "query_heads": geometry.query_heads,
+        "kv_heads": geometry.kv_heads,
+        "rotary_start": geometry.rotary_start,
+        "rotary_dim": geometry.rotary_dim,
+        "pairing": geometry.pairing,
+        "tokens_per_block": geometry.tokens_per_block,
+        "num_layers": geometry.num_layers,
+        "scored_layers": list(geometry.scored_layers),
+    }
+
+
+def score_plan(spec: FamilySpec, params: Mapping[str, int] | None = None) -> KernelPlan:
+    """The CuTe DSL scorer of a TriAttention family (built by kvgen.backends.cute_aot)."""
+    merged = {**default_params("score"), **(params or {})}
+    check_params("score", merged)
+    return KernelPlan(spec.name, "score", "score.py.j2", score_geometry(spec), merged)
+
+
 def plans_for(spec: FamilySpec, params: Mapping[Op, Mapping[str, int]] | None = None) -> list[KernelPlan]:
     """Every kernel plan of a family, tuned params applied over the safe defaults."""
     params = params or {}
@@ -180,6 +212,7 @@ def plans_for(spec: FamilySpec, params: Mapping[Op, Mapping[str, int]] | None = 
                                 {**default_params("compact"), **params.get("compact", {})}))
         plans.append(KernelPlan(spec.name, "pack", "pack.py.j2", pack_geometry(spec),
                                 {**default_params("pack"), **params.get("pack", {})}))
+        plans.append(score_plan(spec, params.get("score")))
     for plan in plans:
         check_params(plan.op, plan.params)
     return plans

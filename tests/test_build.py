@@ -61,6 +61,10 @@ PACK = """{{ header }}
 BLOCK = {{ p.block }}
 """
 
+SCORE = """{{ header }}
+THREADS = {{ p.threads }}
+"""
+
 TINY_CU = """#include <cuda_runtime.h>
 __global__ void add_one(float* x, int n) { int i = blockIdx.x * blockDim.x + threadIdx.x; if (i < n) x[i] += 1.f; }
 extern "C" int tiny_launch(float* x, int n) { add_one<<<(n + 255) / 256, 256>>>(x, n); return (int)cudaGetLastError(); }
@@ -74,6 +78,7 @@ def templates(tmp_path: Path) -> Path:
     (d / "codec.cu.j2").write_text(CODEC)
     (d / "compact.cu.j2").write_text(COMPACT)
     (d / "pack.py.j2").write_text(PACK)
+    (d / "score.py.j2").write_text(SCORE)
     return d
 
 
@@ -102,7 +107,7 @@ def test_render_is_deterministic_and_starts_with_header(templates: Path) -> None
     first = render_family(_spec(), templates)
     second = render_family(_spec(), templates)
     assert first == second
-    assert sorted(first) == [f"{FAMILY}/codec.cu", f"{FAMILY}/compact.cu", f"{FAMILY}/pack.py"]
+    assert sorted(first) == [f"{FAMILY}/codec.cu", f"{FAMILY}/compact.cu", f"{FAMILY}/pack.py", f"{FAMILY}/score.py"]
     for plan in plans_for(_spec()):
         text = first[f"{FAMILY}/{plan.template[:-3]}"]
         assert text.startswith(header(plan) + "\n")
@@ -144,7 +149,7 @@ def test_write_if_different(tmp_path: Path) -> None:
 def test_check_generated_lists_changed_missing_and_leftover_files(tmp_path: Path, templates: Path) -> None:
     generated = tmp_path / "generated"
     source = load_spec_source(SPECS / f"{FAMILY}.yaml")
-    assert check_generated([source], generated, templates) == [f"{FAMILY}/codec.cu", f"{FAMILY}/compact.cu", f"{FAMILY}/pack.py"]
+    assert check_generated([source], generated, templates) == [f"{FAMILY}/codec.cu", f"{FAMILY}/compact.cu", f"{FAMILY}/pack.py", f"{FAMILY}/score.py"]
     args = ["--specs", str(SPECS), "build", "--family", FAMILY, "--generated", str(generated),
             "--templates", str(templates)]
     assert main([*args, "--render-only"]) == 0
@@ -360,11 +365,11 @@ def _build(tmp_path: Path, templates: Path, toolchains: list[Toolchain], archs=(
 def test_build_then_rebuild_is_all_cache_hits(tmp_path: Path, templates: Path, toolchains: list[Toolchain]) -> None:
     report = _build(tmp_path, templates, toolchains, archs=("sm_90a", "sm_100f"))
     assert [(o.arch, o.status) for o in report.outcomes] == [("sm_100f", "skipped"), ("sm_90a", "built")]
-    assert report.ok and len(report.rendered) == 3
+    assert report.ok and len(report.rendered) == 4
     manifest = read_manifest(tmp_path / "registry" / "sm_90a" / "manifest.json")
     lib = manifest.library(FAMILY)
     assert lib is not None and lib.abi_version == ABI_VERSION and lib.toolchain.startswith("13.0")
-    assert [op.op for op in lib.ops] == ["codec", "compact", "pack"] and lib.ops[0].params == {"threads": 256}
+    assert [op.op for op in lib.ops] == ["codec", "compact", "pack", "score"] and lib.ops[0].params == {"threads": 256}
     assert (tmp_path / "registry" / "sm_90a" / lib.artifact).is_file()
     meta = json.loads((report.outcomes[1].artifact.parent / "manifest.json").read_text())
     assert meta["libraries"][0]["artifact"] == "libkvgen_llama_3_1_8b.so"

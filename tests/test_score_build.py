@@ -18,9 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvgen.backends.cute_aot import (CUTE_ARCHS, SCORE_TUNABLES, CuteCompileError, build_score_libraries,
+from kvgen.backends.cute_aot import (CUTE_ARCHS, CuteCompileError, build_score_libraries,
                                      build_score_library, embedded_sm_versions, find_cute_toolchain,
                                      score_cache_key, score_library_path, score_plan, source_texts)
+from kvgen.plan import default_params
 from kvgen.reference.triattention import GeometryError, load_calibration, save_calibration, synthetic_calibration
 from kvgen.reference.triattention_calib import rope_freq_scale_sq, rope_omega
 from kvgen.render import render
@@ -145,13 +146,13 @@ def test_score_module_renders_the_family_constants(family: str) -> None:
                                      "rotary_start": g.rotary_start, "rotary_dim": g.rotary_dim,
                                      "pairing": g.pairing, "tokens_per_block": g.tokens_per_block}
     assert namespace["SCORED_LAYERS"] == g.scored_layers
-    assert namespace["PARAMS"] == {name: default for name, (_, default) in SCORE_TUNABLES.items()}
+    assert namespace["PARAMS"] == default_params("score")
 
 
 def test_score_params_are_checked() -> None:
     spec = ALL_SPECS[PROBE_FAMILY]
     assert score_plan(spec, {"threads": 64}).params["threads"] == 64
-    with pytest.raises(ValueError, match="accepted: threads, max_heads"):
+    with pytest.raises(ValueError, match="accepted: threads, max_heads, lanes, token_tiles"):
         score_plan(spec, {"warps": 4})
     with pytest.raises(ValueError, match="is not one of"):
         score_plan(spec, {"threads": 96})
@@ -266,3 +267,17 @@ def test_score_rejects_mismatched_tensors(built: dict) -> None:
         lib.score(**{**args, "P": torch.zeros(3, dtype=torch.int64)})
     with pytest.raises(ValueError, match="not contiguous"):
         lib.score(**{**args, "qr": torch.zeros(2, 64, 32).transpose(1, 2)})
+
+
+def test_tunable_variants_compile_and_report_their_launch_shape(tmp_path: Path, toolchain) -> None:
+    """lanes > 1 (threads share a token, shuffle-reduced) and token_tiles > 1 (a CTA walks several
+    tiles) are other code paths: compile them for a one-pass and the multi-pass family."""
+    params = {"lanes": 4, "token_tiles": 4}
+    specs = [ALL_SPECS[PROBE_FAMILY], ALL_SPECS["falcon-7b"]]
+    builds = build_score_libraries(specs, ["sm_90a"], tmp_path / "cache", tmp_path / "registry", toolchain=toolchain,
+                                   params={spec.name: params for spec in specs})
+    for build in builds:
+        assert build.status == "built", build.error
+        lib = ScoreLibrary(build.artifact, family=build.family)
+        assert (lib.geometry["lanes"], lib.geometry["tokens_per_cta"]) == (4, 4 * 128 // 4)
+        assert lib.meta["params"] == {**default_params("score"), **params}

@@ -97,6 +97,7 @@ CASES = [  # family, layers kept for the test, eviction mode, budget, beta
     ("llama-3.1-8b", 3, "per_head", 40, 32),
     ("mistral-7b", 2, "per_layer_perhead", 32, 16),     # NHD, fp16
     ("gpt-oss-20b", 4, "union", 130, 16),               # sliding window 128 on even layers
+    ("gpt-oss-20b", 4, "per_layer_perhead", 130, 16),   # decision rows of sliding layers are never used
     ("qwen3.5-397b-a17b", 2, "per_head", 40, 16),       # partial (leading) rotary
 ]
 

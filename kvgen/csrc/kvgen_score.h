@@ -36,10 +36,12 @@ typedef struct {
   int32_t tokens_per_block;  // tokens per page
   int32_t layout;            // 0: HND [page][Hkv][token][dim], 1: NHD [page][token][Hkv][dim]
   int32_t dtype;             // 0: bf16, 1: fp16
-  int32_t threads;           // tokens per CTA (tunable)
+  int32_t threads;           // threads per CTA (tunable)
   int32_t heads_per_pass;    // query heads accumulated per pass over K
   int32_t passes;            // passes over K per KV head (ceil(group / heads_per_pass))
   int32_t vector_elems;      // elements per K load; page_stride must be a multiple of it
+  int32_t lanes;             // threads per token
+  int32_t tokens_per_cta;    // tokens (columns) per CTA
 } kvgen_score_geometry_t;
 
 int kvgen_score_abi_version(void);

@@ -31,7 +31,8 @@ MAX_GRID_Z = 65535
 class ScoreGeometry(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int32) for name in (
         "abi_version", "head_dim", "query_heads", "kv_heads", "rotary_start", "rotary_dim", "pairing",
-        "tokens_per_block", "layout", "dtype", "threads", "heads_per_pass", "passes", "vector_elems")]
+        "tokens_per_block", "layout", "dtype", "threads", "heads_per_pass", "passes", "vector_elems", "lanes",
+        "tokens_per_cta")]
 
     def as_dict(self) -> dict[str, int | str]:
         out: dict[str, int | str] = {name: getattr(self, name) for name, _ in self._fields_}

@@ -152,6 +152,11 @@ def generated_backends(family: str, k_pools: Sequence[torch.Tensor], v_pools: Se
 class TriAttentionManager:
     """TriAttention as an iteration-driven KV-cache compression method.
 
+    Built from the family spec, the calibration file (loaded with ``load_calibration`` and checked
+    against the spec's geometry and RoPE: a mismatch fails here, naming file and key), the K/V pools
+    of every cache layer, the family's score library, and optionally the generated packer module
+    and compactor library (``pack_module``, ``compact_library``; otherwise the oracle's).
+
     Only ``on_generation_step_end`` works: it picks the due requests (every ``beta`` generated
     tokens once past ``budget``; several crossings in one step give one round), runs one round
     for them and returns their new physical lengths. The other hooks keep per-request state.
@@ -182,7 +187,8 @@ class TriAttentionManager:
     def __init__(self, spec: FamilySpec, calibration_path: str | Path, k_pools: Sequence[torch.Tensor],
                  v_pools: Sequence[torch.Tensor], score_library: ScoreLibrary | str | Path, *,
                  budget: int | None = None, beta: int | None = None, eviction_mode: str | None = None,
-                 max_position: int = 1 << 15, packer: Packer | None = None, compactor: Compactor | None = None):
+                 max_position: int = 1 << 15, packer: Packer | None = None, compactor: Compactor | None = None,
+                 pack_module: str | Path | None = None, compact_library: str | Path | None = None):
         self.spec = spec
         self.geometry = require_scorable(spec)
         tri = spec.triattention
@@ -206,6 +212,10 @@ class TriAttentionManager:
         self.k_pools, self.v_pools = list(k_pools), list(v_pools)
         self.device = self._check_pools()
         self._prepare_inputs(max_position)
+        if pack_module is not None and compact_library is not None and packer is None and compactor is None:
+            packer, compactor = generated_backends(spec.name, self.k_pools, self.v_pools, pack_module,
+                                                   compact_library)
+        # Without the generated packer/compactor, the oracle's (correct, slower) stand in.
         self.packer = packer or oracle_packer(self.geometry)
         self.compactor = compactor or oracle_compactor(self.k_pools, self.v_pools, self.geometry)
         self.requests: dict[Hashable, _RequestState] = {}

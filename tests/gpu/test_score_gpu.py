@@ -1,7 +1,8 @@
 """The generated TriAttention score kernels on the GPU against the oracle (TRIATTENTION.md §3-§7).
 
 Libraries: ``<registry>/sm_90a/lib<kvgen_family>_score.so`` (``kvgen.backends.cute_aot``, built on
-the CPU machine, carried here); nothing here imports CUTLASS.
+the CPU machine, carried here; ``KVGEN_SCORE_REGISTRY`` points at a registry of variants with other
+tunable parameters, e.g. ``build/registry-score-l4t4``); nothing here imports CUTLASS.
 
 Tolerance of the scores (derived, not tuned). The kernel computes in float32 what the oracle
 computes in float64: the coefficients ``a = s(qr·c − qi·d)``, ``b = s(qr·d + qi·c)`` from float32
@@ -30,6 +31,7 @@ rounds must be byte-identical, with no tolerance.
 from __future__ import annotations
 
 import functools
+import os
 import tempfile
 from pathlib import Path
 
@@ -55,10 +57,12 @@ U = 2.0 ** -24
 PROMPTS, GENERATED, TAILS = [5, 37, 70], [300, 0, 517], [0, 2, 1]
 EVICTED = [0, 1000, 70000]
 COMBINED = {"qwen3-8b-nhd", "mistral-7b"}
+# Score libraries may come from another registry (a variant with other tunable parameters).
+SCORE_REGISTRY = Path(os.environ.get("KVGEN_SCORE_REGISTRY", REGISTRY))
 
 
 def score_library(family: str) -> ScoreLibrary:
-    path = score_library_path(REGISTRY, ARCH, family)
+    path = score_library_path(SCORE_REGISTRY, ARCH, family)
     if not path.is_file():
         pytest.skip(f"{path} missing; build it on the CPU machine: python -c \"from pathlib import Path; "
                     f"from kvgen.spec import load_spec; from kvgen.backends.cute_aot import build_score_library; "
@@ -138,7 +142,7 @@ def test_scores_match_the_float64_oracle(family: str) -> None:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_selection_equals_the_oracle_on_the_kernel_scores(family: str, mode: str) -> None:
     case = scenario(family)
-    manager, scores, g = case["manager"], case["scores"], case["manager"].geometry
+    scores, g = case["scores"], case["manager"].geometry
     P = torch.tensor(PROMPTS, device="cuda")
     width = torch.tensor(case["S"], device="cuda") - P
     valid = torch.arange(scores.shape[-1], device="cuda")[None, :] < width[:, None]
