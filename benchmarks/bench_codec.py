@@ -118,6 +118,7 @@ def main() -> int:
     parser.add_argument("--registry", type=Path, default=ROOT / "build" / "registry")
     parser.add_argument("--arch", default="sm_90a")
     parser.add_argument("--no-peers", action="store_true")
+    parser.add_argument("--tag", default="", help="suffix of the result file (bench_codec-TAG.json)")
     args = parser.parse_args()
     ceilings = {"device_copy": copy_ceiling(), "pinned": pinned_ceilings()}
     print("ceilings", ceilings, flush=True)
@@ -126,7 +127,8 @@ def main() -> int:
         res = bench_family(family, args.hot_gib, ceilings, args.registry, args.arch, not args.no_peers)
         print(family, {k: v for k, v in res.items() if isinstance(v, dict)}, flush=True)
         results.append(res)
-    path = write_result("bench_codec", {"environment": environment(), "ceilings": ceilings, "results": results})
+    path = write_result("bench_codec", {"environment": environment(), "ceilings": ceilings, "results": results},
+                        args.tag)
     print("wrote", path)
     return 0
 

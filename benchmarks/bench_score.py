@@ -220,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arch", default="sm_90a")
     parser.add_argument("--no-peers", action="store_true")
     parser.add_argument("--no-round", action="store_true")
+    parser.add_argument("--tag", default="", help="suffix of the result file (bench_score-TAG.json)")
     args = parser.parse_args(argv)
     copy = copy_ceiling()
     torch.cuda.empty_cache()
@@ -235,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.empty_cache()
     if not args.no_round:
         record["round"] = bench_round(args.width, args.batch, copy, args.registry, args.arch)
-    print(f"wrote {write_result('bench_score', record)}")
+    print(f"wrote {write_result('bench_score', record, args.tag)}")
     return 0
 
 

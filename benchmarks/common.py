@@ -81,10 +81,10 @@ def _driver() -> str:
         return "unknown"
 
 
-def write_result(name: str, data: dict) -> Path:
-    """JSON under $OUT (device runs) or results/ (local)."""
+def write_result(name: str, data: dict, tag: str = "") -> Path:
+    """JSON under $OUT (device runs) or results/ (local); ``tag`` tells runs of one benchmark apart."""
     out_dir = Path(os.environ.get("OUT") or "results")
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"{name}.json"
+    path = out_dir / f"{name}{'-' + tag if tag else ''}.json"
     path.write_text(json.dumps(data, indent=2) + "\n")
     return path

@@ -190,7 +190,9 @@ def test_custom_ops_replay_in_a_cuda_graph(registry: RuntimeRegistry, oracle) ->
     pairs, dpairs = page_pairs(n, pages, slots, gen)
     cold = torch.full((slots, layout.lifecycles[0].cold_page_bytes), FILL, dtype=torch.uint8, device="cuda")
     ids = (register_codec(codec), register_codec(out))
-    graph = _capture(ids, cold, pairs.cuda(), dpairs.cuda(), pools, out_pools)
+    # device index arrays must outlive every replay: the graph holds their addresses, not them
+    pairs_dev, dpairs_dev = pairs.cuda(), dpairs.cuda()
+    graph = _capture(ids, cold, pairs_dev, dpairs_dev, pools, out_pools)
     torch.cuda.synchronize()
     assert bool((cold == FILL).all()), "capturing must not run the kernels"
     graph.replay()
