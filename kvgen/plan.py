@@ -36,7 +36,9 @@ TUNABLES: dict[str, dict[str, tuple[tuple[int, ...], int]]] = {
     "score": {
         "threads": ((64, 128, 256), 128),      # threads per CTA
         "max_heads": ((4, 8, 16), 16),         # query heads accumulated per pass over K
-        "lanes": ((1, 2, 4), 1),               # threads per token (adjacent 16-byte pieces of its row)
+        # threads per token (adjacent 16-byte pieces of its row); 2 measured 2.3x faster than 1 on the
+        # H200 for head 128 and 2.0x for head 256 (results/2026-11-30-h200/bench_score-variants.json)
+        "lanes": ((1, 2, 4), 2),
         "token_tiles": ((1, 2, 4), 1),         # token tiles per CTA (amortizes the coefficient prologue)
     },
 }

@@ -41,7 +41,7 @@ else
 fi
 
 PYDANTIC=site
-if ! "$PY" -c "import pydantic" >/dev/null 2>&1; then
+if ! env -u PYTHONPATH "$PY" -c "import pydantic" >/dev/null 2>&1; then
   if [ -d .whl ]; then
     rm -rf "$DEPS"
     # --no-deps: --target ignores what is installed, and typing_extensions (torch has it) is not in .whl/

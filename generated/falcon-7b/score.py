@@ -2,7 +2,7 @@
 # family:   falcon-7b
 # op:       score
 # template: score.py.j2
-# plan key: 5f417a9dd061d549ccd5749841441d229645d60488e1e8b08232b4aa8b287db8
+# plan key: 1ca56c69430bcd049413129847a18eda15f76c559c8dbd137bd9efa692c653fa
 """TriAttention scorer of family falcon-7b (TRIATTENTION.md §3), CuTe DSL, compiled ahead of time.
 
 This file only fixes the family's constants; the kernel is ``kvgen.cute.score_kernel.TriScoreKernel``.
@@ -34,7 +34,7 @@ GEOMETRY = {
 PARAMS = {
     "threads": 128,
     "max_heads": 16,
-    "lanes": 1,
+    "lanes": 2,
     "token_tiles": 1,
 }
 

@@ -2,7 +2,7 @@
 # family:   gemma-2-9b
 # op:       score
 # template: score.py.j2
-# plan key: 1d4dc0aba08f3e79d2748549fee0e69f853813e743e6ff2e5444f75b4d4f3fc9
+# plan key: 690b9783f381591d88a9b7ab0576c003041409a154bfe9fcd4b0c97123beca83
 """TriAttention scorer of family gemma-2-9b (TRIATTENTION.md §3), CuTe DSL, compiled ahead of time.
 
 This file only fixes the family's constants; the kernel is ``kvgen.cute.score_kernel.TriScoreKernel``.
@@ -34,7 +34,7 @@ GEOMETRY = {
 PARAMS = {
     "threads": 128,
     "max_heads": 16,
-    "lanes": 1,
+    "lanes": 2,
     "token_tiles": 1,
 }
 

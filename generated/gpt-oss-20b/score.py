@@ -2,7 +2,7 @@
 # family:   gpt-oss-20b
 # op:       score
 # template: score.py.j2
-# plan key: a8aec9eb3f34cde6ac44611578a007dd71dd1c37fa25d61a38a2c8dc44975381
+# plan key: b6a8a73f40ae6a2ece47a34b6e76b45e341e3d4cc990f3fd61fa7837a9c7ef30
 """TriAttention scorer of family gpt-oss-20b (TRIATTENTION.md §3), CuTe DSL, compiled ahead of time.
 
 This file only fixes the family's constants; the kernel is ``kvgen.cute.score_kernel.TriScoreKernel``.
@@ -34,7 +34,7 @@ GEOMETRY = {
 PARAMS = {
     "threads": 128,
     "max_heads": 16,
-    "lanes": 1,
+    "lanes": 2,
     "token_tiles": 1,
 }
 

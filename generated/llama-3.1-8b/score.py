@@ -2,7 +2,7 @@
 # family:   llama-3.1-8b
 # op:       score
 # template: score.py.j2
-# plan key: 766665f334fdd911732a5371c6ba0a49b83e1491664bb2afbcf43ebc631d7a8f
+# plan key: 7e9a5fc6dba1da2c3300f4c95e5981a63e6c3bffe688ed4f5868c2dcc1ab731a
 """TriAttention scorer of family llama-3.1-8b (TRIATTENTION.md §3), CuTe DSL, compiled ahead of time.
 
 This file only fixes the family's constants; the kernel is ``kvgen.cute.score_kernel.TriScoreKernel``.
@@ -34,7 +34,7 @@ GEOMETRY = {
 PARAMS = {
     "threads": 128,
     "max_heads": 16,
-    "lanes": 1,
+    "lanes": 2,
     "token_tiles": 1,
 }
 

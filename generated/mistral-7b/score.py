@@ -2,7 +2,7 @@
 # family:   mistral-7b
 # op:       score
 # template: score.py.j2
-# plan key: 4ff9fc731d95e124e51060d77229321ece6d7619fb581d5bc5f97aa32acc01e2
+# plan key: cf6a8a379a54f16d35054090025ccb3568a79b075b2800847d82f5490b8bc07b
 """TriAttention scorer of family mistral-7b (TRIATTENTION.md §3), CuTe DSL, compiled ahead of time.
 
 This file only fixes the family's constants; the kernel is ``kvgen.cute.score_kernel.TriScoreKernel``.
@@ -34,7 +34,7 @@ GEOMETRY = {
 PARAMS = {
     "threads": 128,
     "max_heads": 16,
-    "lanes": 1,
+    "lanes": 2,
     "token_tiles": 1,
 }
 

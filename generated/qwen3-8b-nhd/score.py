@@ -2,7 +2,7 @@
 # family:   qwen3-8b-nhd
 # op:       score
 # template: score.py.j2
-# plan key: 6f93a25484b316b8eb5a8b1bdfbaba613f61cebd01f9495fb14647680a06cb6f
+# plan key: cb57017ce1b682e971bb7fa610f97dd4a86a0cd07fad163f822ecabf91229227
 """TriAttention scorer of family qwen3-8b-nhd (TRIATTENTION.md §3), CuTe DSL, compiled ahead of time.
 
 This file only fixes the family's constants; the kernel is ``kvgen.cute.score_kernel.TriScoreKernel``.
@@ -34,7 +34,7 @@ GEOMETRY = {
 PARAMS = {
     "threads": 128,
     "max_heads": 16,
-    "lanes": 1,
+    "lanes": 2,
     "token_tiles": 1,
 }
 

@@ -2,7 +2,7 @@
 # family:   qwen3-8b
 # op:       score
 # template: score.py.j2
-# plan key: 3b30d98af0b5e8fd0dd4105a3512d44fb857c304d912316162084ba87f2eb267
+# plan key: 2dbaec58ffad6e543287fab3edf82e2ca29381040535e43dd3e1fd38f29b245c
 """TriAttention scorer of family qwen3-8b (TRIATTENTION.md §3), CuTe DSL, compiled ahead of time.
 
 This file only fixes the family's constants; the kernel is ``kvgen.cute.score_kernel.TriScoreKernel``.
@@ -34,7 +34,7 @@ GEOMETRY = {
 PARAMS = {
     "threads": 128,
     "max_heads": 16,
-    "lanes": 1,
+    "lanes": 2,
     "token_tiles": 1,
 }
 

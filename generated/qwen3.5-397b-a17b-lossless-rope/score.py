@@ -2,7 +2,7 @@
 # family:   qwen3.5-397b-a17b-lossless-rope
 # op:       score
 # template: score.py.j2
-# plan key: 95f3009e4166d5e55e4736708c769544fefa4f5b7764a4f3d9e49b82bdfec88e
+# plan key: 3c3df8e3f2e7a6cb9fed17d301aba40e08c39302dcc542b502aa53c4fcb89f32
 """TriAttention scorer of family qwen3.5-397b-a17b-lossless-rope (TRIATTENTION.md §3), CuTe DSL, compiled ahead of time.
 
 This file only fixes the family's constants; the kernel is ``kvgen.cute.score_kernel.TriScoreKernel``.
@@ -34,7 +34,7 @@ GEOMETRY = {
 PARAMS = {
     "threads": 128,
     "max_heads": 16,
-    "lanes": 1,
+    "lanes": 2,
     "token_tiles": 1,
 }
 

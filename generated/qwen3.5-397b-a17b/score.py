@@ -2,7 +2,7 @@
 # family:   qwen3.5-397b-a17b
 # op:       score
 # template: score.py.j2
-# plan key: 02ca311c67afac515b7da64cc0c7991bbf4e7c1255ae61cd0d0c79a7b39e17e3
+# plan key: 069031d4ce7c7d0367743438ea310730a2b4f52ffed1b30acd6452439edd734d
 """TriAttention scorer of family qwen3.5-397b-a17b (TRIATTENTION.md §3), CuTe DSL, compiled ahead of time.
 
 This file only fixes the family's constants; the kernel is ``kvgen.cute.score_kernel.TriScoreKernel``.
@@ -34,7 +34,7 @@ GEOMETRY = {
 PARAMS = {
     "threads": 128,
     "max_heads": 16,
-    "lanes": 1,
+    "lanes": 2,
     "token_tiles": 1,
 }
 
