@@ -10,9 +10,6 @@ prints; the CLI passes paths and toolchains in and shows progress through ``Buil
 from __future__ import annotations
 
 import hashlib
-import os
-import shutil
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
@@ -21,7 +18,7 @@ from typing import Any, Literal, Mapping, Protocol, Sequence
 
 from . import __version__
 from .backends.nvcc import CompileError, Toolchain, compile_shared_library, cache_key, nvcc_flags, toolchain_for
-from .cache import CACHE_SCHEMA_VERSION, entry_dir, failed_dir, file_sha256, get_or_build
+from .cache import CACHE_SCHEMA_VERSION, copy_if_different, entry_dir, failed_dir, get_or_build
 from .plan import KernelPlan, Op, plans_for
 from .registry import (LibraryEntry, Manifest, OpEntry, RegistryError, manifest_path, parse_manifest,
                        write_manifest)
@@ -195,21 +192,6 @@ def _run_job(job: BuildJob, cache_dir: Path, csrc_dir: Path, extra_flags: Sequen
 # ---------------------------------------------------------------- registry
 
 
-def _copy_if_different(src: Path, dest: Path, sha256: str) -> None:
-    if dest.is_file() and file_sha256(dest) == sha256:
-        return
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        shutil.copyfile(src, tmp)
-        os.chmod(tmp, 0o755)
-        os.replace(tmp, dest)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def _library_entry(job: BuildJob, meta: Mapping[str, Any]) -> LibraryEntry:
     # One JSON statement of the layout (the one `kvgen show --json` prints): the runtime reads it
     # from the manifest instead of the spec. Imported here: the CLI module is not a build dependency.
@@ -236,7 +218,7 @@ def publish(registry_dir: Path, arch: str, results: Sequence[tuple[BuildJob, Bui
     libraries = [lib for lib in kept if lib.family not in touched]
     for job, outcome, meta in results:
         if outcome.status in ("hit", "built"):
-            _copy_if_different(outcome.artifact, path.parent / job.library, meta["artifact_sha256"])
+            copy_if_different(outcome.artifact, path.parent / job.library, meta["artifact_sha256"])
             libraries.append(_library_entry(job, meta))
     write_manifest(path, Manifest(arch=arch, libraries=tuple(sorted(libraries, key=lambda lib: lib.family))))
     return path

@@ -156,3 +156,20 @@ def clear_cache(cache_dir: Path) -> list[Path]:
             shutil.rmtree(child)
             removed.append(child)
     return removed
+
+
+def copy_if_different(src: Path, dest: Path, sha256: str) -> None:
+    """Publish ``src`` as ``dest`` (mode 755) unless ``dest`` already has that sha256: a temp file
+    beside it, then one atomic rename, so a reader never sees half a library."""
+    if dest.is_file() and file_sha256(dest) == sha256:
+        return
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        shutil.copyfile(src, tmp)
+        os.chmod(tmp, 0o755)
+        os.replace(tmp, dest)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -250,7 +250,7 @@ def cmd_build(args: argparse.Namespace) -> int:
     for outcome in report.with_status("failed"):
         _print_error(f"{outcome.family} {outcome.arch}:\n{outcome.error}")
     counts = {s: len(report.with_status(s)) for s in ("built", "hit", "failed", "skipped")}
-    console.print(", ".join(f"{n} {s}" for s, n in counts.items()) + f"; manifests: "
+    console.print(", ".join(f"{n} {s}" for s, n in counts.items()) + "; manifests: "
                   + (", ".join(map(str, report.manifests)) or "none"))
     scores_ok = _build_scores([source.spec for source in sources], args)
     return 0 if report.ok and scores_ok else 1

@@ -34,7 +34,8 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from .. import __version__
-from ..cache import CACHE_SCHEMA_VERSION, entry_dir, file_sha256, get_or_build, load_entry, write_json_atomic
+from ..cache import (CACHE_SCHEMA_VERSION, copy_if_different, entry_dir, file_sha256, get_or_build, load_entry,
+                     write_json_atomic)
 from ..plan import KernelPlan, score_plan
 from ..render import TEMPLATES_DIR, render, write_if_different
 from ..spec import FamilySpec
@@ -241,17 +242,7 @@ def _build_into(tmp: Path, job: _Job, staged: Path, arch: str, toolchain: CuteTo
 def publish_score_library(registry_dir: Path, arch: str, artifact: Path, meta: Mapping[str, Any]) -> Path:
     """Copy into ``<registry>/<arch>/`` (atomic) and write the sidecar ``.json`` after it."""
     dest = Path(registry_dir) / arch / artifact.name
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    if not (dest.is_file() and file_sha256(dest) == meta["artifact_sha256"]):
-        fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
-        os.close(fd)
-        try:
-            shutil.copyfile(artifact, tmp)
-            os.chmod(tmp, 0o755)
-            os.replace(tmp, dest)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+    copy_if_different(artifact, dest, meta["artifact_sha256"])
     sidecar = {k: meta[k] for k in ("family", "arch", "op", "plan_key", "params", "artifact_sha256", "key",
                                     "kvgen_version") if k in meta}
     sidecar["artifact"] = dest.name

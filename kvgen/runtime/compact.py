@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from .library import LibraryError
+from .library import LibraryError, load_typed
 
 COMPACT_ABI_VERSION = 1
 LAYOUTS = ("HND", "NHD")  # kvgen_page_layout
@@ -52,19 +52,10 @@ class CompactLibrary:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        try:
-            self._lib = ctypes.CDLL(str(self.path), mode=ctypes.RTLD_LOCAL)
-        except OSError as exc:
-            raise LibraryError(f"{self.path}: cannot load: {exc}") from None
-        for name, (restype, argtypes) in _SIGNATURES.items():
-            try:
-                fn = getattr(self._lib, name)
-            except AttributeError:
-                raise LibraryError(f"{self.path}: missing entry point {name}; the family was built without "
-                                   "TriAttention (triattention.enabled) or by an older kvgen") from None
-            fn.restype = restype
-            fn.argtypes = argtypes
-            setattr(self, name, fn)
+        self._lib = load_typed(self.path, _SIGNATURES, "the family was built without TriAttention "
+                               "(triattention.enabled) or by an older kvgen")
+        for name in _SIGNATURES:
+            setattr(self, name, getattr(self._lib, name))
         abi = self.kvgen_compact_abi_version()
         if abi != COMPACT_ABI_VERSION:
             raise LibraryError(f"{self.path}: compaction ABI version {abi}, this kvgen runtime speaks "

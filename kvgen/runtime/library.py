@@ -32,23 +32,34 @@ _SIGNATURES = {
 }
 
 
+Signatures = dict[str, tuple[object, list]]
+
+
+def load_typed(path: Path, signatures: Signatures, missing_hint: str) -> ctypes.CDLL:
+    """dlopen ``path`` (RTLD_LOCAL: every family library exports the same names) and give each
+    entry point its C types; a missing one is a LibraryError naming the file and ``missing_hint``."""
+    try:
+        lib = ctypes.CDLL(str(path), mode=ctypes.RTLD_LOCAL)
+    except OSError as exc:
+        raise LibraryError(f"{path}: cannot load: {exc}") from None
+    for name, (restype, argtypes) in signatures.items():
+        try:
+            fn = getattr(lib, name)
+        except AttributeError:
+            raise LibraryError(f"{path}: missing entry point {name}; {missing_hint}") from None
+        fn.restype = restype
+        fn.argtypes = argtypes
+    return lib
+
+
 class FamilyLibrary:
     """A loaded ``lib<kvgen_family>.so``: typed entry points, ABI and family checked at load."""
 
     def __init__(self, path: str | Path, family: str | None = None):
         self.path = Path(path)
-        try:
-            self._lib = ctypes.CDLL(str(self.path), mode=ctypes.RTLD_LOCAL)
-        except OSError as exc:
-            raise LibraryError(f"{self.path}: cannot load: {exc}") from None
-        for name, (restype, argtypes) in _SIGNATURES.items():
-            try:
-                fn = getattr(self._lib, name)
-            except AttributeError:
-                raise LibraryError(f"{self.path}: missing entry point {name}; not a kvgen family library") from None
-            fn.restype = restype
-            fn.argtypes = argtypes
-            setattr(self, name, fn)
+        self._lib = load_typed(self.path, _SIGNATURES, "not a kvgen family library")
+        for name in _SIGNATURES:
+            setattr(self, name, getattr(self._lib, name))
         abi = self.kvgen_abi_version()
         if abi != ABI_VERSION:
             raise LibraryError(f"{self.path}: C ABI version {abi}, this kvgen runtime speaks {ABI_VERSION}; "

@@ -18,7 +18,7 @@ from typing import Sequence
 import torch
 
 from ..reference.triattention import TriGeometry
-from .library import LibraryError
+from .library import LibraryError, load_typed
 
 ABI_VERSION = 1
 PAIRINGS = ("half", "interleaved")
@@ -71,17 +71,7 @@ class ScoreLibrary:
             if actual != self.meta["artifact_sha256"]:
                 raise LibraryError(f"{self.path}: sha256 {actual} differs from its sidecar's "
                                    f"{self.meta['artifact_sha256']}; rebuild with kvgen build")
-        try:
-            self._lib = ctypes.CDLL(str(self.path), mode=ctypes.RTLD_LOCAL)
-        except OSError as exc:
-            raise LibraryError(f"{self.path}: cannot load: {exc}") from None
-        for name, (restype, argtypes) in _SIGNATURES.items():
-            try:
-                fn = getattr(self._lib, name)
-            except AttributeError:
-                raise LibraryError(f"{self.path}: missing entry point {name}; not a kvgen score library") from None
-            fn.restype = restype
-            fn.argtypes = argtypes
+        self._lib = load_typed(self.path, _SIGNATURES, "not a kvgen score library")
         abi = self._lib.kvgen_score_abi_version()
         if abi != ABI_VERSION:
             raise LibraryError(f"{self.path}: score ABI version {abi}, this runtime speaks {ABI_VERSION}; "
