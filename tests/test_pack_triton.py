@@ -181,14 +181,15 @@ def test_host_side_errors_match_the_oracle(jit_modules: dict, family, budget, mo
 
 
 @pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
-def test_kernels_compile_for_gpu_targets(jit_modules: dict) -> None:
+def test_kernels_compile_for_gpu_targets() -> None:
     """The interpreter is lenient; the real compiler is not (no Python globals, typed loop-carried
     values). Triton here is 3.9 and the GPU machine's is 3.6: the kernels use nothing newer."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    module = jit_modules["gemma-2-9b"]
+    from kvgen import triton_pack as module  # the generated modules bind these kernels to family constants
+
     moves = {"kept_ptr": "*i64", "P_ptr": "*i64", "S_ptr": "*i64", "window_ptr": "*i32", "offsets_ptr": "*i32",
              "src_ptr": "*i32", "dst_ptr": "*i32", "max_requests": "i32", "budget": "i32", "num_rows": "i32",
              "row_layer_stride": "i32", "row_head_stride": "i32", "capacity": "i32", "KV_HEADS": "constexpr",
