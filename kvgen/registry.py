@@ -71,6 +71,12 @@ class Manifest:
         return None
 
 
+def score_library_name(symbol: str) -> str:
+    """File name of a family's TriAttention score library (CuTe DSL AOT), beside its family library
+    in ``<registry>/<arch>/`` with a ``.json`` sidecar holding its sha256."""
+    return f"lib{symbol}_score.so"
+
+
 def manifest_path(registry_dir: Path, arch: str) -> Path:
     return Path(registry_dir) / arch / MANIFEST
 

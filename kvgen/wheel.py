@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import json
 import os
 import re
 import tempfile
@@ -35,7 +36,7 @@ from pathlib import Path
 
 from . import __version__
 from .cache import file_sha256
-from .registry import MANIFEST, fix_command, manifest_path, read_manifest
+from .registry import MANIFEST, fix_command, manifest_path, read_manifest, score_library_name
 
 ENTRY_POINT_GROUP = "kvgen.registries"
 PACKAGE_PREFIX = "kvgen_kernels_"
@@ -129,7 +130,23 @@ def _registry_members(registry_dir: Path, arch: str, package: str) -> list[Membe
     members = [Member(f"{prefix}/{MANIFEST}", source=path)]
     for entry in manifest.libraries:
         members.append(Member(f"{prefix}/{entry.artifact}", source=path.parent / entry.artifact, mode=0o755))
+        members += _score_members(path.parent, entry, prefix)
     return members
+
+
+def _score_members(directory: Path, entry, prefix: str) -> list[Member]:  # noqa: ANN001 - LibraryEntry
+    """The family's score library and its sidecar, when the registry holds them (``kvgen build``
+    exports them for TriAttention families), checked against the sidecar's sha256 first."""
+    library = directory / score_library_name(entry.symbol)
+    sidecar = library.with_suffix(".json")
+    if not (library.is_file() and sidecar.is_file()):
+        return []
+    expected = json.loads(sidecar.read_text(encoding="utf-8")).get("artifact_sha256")
+    if file_sha256(library) != expected:
+        raise WheelError(f"{library}: sha256 differs from {sidecar.name}; rebuild with: "
+                         f"{fix_command(directory.name, entry.family)}")
+    return [Member(f"{prefix}/{library.name}", source=library, mode=0o755),
+            Member(f"{prefix}/{sidecar.name}", source=sidecar)]
 
 
 def _init_py(archs: Sequence[str]) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -171,3 +172,39 @@ def test_installed_wheel_is_found_and_loads(tmp_path_factory: pytest.TempPathFac
     package, version, artifact, family = result.stdout.split()
     assert (package, version, family) == ("kvgen-kernels-sm90", __version__, REAL_FAMILY)
     assert Path(artifact) == target / "kvgen_kernels_sm90" / "registry" / "sm_90a" / "libkvgen_qwen3_8b.so"
+
+
+def _add_score_library(registry: Path, arch: str, family: str, sha256: str | None = None) -> Path:
+    """A stand-in score library and its sidecar, as kvgen build publishes them."""
+    library = registry / arch / f"libkvgen_{family}_score.so"
+    library.write_bytes(f"score {family}".encode())
+    sidecar = {"family": family, "arch": arch, "artifact_sha256": sha256 or file_sha256(library)}
+    library.with_suffix(".json").write_text(json.dumps(sidecar))
+    return library
+
+
+def test_score_libraries_travel_with_their_family(tmp_path: Path) -> None:
+    registry = fake_registry(tmp_path / "reg", "sm_90a", ["fam", "other"])
+    _add_score_library(registry, "sm_90a", "fam")
+    names = _names(build_wheel(registry, ["sm_90a"], tmp_path / "dist"))
+    assert "kvgen_kernels_sm90/registry/sm_90a/libkvgen_fam_score.so" in names
+    assert "kvgen_kernels_sm90/registry/sm_90a/libkvgen_fam_score.json" in names
+    assert not any("other_score" in name for name in names)
+
+
+def test_tampered_score_library_is_refused(tmp_path: Path) -> None:
+    registry = fake_registry(tmp_path / "reg", "sm_90a", ["fam"])
+    _add_score_library(registry, "sm_90a", "fam", sha256="0" * 64)
+    with pytest.raises(WheelError, match=r"libkvgen_fam_score.so: sha256 differs.*kvgen build --arch sm_90a --family fam"):
+        build_wheel(registry, ["sm_90a"], tmp_path / "dist")
+    assert not (tmp_path / "dist").exists() or not list((tmp_path / "dist").iterdir())
+
+
+def test_resolved_score_library_needs_the_op_and_the_file(tmp_path: Path) -> None:
+    from kvgen.runtime.registry import RuntimeRegistry
+
+    registry = fake_registry(tmp_path / "reg", "sm_90a", ["fam"])
+    _add_score_library(registry, "sm_90a", "fam")
+    resolved = RuntimeRegistry([registry]).resolve("fam", arch="sm_90a")
+    with pytest.raises(RegistryError, match="no score library for fam.*kvgen build --arch sm_90a --family fam"):
+        resolved.score_library()  # the manifest lists no score op for this family

@@ -37,6 +37,7 @@ from .. import __version__
 from ..cache import (CACHE_SCHEMA_VERSION, copy_if_different, entry_dir, file_sha256, get_or_build, load_entry,
                      write_json_atomic)
 from ..plan import KernelPlan, score_plan
+from ..registry import score_library_name as registry_score_name
 from ..render import TEMPLATES_DIR, render, write_if_different
 from ..spec import FamilySpec
 from ..spec_tri import require_scorable
@@ -129,7 +130,7 @@ def find_cute_toolchain(python: str | None = None, cxx: str = "g++",
 
 
 def score_library_name(plan: KernelPlan) -> str:
-    return f"lib{plan.symbol()}_score.so"
+    return registry_score_name(plan.symbol())
 
 
 def source_texts(rendered: str) -> dict[str, str]:

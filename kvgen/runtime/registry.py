@@ -33,6 +33,7 @@ from typing import Any
 
 from .. import __version__
 from ..registry import (LibraryEntry, Manifest, OpEntry, RegistryError, fix_command, manifest_path, parse_manifest,
+                        score_library_name,
                         read_manifest, verify_artifact)
 from ..wheel import ENTRY_POINT_GROUP, arch_for_capability, distribution_name, family_target, parse_arch, pip_fix
 from .library import FamilyLibrary, LibraryError
@@ -132,6 +133,14 @@ class Resolved:
 
     def op(self, name: str) -> OpEntry | None:
         return next((op for op in self.entry.ops if op.op == name), None)
+
+    def score_library(self) -> Path:
+        """The family's score library (its sidecar ``.json`` carries the sha256 ScoreLibrary checks)."""
+        path = self.artifact.parent / score_library_name(self.entry.symbol)
+        if self.op("score") is None or not path.is_file():
+            raise RegistryError(f"{self.manifest_path}: no score library for {self.entry.family} beside it; "
+                                f"rebuild with: {fix_command(self.arch, self.entry.family)}")
+        return path
 
     def layout(self) -> RegistryLayout:
         if self.entry.layout is None:
