@@ -322,6 +322,51 @@ def cmd_clear_cache(args: argparse.Namespace) -> int:
     return 0
 
 
+def verify_registry(registry: Path, specs_dir: Path) -> list[str]:
+    """Problems of a registry, one line each: manifests that do not read (format, version, ABI,
+    artifact sha256), score libraries whose bytes differ from their sidecar, libraries built from a
+    spec file that has changed since (or is gone)."""
+    from .cache import file_sha256
+    from .registry import RegistryError, read_manifest, score_library_name
+    from .runtime.registry import check_spec
+
+    problems = []
+    for path in sorted(Path(registry).glob("*/manifest.json")):
+        try:
+            manifest = read_manifest(path)
+        except RegistryError as exc:
+            problems.append(str(exc))
+            continue
+        for entry in manifest.libraries:
+            spec_path = specs_dir / f"{entry.family}.yaml"
+            try:
+                check_spec(entry, spec_path)
+            except (RegistryError, OSError) as exc:
+                problems.append(str(exc) if isinstance(exc, RegistryError) else f"{spec_path}: {exc}")
+            library = path.parent / score_library_name(entry.symbol)
+            sidecar = library.with_suffix(".json")
+            if library.is_file() and sidecar.is_file():
+                expected = json.loads(sidecar.read_text(encoding="utf-8")).get("artifact_sha256")
+                if file_sha256(library) != expected:
+                    problems.append(f"{library}: sha256 differs from {sidecar.name}; rebuild with: "
+                                    f"kvgen build --arch {manifest.arch} --family {entry.family}")
+    return problems
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    manifests = sorted(Path(args.registry).glob("*/manifest.json"))
+    if not manifests:
+        _print_error(f"{args.registry}: no manifests; run: kvgen build")
+        return 1
+    problems = verify_registry(args.registry, args.specs)
+    for line in problems:
+        _print_error(line)
+    libraries = sum(len(json.loads(m.read_text(encoding="utf-8")).get("libraries", [])) for m in manifests)
+    console.print(f"{len(manifests)} manifests, {libraries} libraries: "
+                  + ("all verified" if not problems else f"{len(problems)} problems"))
+    return 1 if problems else 0
+
+
 def _add_paths(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-dir", type=Path, default=None, help="build cache (default: $KVGEN_CACHE_DIR or "
                                                                 "~/.cache/kvgen)")
@@ -352,6 +397,10 @@ def _add_build_parsers(sub) -> None:  # noqa: ANN001 - argparse's private subpar
     p = sub.add_parser("clear-cache", help="delete the build cache")
     _add_paths(p)
     p.set_defaults(func=cmd_clear_cache)
+
+    p = sub.add_parser("verify", help="check a registry: artifact sha256, versions, specs unchanged since the build")
+    _add_paths(p)
+    p.set_defaults(func=cmd_verify)
 
 
 # ---------------------------------------------------------------- wheel

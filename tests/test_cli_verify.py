@@ -1,0 +1,58 @@
+"""`kvgen verify`: a registry whose artifacts, versions and specs all match passes; a tampered
+library or a spec edited since the build is reported with the file and the rebuild command."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from kvgen.cli import main
+from kvgen.runtime.registry import spec_file_sha256
+
+from .conftest import SPECS_DIR
+from .test_runtime_registry import fake_registry
+
+FAMILY = "qwen3-8b"
+
+
+@pytest.fixture
+def setup(tmp_path: Path) -> tuple[Path, Path]:
+    specs = tmp_path / "specs"
+    specs.mkdir()
+    shutil.copy(SPECS_DIR / f"{FAMILY}.yaml", specs)
+    registry = fake_registry(tmp_path / "reg", "sm_90a", [FAMILY], spec_sha256=spec_file_sha256(specs / f"{FAMILY}.yaml"))
+    return registry, specs
+
+
+def verify(registry: Path, specs: Path) -> int:
+    return main(["--specs", str(specs), "verify", "--registry", str(registry)])
+
+
+def test_clean_registry_verifies(setup, capsys) -> None:
+    assert verify(*setup) == 0
+    assert "1 manifests, 1 libraries: all verified" in capsys.readouterr().out
+
+
+def test_tampered_artifact_is_reported(setup, capsys) -> None:
+    registry, specs = setup
+    artifact = registry / "sm_90a" / "libkvgen_qwen3_8b.so"
+    artifact.write_bytes(artifact.read_bytes() + b"!")
+    assert verify(registry, specs) == 1
+    err = capsys.readouterr().err
+    assert "libkvgen_qwen3_8b.so" in err and "kvgen build --arch sm_90a --family qwen3-8b" in err
+
+
+def test_spec_changed_since_the_build_is_reported(setup, capsys) -> None:
+    registry, specs = setup
+    spec = specs / f"{FAMILY}.yaml"
+    spec.write_text(spec.read_text().replace("budget: 2048", "budget: 1024"))
+    assert verify(registry, specs) == 1
+    err = capsys.readouterr().err
+    assert "changed since qwen3-8b was built" in err
+
+
+def test_empty_registry_says_what_to_run(tmp_path: Path, capsys) -> None:
+    assert verify(tmp_path / "nothing", tmp_path) == 1
+    assert "no manifests; run: kvgen build" in capsys.readouterr().err
