@@ -17,7 +17,7 @@ int kvgen_abi_version(void) { return KVGEN_ABI_VERSION; }
 
 const char* kvgen_family_name(void) { return kvgen::family::kTables.name; }
 
-const char* kvgen_last_error(void) { return kvgen::codec::last_error().c_str(); }
+const char* kvgen_last_error(void) { return kvgen::last_error().c_str(); }
 
 kvgen_codec* kvgen_codec_configure(const kvgen_pool_desc* descs, int64_t num_descs, kvgen_index_location location) {
   kvgen::family::CodecT* impl = kvgen::family::CodecT::configure(kvgen::family::kTables, descs, num_descs, location);

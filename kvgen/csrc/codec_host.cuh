@@ -12,19 +12,12 @@
 
 #include "codec_kernels.cuh"
 #include "kvgen_codec.h"
+#include "last_error.cuh"
 
 namespace kvgen {
 namespace codec {
 
-inline std::string& last_error() {
-  thread_local std::string message;
-  return message;
-}
-
-inline bool fail(const std::string& message) {
-  last_error() = message;
-  return false;
-}
+using kvgen::fail;
 
 inline bool cuda_ok(cudaError_t status, const char* what) {
   if (status == cudaSuccess) return true;

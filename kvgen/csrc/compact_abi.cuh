@@ -16,7 +16,7 @@ int kvgen_compact_query_info(kvgen_compact_info* info) {
   return 1;
 }
 
-const char* kvgen_compact_last_error(void) { return kvgen::compact::last_error().c_str(); }
+const char* kvgen_compact_last_error(void) { return kvgen::last_error().c_str(); }
 
 int kvgen_compact(const kvgen_compact_pool* pools, int num_layers, const int32_t* page_table,
                   int64_t page_table_stride, int max_requests, const int32_t* src, const int32_t* dst,

@@ -11,19 +11,12 @@
 
 #include "compact_kernels.cuh"
 #include "kvgen_compact.h"
+#include "last_error.cuh"
 
 namespace kvgen {
 namespace compact {
 
-inline std::string& last_error() {
-  thread_local std::string message;
-  return message;
-}
-
-inline int fail(const std::string& message) {
-  last_error() = message;
-  return 0;
-}
+using kvgen::fail;
 
 // The generated file's description of the family (F::info()), checked against the call.
 inline int check_pools(const kvgen_compact_info& f, const kvgen_compact_pool* pools, int num_layers) {

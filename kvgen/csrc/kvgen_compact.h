@@ -63,7 +63,7 @@ typedef struct kvgen_compact_info {
 int kvgen_compact_abi_version(void);
 /* Fills *info; returns 1 (0 if info is NULL). */
 int kvgen_compact_query_info(kvgen_compact_info* info);
-/* Message of the last failed kvgen_compact call on this thread ("" if none). */
+/* Message of the last failed call into this library on this thread ("" if none; shared with kvgen_last_error). */
 const char* kvgen_compact_last_error(void);
 
 int kvgen_compact(const kvgen_compact_pool* pools, int num_layers, const int32_t* page_table,
