@@ -19,15 +19,15 @@ from typing import Any, Literal, Mapping, Protocol, Sequence
 from . import __version__
 from .backends.nvcc import CompileError, Toolchain, compile_shared_library, cache_key, nvcc_flags, toolchain_for
 from .cache import CACHE_SCHEMA_VERSION, copy_if_different, entry_dir, failed_dir, get_or_build
-from .plan import KernelPlan, Op, plans_for
+from .plan import KernelPlan, plans_for
 from .registry import (LibraryEntry, Manifest, OpEntry, RegistryError, manifest_path, parse_manifest,
                        write_manifest)
 from .render import TEMPLATES_DIR, render_family, stale_files, write_rendered
 from .spec import FamilySpec, load_spec
+from .tuning.configs import TunedParams
 
 CSRC_DIR = Path(__file__).resolve().parent / "csrc"
 HEADER_SUFFIXES = (".cuh", ".h", ".hpp", ".inl")
-TunedParams = Mapping[str, Mapping[Op, Mapping[str, int]]]   # family -> op -> params
 Status = Literal["hit", "built", "failed", "skipped"]
 
 
@@ -109,19 +109,18 @@ def _as_sources(specs: Sequence[SpecSource | Path]) -> list[SpecSource]:
     return [s if isinstance(s, SpecSource) else load_spec_source(Path(s)) for s in specs]
 
 
-def render_all(specs: Sequence[SpecSource | Path], templates_dir: Path = TEMPLATES_DIR,
-               tuned_params: TunedParams | None = None) -> dict[str, dict[str, str]]:
-    """family -> {"<family>/<name>": text}, in memory."""
-    tuned = tuned_params or {}
-    return {s.spec.name: render_family(s.spec, templates_dir, tuned.get(s.spec.name))
-            for s in _as_sources(specs)}
+def render_all(specs: Sequence[SpecSource | Path], templates_dir: Path = TEMPLATES_DIR) -> dict[str, dict[str, str]]:
+    """family -> {"<family>/<name>": text} with the safe default parameters, in memory: the
+    arch-neutral rendering ``generated/`` holds (a tuned build differs only in launch constants,
+    recorded per op in the manifest, its exact sources kept in the build cache entry)."""
+    return {s.spec.name: render_family(s.spec, templates_dir) for s in _as_sources(specs)}
 
 
-def check_generated(specs: Sequence[SpecSource | Path], out_generated: Path, templates_dir: Path = TEMPLATES_DIR,
-                    tuned_params: TunedParams | None = None) -> list[str]:
+def check_generated(specs: Sequence[SpecSource | Path], out_generated: Path,
+                    templates_dir: Path = TEMPLATES_DIR) -> list[str]:
     """Files under ``out_generated`` that a fresh render would change (empty: it is current)."""
     differ = []
-    for rendered in render_all(specs, templates_dir, tuned_params).values():
+    for rendered in render_all(specs, templates_dir).values():
         differ += stale_files(rendered, out_generated)
     return differ
 
@@ -228,16 +227,19 @@ def publish(registry_dir: Path, arch: str, results: Sequence[tuple[BuildJob, Bui
 
 
 def _jobs(sources: Sequence[SpecSource], archs: Sequence[str] | None, rendered: Mapping[str, Mapping[str, str]],
-          toolchains: Sequence[Toolchain], tuned: TunedParams) -> tuple[list[BuildJob], list[BuildOutcome]]:
+          toolchains: Sequence[Toolchain], tuned: TunedParams, templates_dir: Path) -> tuple[list[BuildJob],
+                                                                                           list[BuildOutcome]]:
     jobs, skipped = [], []
     for source in sources:
         spec = source.spec
-        plans = tuple(plans_for(spec, tuned.get(spec.name)))
         for arch in archs or spec.targets:
             if arch not in spec.targets:
                 skipped.append(BuildOutcome(spec.name, arch, "skipped", error=f"{arch} is not in the spec's targets"))
                 continue
-            jobs.append(BuildJob(source, arch, toolchain_for(arch, toolchains), plans, rendered[spec.name]))
+            params = tuned.for_family(arch, spec.name)
+            plans = tuple(plans_for(spec, params))
+            texts = render_family(spec, templates_dir, params) if params else rendered[spec.name]
+            jobs.append(BuildJob(source, arch, toolchain_for(arch, toolchains), plans, texts))
     return jobs, skipped
 
 
@@ -248,18 +250,19 @@ def build(specs: Sequence[SpecSource | Path], archs: Sequence[str] | None, out_g
           extra_flags: Sequence[str] = ()) -> BuildReport:
     """Render, compile (cached, ``jobs`` nvcc processes at once) and publish to the registry.
 
-    ``archs=None`` builds each spec's targets; an arch a spec does not target is skipped. A
+    ``tuned_params`` gives each (arch, family) its tuned launch parameters (``kvgen.tuning.configs``;
+    default: the safe defaults). ``archs=None`` builds each spec's targets; an arch a spec does not target is skipped. A
     missing toolchain raises ``ToolchainError`` before anything compiles; a compile failure is
     reported in its outcome and the other pairs still build.
     """
     sources = _as_sources(specs)
-    tuned = tuned_params or {}
+    tuned = tuned_params or TunedParams()
     progress = progress or _NoProgress()
-    rendered = render_all(sources, templates_dir, tuned)
+    rendered = render_all(sources, templates_dir)
     report = BuildReport()
     for files in rendered.values():
         report.rendered += write_rendered(files, Path(out_generated))
-    todo, skipped = _jobs(sources, archs, rendered, toolchains, tuned)
+    todo, skipped = _jobs(sources, archs, rendered, toolchains, tuned, templates_dir)
     report.outcomes += skipped
     progress.start(len(todo))
     results: dict[str, list[tuple[BuildJob, BuildOutcome, dict]]] = {}

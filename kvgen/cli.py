@@ -242,8 +242,9 @@ def cmd_build(args: argparse.Namespace) -> int:
         console.print(f"rendered {len(sources)} families into {args.generated}: {len(changed)} files changed")
         return 0
     toolchains = discover_toolchains()
+    tuned = _tuned_params(args, sources, toolchains)
     with Progress(console=err_console, transient=True) as bar:
-        report = build(sources, _build_archs(args), args.generated, args.cache_dir, args.jobs,
+        report = build(sources, _build_archs(args), args.generated, args.cache_dir, args.jobs, tuned,
                        progress=_RichProgress(bar), toolchains=toolchains, registry_dir=args.registry,
                        templates_dir=args.templates)
     console.print(_summary(report))
@@ -252,11 +253,53 @@ def cmd_build(args: argparse.Namespace) -> int:
     counts = {s: len(report.with_status(s)) for s in ("built", "hit", "failed", "skipped")}
     console.print(", ".join(f"{n} {s}" for s, n in counts.items()) + "; manifests: "
                   + (", ".join(map(str, report.manifests)) or "none"))
-    scores_ok = _build_scores([source.spec for source in sources], args)
+    scores_ok = _build_scores([source.spec for source in sources], args, tuned)
     return 0 if report.ok and scores_ok else 1
 
 
-def _build_scores(specs, args: argparse.Namespace) -> bool:
+def _tuned_params(args: argparse.Namespace, sources: list, toolchains: list):
+    """Tuned configurations from ``--tuning`` valid for this build (one line for each one not used)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from . import __version__
+    from .backends.nvcc import ToolchainError, toolchain_for
+    from .tuning.configs import BuildEnvironment, load_tuned
+
+    archs = _build_archs(args) or sorted({a for s in sources for a in s.spec.targets})
+    notes, table = [], None
+    for arch in archs:
+        versions = {}
+        try:
+            versions["nvcc"] = toolchain_for(arch, toolchains).version
+        except ToolchainError:
+            pass
+        try:
+            versions["cutlass_dsl"] = version("nvidia-cutlass-dsl")
+        except PackageNotFoundError:
+            pass
+        one = load_tuned(args.tuning, [arch], [s.spec.name for s in sources],
+                         BuildEnvironment(__version__, versions, _gpu_name()))
+        notes += one.notes
+        if table is None:
+            table = one
+        else:
+            table.table.update(one.table)
+    for note in dict.fromkeys(notes):
+        err_console.print(f"[yellow]tuning[/yellow] {note}", markup=True, soft_wrap=True, highlight=False)
+    return table
+
+
+def _gpu_name() -> str | None:
+    """The build machine's GPU, if it has one (a tuned config from another GPU is then not used)."""
+    try:
+        import torch
+
+        return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    except Exception:  # noqa: BLE001 - no usable torch/CUDA: no GPU to compare with
+        return None
+
+
+def _build_scores(specs, args: argparse.Namespace, tuned) -> bool:
     """TriAttention score libraries (CuTe DSL, AOT) beside the family libraries."""
     from .backends.cute_aot import CUTE_ARCHS, CuteCompileError, build_score_libraries, find_cute_toolchain
 
@@ -270,6 +313,7 @@ def _build_scores(specs, args: argparse.Namespace) -> bool:
     archs = [a for a in _build_archs(args) or [] if a in CUTE_ARCHS] or None
     with console.status("exporting CuTe DSL score kernels"):
         builds = build_score_libraries(specs, archs, args.cache_dir, args.registry, toolchain=toolchain,
+                                       params=lambda family, arch: tuned.for_family(arch, family).get("score", {}),
                                        jobs=args.jobs, generated_dir=args.generated, templates_dir=args.templates)
     for failed in [b for b in builds if b.status == "failed"]:
         _print_error(f"{failed.family} {failed.arch} score:\n{failed.error}")
@@ -385,6 +429,8 @@ def _add_build_parsers(sub) -> None:  # noqa: ANN001 - argparse's private subpar
     p.add_argument("--templates", type=Path, default=TEMPLATES_DIR, help=argparse.SUPPRESS)
     p.add_argument("--jobs", "-j", type=int, default=default_jobs(), help="parallel compiles (default: $MAX_JOBS "
                                                                           "or the CPU count)")
+    p.add_argument("--tuning", type=Path, default=Path("tuning"), help="tuned configurations (default: tuning; "
+                                                                       "KVGEN_TUNING=off ignores them)")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--render-only", action="store_true", help="only render generated/")
     mode.add_argument("--check", action="store_true", help="exit 1 if generated/ differs from a fresh render")
@@ -432,6 +478,37 @@ def _add_wheel_parser(sub) -> None:  # noqa: ANN001 - argparse's private subpars
     p.set_defaults(func=cmd_wheel)
 
 
+# ---------------------------------------------------------------- tune, demo, bench
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    from .build import load_spec_source
+    from .tuning.run import run
+
+    sources = [load_spec_source(p) for p in _selected_spec_paths(args)]
+    return run(args, sources, console, args.cache_dir, discover_toolchains)
+
+
+def _add_run_parsers(sub) -> None:  # noqa: ANN001 - argparse's private subparsers type
+    from . import bench, demo
+    from .tuning import run as tune
+
+    p = sub.add_parser("tune", help="autotune launch parameters (optuna), correctness-gated; writes tuning/")
+    p.add_argument("--cache-dir", type=Path, default=None, help="build cache (default: $KVGEN_CACHE_DIR or "
+                                                                "~/.cache/kvgen)")
+    p.add_argument("--jobs", "-j", type=int, default=default_jobs(), help="parallel compiles")
+    tune.add_arguments(p)
+    p.set_defaults(func=cmd_tune)
+
+    p = sub.add_parser("demo", help="serving scenario on the GPU: offload/onboard through the codec, eviction")
+    demo.add_arguments(p)
+    p.set_defaults(func=demo.run)
+
+    p = sub.add_parser("bench", help="every kernel benchmark with its ceilings; JSON, Markdown and plots")
+    bench.add_arguments(p)
+    p.set_defaults(func=bench.run)
+
+
 # ---------------------------------------------------------------- entry
 
 
@@ -454,6 +531,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_build_parsers(sub)
     _add_wheel_parser(sub)
+    _add_run_parsers(sub)
     return parser
 
 

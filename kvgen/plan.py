@@ -25,6 +25,7 @@ Op = Literal["codec", "compact", "pack", "score"]
 TUNABLES: dict[str, dict[str, tuple[tuple[int, ...], int]]] = {
     "codec": {
         "threads": ((64, 128, 256, 512), 256),
+        "in_flight": ((1, 2, 4, 8), 4),        # 16-byte record loads in flight per thread
     },
     "compact": {
         "threads": ((64, 128, 256), 128),

@@ -10,4 +10,4 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 .venv/bin/python -m pip install -q --disable-pip-version-check "torch==2.13.0"
-.venv/bin/python -m pip install -q --disable-pip-version-check -e ".[triton,cute,tune,nvcc-rubin,dev]"
+.venv/bin/python -m pip install -q --disable-pip-version-check -e ".[triton,cute,tune,nvcc-rubin,dev,report]"

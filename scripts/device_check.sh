@@ -3,11 +3,20 @@
 #
 #   bash scripts/device_check.sh tests   # gpu-marked tests (codec, compaction, packer, scorer,
 #                                        # device NVFP4 arithmetic), compute-sanitizer, wheel proof
-#   bash scripts/device_check.sh bench   # codec, compaction and scorer benchmarks with ceilings
+#   bash scripts/device_check.sh bench   # kvgen bench run: codec, compaction and scorer benchmarks
+#                                        # in one process, ceilings measured once -> $OUT/bench.json
+#   bash scripts/device_check.sh tune BUNDLE.tar.xz [DONE.jsonl]
+#                                        # kvgen.tuning.measure: every candidate of a bundle (kvgen tune
+#                                        # --build-only) checked and timed -> $OUT/measurements.jsonl;
+#                                        # DONE.jsonl (an earlier, cut-off run) is continued, not redone
 #
 # Needs, carried from the build machine: build/registry (kvgen build --arch sm_90a), dist/ (kvgen
-# wheel --arch sm_90a) and .whl/ (pydantic wheels; the GPU image has no pydantic). Writes logs and
-# JSON under $OUT (results/ when unset). Never fails fast: every step runs and reports.
+# wheel --arch sm_90a) and .whl/ (pydantic wheels; the GPU image has no pydantic). Optional for
+# bench: build/registry-default (KVGEN_TUNING=off kvgen build --arch sm_90a --registry
+# build/registry-default), then tuned vs default is measured too. Writes logs and JSON under $OUT
+# (results/ when unset); the report (report.md + PNGs) is written there only if matplotlib is
+# installed, else afterwards with: python -m kvgen.bench report DIR. The commit recorded is
+# $KVGEN_COMMIT, else git's (set it where the copy has no .git). Never fails fast: every step runs and reports.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-results}
@@ -34,13 +43,23 @@ run_tests() {
 }
 
 run_bench() {
-  timeout 200 python3 benchmarks/bench_codec.py 2>&1 | grep -v "^W" | tee "$OUT/bench.log" | tail -5
-  timeout 150 python3 benchmarks/bench_compact.py 2>&1 | tee -a "$OUT/bench.log" | tail -5
-  timeout 150 python3 benchmarks/bench_score.py 2>&1 | tee -a "$OUT/bench.log" | tail -5
+  local default=()
+  if [ -f build/registry-default/sm_90a/manifest.json ]; then
+    default=(--default-registry build/registry-default)
+  fi
+  timeout 560 python3 -m kvgen.bench run --out "$OUT" --registry build/registry --arch sm_90a \
+    ${default[@]+"${default[@]}"} 2>&1 | grep -v "^W" | tee "$OUT/bench.log" | tail -15
+}
+
+run_tune() {
+  local bundle=$1 done=${2:-}
+  if [ -n "$done" ]; then cp "$done" "$OUT/measurements.jsonl"; fi
+  timeout 540 python3 -m kvgen.tuning.measure "$bundle" --out "$OUT/measurements.jsonl" 2>&1 | tee "$OUT/tune.log" | tail -40
 }
 
 case "${1:-}" in
   tests) run_tests ;;
   bench) run_bench ;;
-  *) echo "usage: $0 tests|bench" >&2; exit 2 ;;
+  tune) shift; run_tune "$@" ;;
+  *) echo "usage: $0 tests|bench|tune BUNDLE [DONE.jsonl]" >&2; exit 2 ;;
 esac

@@ -72,7 +72,7 @@ import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from benchmarks.common import environment, write_result
+from kvgen.bench.common import environment, write_result
 
 wheel, target, junit, rc, installer, pydantic = sys.argv[1:]
 tests = []

@@ -26,3 +26,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def postgres_url(tmp_path_factory):
+    """SQLAlchemy URL of a throwaway PostgreSQL server on 127.0.0.1, shared by the session
+    (about 1 s to start); tests keep apart by using their own study/table names."""
+    from .pgserver import postgres_server
+
+    with postgres_server(tmp_path_factory.mktemp("postgres")) as url:
+        yield url

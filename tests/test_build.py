@@ -23,7 +23,7 @@ from kvgen.backends.nvcc import (CompileError, Toolchain, ToolchainError, cache_
 from kvgen.build import build, check_generated, load_spec_source
 from kvgen.cache import META, entry_dir, failed_dir, get_or_build, load_entry
 from kvgen.cli import main
-from kvgen.plan import plans_for
+from kvgen.plan import default_params, plans_for
 from kvgen.registry import (ABI_VERSION, LibraryEntry, Manifest, OpEntry, RegistryError, read_manifest,
                             write_manifest)
 from kvgen.render import RenderError, header, render, render_family, write_if_different
@@ -369,7 +369,7 @@ def test_build_then_rebuild_is_all_cache_hits(tmp_path: Path, templates: Path, t
     manifest = read_manifest(tmp_path / "registry" / "sm_90a" / "manifest.json")
     lib = manifest.library(FAMILY)
     assert lib is not None and lib.abi_version == ABI_VERSION and lib.toolchain.startswith("13.0")
-    assert [op.op for op in lib.ops] == ["codec", "compact", "pack", "score"] and lib.ops[0].params == {"threads": 256}
+    assert [op.op for op in lib.ops] == ["codec", "compact", "pack", "score"] and lib.ops[0].params == default_params("codec")
     assert (tmp_path / "registry" / "sm_90a" / lib.artifact).is_file()
     meta = json.loads((report.outcomes[1].artifact.parent / "manifest.json").read_text())
     assert meta["libraries"][0]["artifact"] == "libkvgen_llama_3_1_8b.so"
@@ -380,6 +380,25 @@ def test_build_then_rebuild_is_all_cache_hits(tmp_path: Path, templates: Path, t
     (tmp_path / "csrc").mkdir()
     (tmp_path / "csrc" / "common.cuh").write_text("#pragma once\n")   # a header change is a new key
     assert [o.status for o in _build(tmp_path, templates, toolchains).outcomes] == ["built"]
+
+
+def test_tuned_parameters_are_compiled_per_arch_and_recorded(tmp_path: Path, templates: Path,
+                                                            toolchains: list[Toolchain]) -> None:
+    """The arch's tuned launch parameters reach the compiled source and the manifest; generated/
+    keeps the arch-neutral default rendering."""
+    from kvgen.tuning.configs import TunedParams
+
+    tuned = TunedParams()
+    tuned.set("sm_90a", FAMILY, "codec", {"threads": 512, "in_flight": 2})
+    report = build([SPECS / f"{FAMILY}.yaml"], ["sm_90a"], tmp_path / "generated", tmp_path / "cache", 2, tuned,
+                   toolchains=toolchains, registry_dir=tmp_path / "registry", templates_dir=templates,
+                   csrc_dir=tmp_path / "csrc")
+    assert report.ok
+    lib = read_manifest(tmp_path / "registry" / "sm_90a" / "manifest.json").library(FAMILY)
+    assert lib.ops[0].params == {"threads": 512, "in_flight": 2}
+    assert "<<<(n + 256 - 1) / 256, 256" in (tmp_path / "generated" / FAMILY / "codec.cu").read_text()
+    kept = next((tmp_path / "cache").rglob("src/codec.cu")).read_text()   # what was compiled
+    assert "<<<(n + 512 - 1) / 512, 512" in kept
 
 
 def test_build_failure_is_reported_with_kept_sources(tmp_path: Path, templates: Path,

@@ -2,13 +2,14 @@
 // family:   deepseek-v3-lossless-rope
 // op:       codec
 // template: codec.cu.j2
-// plan key: 35af1fea37c8a74717af364640895e518bffa077c85c40abef9b32d5c0d2b248
+// plan key: 8e1a122dde14f80563ae26d49e9665b6583cc520f41f4aea476818d76c04abb4
 //
 // Cold-page codec of family deepseek-v3-lossless-rope (COLD_PAGE_FORMAT.md, version 1).
 // This file only describes the family; the kernels are kvgen/csrc/codec_kernels.cuh.
 //
 // Layer record: 13312 bytes (13312 before padding), hot dtype bf16, layout HND.
-// Launch: 256 threads per CTA, one CTA per (page pair, layer), the record staged in shared memory.
+// Launch: 256 threads per CTA, one CTA per (page pair, layer), the record staged in shared memory;
+// 4 16-byte loads in flight per thread when the record crosses the bus.
 #include "codec_host.cuh"
 
 namespace kvgen {
@@ -39,7 +40,7 @@ struct Buffer_latent {
 };
 
 using Layer = codec::Layer<13312, 13312, codec::Quantized<Buffer_latent, Hot>>;
-using CodecT = codec::Codec<Layer, 256>;
+using CodecT = codec::Codec<Layer, 256, 4>;
 
 // Required alignment of each buffer's pool base and page stride.
 constexpr int kPartAlign[] = {16};

@@ -2,13 +2,14 @@
 // family:   deepseek-v3
 // op:       codec
 // template: codec.cu.j2
-// plan key: 9320b97d6059bb0de48571285064ac43b5896077f32452d2b437bcb6fbdf6f27
+// plan key: 26f0f8ea27fdca350ce6e17e65f0eea9b5ef067214f3e7fc485d42f09297a672
 //
 // Cold-page codec of family deepseek-v3 (COLD_PAGE_FORMAT.md, version 1).
 // This file only describes the family; the kernels are kvgen/csrc/codec_kernels.cuh.
 //
 // Layer record: 20736 bytes (20736 before padding), hot dtype bf16, layout HND.
-// Launch: 256 threads per CTA, one CTA per (page pair, layer), the record staged in shared memory.
+// Launch: 256 threads per CTA, one CTA per (page pair, layer), the record staged in shared memory;
+// 4 16-byte loads in flight per thread when the record crosses the bus.
 #include "codec_host.cuh"
 
 namespace kvgen {
@@ -39,7 +40,7 @@ struct Buffer_latent {
 };
 
 using Layer = codec::Layer<20736, 20736, codec::Quantized<Buffer_latent, Hot>>;
-using CodecT = codec::Codec<Layer, 256>;
+using CodecT = codec::Codec<Layer, 256, 4>;
 
 // Required alignment of each buffer's pool base and page stride.
 constexpr int kPartAlign[] = {16};

@@ -2,13 +2,14 @@
 // family:   deepseek-v4-csa
 // op:       codec
 // template: codec.cu.j2
-// plan key: c0fb2200fe01fc79a4a8147ef89d74c093cd39231782f0ce7f50c729ff2d2732
+// plan key: 67f39457c122e7ad2fa180b24b2bb4f1e2de474a22c117ab7f84dc8e9d5328a0
 //
 // Cold-page codec of family deepseek-v4-csa (COLD_PAGE_FORMAT.md, version 1).
 // This file only describes the family; the kernels are kvgen/csrc/codec_kernels.cuh.
 //
 // Layer record: 10368 bytes (10368 before padding), hot dtype bf16, layout HND.
-// Launch: 256 threads per CTA, one CTA per (page pair, layer), the record staged in shared memory.
+// Launch: 256 threads per CTA, one CTA per (page pair, layer), the record staged in shared memory;
+// 4 16-byte loads in flight per thread when the record crosses the bus.
 #include "codec_host.cuh"
 
 namespace kvgen {
@@ -39,7 +40,7 @@ struct Buffer_entry {
 };
 
 using Layer = codec::Layer<10368, 10368, codec::Quantized<Buffer_entry, Hot>>;
-using CodecT = codec::Codec<Layer, 256>;
+using CodecT = codec::Codec<Layer, 256, 4>;
 
 // Required alignment of each buffer's pool base and page stride.
 constexpr int kPartAlign[] = {16};

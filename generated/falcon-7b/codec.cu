@@ -2,13 +2,14 @@
 // family:   falcon-7b
 // op:       codec
 // template: codec.cu.j2
-// plan key: 4efc3d0cd88d86f4da7cfded8fc43d3d62291faf2010c717672d974b2c26c4e5
+// plan key: 80afff458c84277c23cb779a9be05fefe7fca4508504dbf8b835ad5d408c52d4
 //
 // Cold-page codec of family falcon-7b (COLD_PAGE_FORMAT.md, version 1).
 // This file only describes the family; the kernels are kvgen/csrc/codec_kernels.cuh.
 //
 // Layer record: 4608 bytes (4608 before padding), hot dtype bf16, layout NHD.
-// Launch: 256 threads per CTA, one CTA per (page pair, layer), the record staged in shared memory.
+// Launch: 256 threads per CTA, one CTA per (page pair, layer), the record staged in shared memory;
+// 4 16-byte loads in flight per thread when the record crosses the bus.
 #include "codec_host.cuh"
 
 namespace kvgen {
@@ -61,7 +62,7 @@ struct Buffer_v {
 };
 
 using Layer = codec::Layer<4608, 4608, codec::Quantized<Buffer_k, Hot>, codec::Quantized<Buffer_v, Hot>>;
-using CodecT = codec::Codec<Layer, 256>;
+using CodecT = codec::Codec<Layer, 256, 4>;
 
 // Required alignment of each buffer's pool base and page stride.
 constexpr int kPartAlign[] = {16, 16};

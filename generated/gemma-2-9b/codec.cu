@@ -2,13 +2,14 @@
 // family:   gemma-2-9b
 // op:       codec
 // template: codec.cu.j2
-// plan key: c11af6e93937b9c71694e8191cc9e6c91e71a1c76c03e4d3669e7c3b1fb6e9e3
+// plan key: fccc1524babb5fbd68a8124b3cb0835d6ef76cb84d6bed7054cfa44666bb4f70
 //
 // Cold-page codec of family gemma-2-9b (COLD_PAGE_FORMAT.md, version 1).
 // This file only describes the family; the kernels are kvgen/csrc/codec_kernels.cuh.
 //
 // Layer record: 73728 bytes (73728 before padding), hot dtype bf16, layout HND.
-// Launch: 256 threads per CTA, one CTA per (page pair, layer), the record staged in shared memory.
+// Launch: 256 threads per CTA, one CTA per (page pair, layer), the record staged in shared memory;
+// 4 16-byte loads in flight per thread when the record crosses the bus.
 #include "codec_host.cuh"
 
 namespace kvgen {
@@ -61,7 +62,7 @@ struct Buffer_v {
 };
 
 using Layer = codec::Layer<73728, 73728, codec::Quantized<Buffer_k, Hot>, codec::Quantized<Buffer_v, Hot>>;
-using CodecT = codec::Codec<Layer, 256>;
+using CodecT = codec::Codec<Layer, 256, 4>;
 
 // Required alignment of each buffer's pool base and page stride.
 constexpr int kPartAlign[] = {16, 16};

@@ -2,13 +2,14 @@
 // family:   glm-5
 // op:       codec
 // template: codec.cu.j2
-// plan key: a61c85ac5f1256ff174a1e33cf66bd6a4b0067f34d335b049fc4772bf40bc060
+// plan key: f43628e1de6a036d143a23fc9a27eb7dc7cdb771cd4ec741a89c02e9dbd18bda
 //
 // Cold-page codec of family glm-5 (COLD_PAGE_FORMAT.md, version 1).
 // This file only describes the family; the kernels are kvgen/csrc/codec_kernels.cuh.
 //
 // Layer record: 29184 bytes (29184 before padding), hot dtype bf16, layout HND.
-// Launch: 256 threads per CTA, one CTA per (page pair, layer), the record staged in shared memory.
+// Launch: 256 threads per CTA, one CTA per (page pair, layer), the record staged in shared memory;
+// 4 16-byte loads in flight per thread when the record crosses the bus.
 #include "codec_host.cuh"
 
 namespace kvgen {
@@ -46,7 +47,7 @@ struct Side_indexer_k {
 };
 
 using Layer = codec::Layer<29184, 29184, codec::Quantized<Buffer_latent, Hot>, codec::Side<Side_indexer_k>>;
-using CodecT = codec::Codec<Layer, 256>;
+using CodecT = codec::Codec<Layer, 256, 4>;
 
 // Required alignment of each buffer's pool base and page stride.
 constexpr int kPartAlign[] = {16, 16};

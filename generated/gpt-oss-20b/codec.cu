@@ -2,13 +2,14 @@
 // family:   gpt-oss-20b
 // op:       codec
 // template: codec.cu.j2
-// plan key: d17cc7938762aa2c9b04714507c9682541545852c543bdf92665edb053201545
+// plan key: 97d6440dd868c30e6f2e863c91121ec2533d20286c9a1ef3edca515d25244b05
 //
 // Cold-page codec of family gpt-oss-20b (COLD_PAGE_FORMAT.md, version 1).
 // This file only describes the family; the kernels are kvgen/csrc/codec_kernels.cuh.
 //
 // Layer record: 18432 bytes (18432 before padding), hot dtype bf16, layout HND.
-// Launch: 256 threads per CTA, one CTA per (page pair, layer), the record staged in shared memory.
+// Launch: 256 threads per CTA, one CTA per (page pair, layer), the record staged in shared memory;
+// 4 16-byte loads in flight per thread when the record crosses the bus.
 #include "codec_host.cuh"
 
 namespace kvgen {
@@ -61,7 +62,7 @@ struct Buffer_v {
 };
 
 using Layer = codec::Layer<18432, 18432, codec::Quantized<Buffer_k, Hot>, codec::Quantized<Buffer_v, Hot>>;
-using CodecT = codec::Codec<Layer, 256>;
+using CodecT = codec::Codec<Layer, 256, 4>;
 
 // Required alignment of each buffer's pool base and page stride.
 constexpr int kPartAlign[] = {16, 16};

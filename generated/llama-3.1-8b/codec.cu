@@ -2,13 +2,14 @@
 // family:   llama-3.1-8b
 // op:       codec
 // template: codec.cu.j2
-// plan key: b99a22b76cd00465a20ff52456bb75c5cd647cbe8053f780d269ae42ac0c2796
+// plan key: d47d9f09a3c34578f57c74fbdb71427cf3480172fe9f032ec02012c1dd72ba8a
 //
 // Cold-page codec of family llama-3.1-8b (COLD_PAGE_FORMAT.md, version 1).
 // This file only describes the family; the kernels are kvgen/csrc/codec_kernels.cuh.
 //
 // Layer record: 36864 bytes (36864 before padding), hot dtype bf16, layout HND.
-// Launch: 256 threads per CTA, one CTA per (page pair, layer), the record staged in shared memory.
+// Launch: 256 threads per CTA, one CTA per (page pair, layer), the record staged in shared memory;
+// 4 16-byte loads in flight per thread when the record crosses the bus.
 #include "codec_host.cuh"
 
 namespace kvgen {
@@ -61,7 +62,7 @@ struct Buffer_v {
 };
 
 using Layer = codec::Layer<36864, 36864, codec::Quantized<Buffer_k, Hot>, codec::Quantized<Buffer_v, Hot>>;
-using CodecT = codec::Codec<Layer, 256>;
+using CodecT = codec::Codec<Layer, 256, 4>;
 
 // Required alignment of each buffer's pool base and page stride.
 constexpr int kPartAlign[] = {16, 16};

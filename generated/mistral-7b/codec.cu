@@ -2,13 +2,14 @@
 // family:   mistral-7b
 // op:       codec
 // template: codec.cu.j2
-// plan key: 4019736d4ef879c600860d13517c5521a65183a4345100d303277118cfc5f159
+// plan key: 871a5a2f80904d3a7a7426f6144f900cdc0ba6543b0b730a4f8024e10e7d0004
 //
 // Cold-page codec of family mistral-7b (COLD_PAGE_FORMAT.md, version 1).
 // This file only describes the family; the kernels are kvgen/csrc/codec_kernels.cuh.
 //
 // Layer record: 18432 bytes (18432 before padding), hot dtype fp16, layout NHD.
-// Launch: 256 threads per CTA, one CTA per (page pair, layer), the record staged in shared memory.
+// Launch: 256 threads per CTA, one CTA per (page pair, layer), the record staged in shared memory;
+// 4 16-byte loads in flight per thread when the record crosses the bus.
 #include "codec_host.cuh"
 
 namespace kvgen {
@@ -61,7 +62,7 @@ struct Buffer_v {
 };
 
 using Layer = codec::Layer<18432, 18432, codec::Quantized<Buffer_k, Hot>, codec::Quantized<Buffer_v, Hot>>;
-using CodecT = codec::Codec<Layer, 256>;
+using CodecT = codec::Codec<Layer, 256, 4>;
 
 // Required alignment of each buffer's pool base and page stride.
 constexpr int kPartAlign[] = {16, 16};

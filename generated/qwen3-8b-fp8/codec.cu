@@ -2,13 +2,14 @@
 // family:   qwen3-8b-fp8
 // op:       codec
 // template: codec.cu.j2
-// plan key: d97f8444c24bacbfc49bfd7eb9a8c639b2516d23735846298f22703e970cb784
+// plan key: 49a27d7bcec2e33baf1dd3270502c391f45d25e794c78699dea2201abe11bc15
 //
 // Cold-page codec of family qwen3-8b-fp8 (COLD_PAGE_FORMAT.md, version 1).
 // This file only describes the family; the kernels are kvgen/csrc/codec_kernels.cuh.
 //
 // Layer record: 36864 bytes (36864 before padding), hot dtype fp8_e4m3, layout HND.
-// Launch: 256 threads per CTA, one CTA per (page pair, layer), the record staged in shared memory.
+// Launch: 256 threads per CTA, one CTA per (page pair, layer), the record staged in shared memory;
+// 4 16-byte loads in flight per thread when the record crosses the bus.
 #include "codec_host.cuh"
 
 namespace kvgen {
@@ -61,7 +62,7 @@ struct Buffer_v {
 };
 
 using Layer = codec::Layer<36864, 36864, codec::Quantized<Buffer_k, Hot>, codec::Quantized<Buffer_v, Hot>>;
-using CodecT = codec::Codec<Layer, 256>;
+using CodecT = codec::Codec<Layer, 256, 4>;
 
 // Required alignment of each buffer's pool base and page stride.
 constexpr int kPartAlign[] = {16, 16};

@@ -2,13 +2,14 @@
 // family:   qwen3-8b-nhd
 // op:       codec
 // template: codec.cu.j2
-// plan key: 0eea4366717b694f4962cb7348e995eedb46b11275ffa903b510a23a5500e6e5
+// plan key: 1bf89f32701dcc24f66ddebbb15501d57e4bced528c18d1004870a586eab1c22
 //
 // Cold-page codec of family qwen3-8b-nhd (COLD_PAGE_FORMAT.md, version 1).
 // This file only describes the family; the kernels are kvgen/csrc/codec_kernels.cuh.
 //
 // Layer record: 36864 bytes (36864 before padding), hot dtype bf16, layout NHD.
-// Launch: 256 threads per CTA, one CTA per (page pair, layer), the record staged in shared memory.
+// Launch: 256 threads per CTA, one CTA per (page pair, layer), the record staged in shared memory;
+// 4 16-byte loads in flight per thread when the record crosses the bus.
 #include "codec_host.cuh"
 
 namespace kvgen {
@@ -61,7 +62,7 @@ struct Buffer_v {
 };
 
 using Layer = codec::Layer<36864, 36864, codec::Quantized<Buffer_k, Hot>, codec::Quantized<Buffer_v, Hot>>;
-using CodecT = codec::Codec<Layer, 256>;
+using CodecT = codec::Codec<Layer, 256, 4>;
 
 // Required alignment of each buffer's pool base and page stride.
 constexpr int kPartAlign[] = {16, 16};

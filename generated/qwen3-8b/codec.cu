@@ -2,13 +2,14 @@
 // family:   qwen3-8b
 // op:       codec
 // template: codec.cu.j2
-// plan key: 90e362a0476a02996a682b7c2b7669df0c114401a7f8358a2d525f906b4b22f2
+// plan key: 52aafa6de995e2927acbfcac44fa2d390585eb6f10789ad571fe802a1ba17074
 //
 // Cold-page codec of family qwen3-8b (COLD_PAGE_FORMAT.md, version 1).
 // This file only describes the family; the kernels are kvgen/csrc/codec_kernels.cuh.
 //
 // Layer record: 36864 bytes (36864 before padding), hot dtype bf16, layout HND.
-// Launch: 256 threads per CTA, one CTA per (page pair, layer), the record staged in shared memory.
+// Launch: 256 threads per CTA, one CTA per (page pair, layer), the record staged in shared memory;
+// 4 16-byte loads in flight per thread when the record crosses the bus.
 #include "codec_host.cuh"
 
 namespace kvgen {
@@ -61,7 +62,7 @@ struct Buffer_v {
 };
 
 using Layer = codec::Layer<36864, 36864, codec::Quantized<Buffer_k, Hot>, codec::Quantized<Buffer_v, Hot>>;
-using CodecT = codec::Codec<Layer, 256>;
+using CodecT = codec::Codec<Layer, 256, 4>;
 
 // Required alignment of each buffer's pool base and page stride.
 constexpr int kPartAlign[] = {16, 16};

@@ -2,13 +2,14 @@
 // family:   qwen3.5-397b-a17b-lossless-rope
 // op:       codec
 // template: codec.cu.j2
-// plan key: c8b0a4216a92f5698c324e65881693fc2b9be5c815a343cb555741c653088a0f
+// plan key: 8eb59b1da37ac462ed34d1a44b2528626aa263a42ab54815edd0ea98f2c73545
 //
 // Cold-page codec of family qwen3.5-397b-a17b-lossless-rope (COLD_PAGE_FORMAT.md, version 1).
 // This file only describes the family; the kernels are kvgen/csrc/codec_kernels.cuh.
 //
 // Layer record: 24320 bytes (24320 before padding), hot dtype bf16, layout HND.
-// Launch: 256 threads per CTA, one CTA per (page pair, layer), the record staged in shared memory.
+// Launch: 256 threads per CTA, one CTA per (page pair, layer), the record staged in shared memory;
+// 4 16-byte loads in flight per thread when the record crosses the bus.
 #include "codec_host.cuh"
 
 namespace kvgen {
@@ -61,7 +62,7 @@ struct Buffer_v {
 };
 
 using Layer = codec::Layer<24320, 24320, codec::Quantized<Buffer_k, Hot>, codec::Quantized<Buffer_v, Hot>>;
-using CodecT = codec::Codec<Layer, 256>;
+using CodecT = codec::Codec<Layer, 256, 4>;
 
 // Required alignment of each buffer's pool base and page stride.
 constexpr int kPartAlign[] = {16, 16};

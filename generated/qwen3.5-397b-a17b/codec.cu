@@ -2,13 +2,14 @@
 // family:   qwen3.5-397b-a17b
 // op:       codec
 // template: codec.cu.j2
-// plan key: 6311b351927e0d091b461f41bcfc13c6c205539c5f84da2ef3c72d8a06b3ef10
+// plan key: c6aa59b89519eac38f746e46cdc227a755f6a7c509bc3b88cae95273084c2800
 //
 // Cold-page codec of family qwen3.5-397b-a17b (COLD_PAGE_FORMAT.md, version 1).
 // This file only describes the family; the kernels are kvgen/csrc/codec_kernels.cuh.
 //
 // Layer record: 18432 bytes (18432 before padding), hot dtype bf16, layout HND.
-// Launch: 256 threads per CTA, one CTA per (page pair, layer), the record staged in shared memory.
+// Launch: 256 threads per CTA, one CTA per (page pair, layer), the record staged in shared memory;
+// 4 16-byte loads in flight per thread when the record crosses the bus.
 #include "codec_host.cuh"
 
 namespace kvgen {
@@ -61,7 +62,7 @@ struct Buffer_v {
 };
 
 using Layer = codec::Layer<18432, 18432, codec::Quantized<Buffer_k, Hot>, codec::Quantized<Buffer_v, Hot>>;
-using CodecT = codec::Codec<Layer, 256>;
+using CodecT = codec::Codec<Layer, 256, 4>;
 
 // Required alignment of each buffer's pool base and page stride.
 constexpr int kPartAlign[] = {16, 16};

@@ -31,7 +31,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from .. import __version__
 from ..cache import (CACHE_SCHEMA_VERSION, copy_if_different, entry_dir, file_sha256, get_or_build, load_entry,
@@ -50,8 +50,6 @@ IMPL_NAME = "kvgen_score_impl"          # function_prefix of the export; the shi
 RECIPE_VERSION = 1                       # bump when the export or link recipe below changes
 CUTE_ARCHS = ("sm_90a", "sm_100a", "sm_100f", "sm_103a", "sm_107a")
 
-# Tunable launch parameters of the score kernel: name -> (choices, safe default). Kept here until
-# kvgen.plan.TUNABLES gains a "score" entry (same shape).
 # libstdc++ stays dynamic: its static archive pulls arc4random (glibc 2.36) and libgcc_eh
 # _dl_find_object (2.35); dynamic, the library needs GLIBC_2.34 and GLIBCXX_3.4.21, like the codec's.
 CXX_FLAGS = ("-std=c++17", "-O2", "-fPIC", "-shared")
@@ -209,7 +207,6 @@ class ScoreBuild:
 
 @dataclass
 class _Job:
-    spec: FamilySpec
     plan: KernelPlan
     rendered: str
     key: str
@@ -228,7 +225,7 @@ def _build_into(tmp: Path, job: _Job, staged: Path, arch: str, toolchain: CuteTo
     (tmp / "link.log").write_text(log, encoding="utf-8")
     return {
         "artifact": library,
-        "family": job.spec.name,
+        "family": job.plan.family,
         "arch": arch,
         "op": "score",
         "plan_key": job.plan.key(),
@@ -260,77 +257,86 @@ def score_library_path(registry_dir: Path, arch: str, family: str) -> Path:
 
 def build_score_libraries(specs: Sequence[FamilySpec], archs: Sequence[str] | None, cache_dir: Path,
                           registry_dir: Path = Path("build/registry"), *,
-                          params: Mapping[str, Mapping[str, int]] | None = None,
+                          params: Callable[[str, str], Mapping[str, int]] | None = None,
                           toolchain: CuteToolchain | None = None, jobs: int = 2,
                           generated_dir: Path | None = None, templates_dir: Path = TEMPLATES_DIR) -> list[ScoreBuild]:
     """Score libraries of every TriAttention family in ``specs`` for ``archs`` (None: each spec's
     targets that the DSL supports), cached, published to ``<registry_dir>/<arch>/``.
 
+    ``params(family, arch)`` gives the tuned launch parameters (default: the safe defaults);
+    ``generated_dir`` receives the default-parameter rendering (the arch-neutral reference).
     Families without TriAttention are skipped silently; a family that enables it but cannot be
     scored (MLA, fp8) raises ``GeometryError`` (the spec already refuses those). ``jobs`` archs
     export at once (one child process each). A failed family is reported, not raised.
     """
     toolchain = toolchain or find_cute_toolchain()
-    params = params or {}
-    wanted: dict[str, list[FamilySpec]] = {}
+    wanted: dict[str, list[KernelPlan]] = {}
     for spec in specs:
         if not spec.triattention.enabled:
             continue
+        if generated_dir is not None:
+            write_if_different(Path(generated_dir) / spec.name / "score.py", render(score_plan(spec), templates_dir))
         for arch in archs or [a for a in spec.targets if a in CUTE_ARCHS]:
             if arch not in CUTE_ARCHS:
                 raise ValueError(f"score kernels target {', '.join(CUTE_ARCHS)}; not {arch}")
-            wanted.setdefault(arch, []).append(spec)
+            wanted.setdefault(arch, []).append(score_plan(spec, params(spec.name, arch) if params else None))
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        futures = [pool.submit(_build_arch, arch, arch_specs, Path(cache_dir), Path(registry_dir), params,
-                               toolchain, generated_dir, templates_dir)
-                   for arch, arch_specs in sorted(wanted.items())]
+        futures = [pool.submit(_build_arch, arch, plans, Path(cache_dir), toolchain, templates_dir, registry_dir)
+                   for arch, plans in sorted(wanted.items())]
         results = [build for future in futures for build in future.result()]
     return sorted(results, key=lambda b: (b.family, b.arch))
 
 
-def _build_arch(arch: str, specs: Sequence[FamilySpec], cache_dir: Path, registry_dir: Path,
-                params: Mapping[str, Mapping[str, int]], toolchain: CuteToolchain, generated_dir: Path | None,
-                templates_dir: Path) -> list[ScoreBuild]:
+def build_score_candidates(plans: Sequence[KernelPlan], arch: str, cache_dir: Path, *,
+                           toolchain: CuteToolchain | None = None,
+                           templates_dir: Path = TEMPLATES_DIR) -> list[ScoreBuild]:
+    """Libraries of score plans (any families, any parameters) for ``arch``, cached and left in
+    the cache (``artifact`` is the cache entry's file): the tuner's candidates, never published."""
+    return _build_arch(arch, plans, Path(cache_dir), toolchain or find_cute_toolchain(), templates_dir, None)
+
+
+def _build_arch(arch: str, plans: Sequence[KernelPlan], cache_dir: Path, toolchain: CuteToolchain,
+                templates_dir: Path, registry_dir: Path | None) -> list[ScoreBuild]:
     start = time.perf_counter()
     todo = []
-    for spec in specs:
-        plan = score_plan(spec, params.get(spec.name))
+    for plan in plans:
         rendered = render(plan, templates_dir)
-        if generated_dir is not None:
-            write_if_different(Path(generated_dir) / spec.name / "score.py", rendered)
         texts = source_texts(rendered)
         key = score_cache_key(texts, arch, toolchain)
-        entry = entry_dir(cache_dir, __version__, arch, f"{spec.name}-score", key)
-        todo.append(_Job(spec, plan, rendered, key, entry, texts))
-    misses = [job for job in todo if load_entry(job.entry, job.key) is None]
+        entry = entry_dir(cache_dir, __version__, arch, f"{plan.family}-score", key)
+        todo.append(_Job(plan, rendered, key, entry, texts))
+    misses = {job.key: job for job in todo if load_entry(job.entry, job.key) is None}
     results = []
     with tempfile.TemporaryDirectory(prefix=f"kvgen-cute-{arch}-") as staging_dir:
         staging = Path(staging_dir)
         errors: dict[str, str] = {}
         if misses:
             modules = {}
-            for job in misses:
-                module = staging / "modules" / job.spec.name / "score.py"
+            for key, job in misses.items():   # one module per distinct key: plans of one family may differ
+                module = staging / "modules" / key[:16] / "score.py"
                 module.parent.mkdir(parents=True, exist_ok=True)
                 module.write_text(job.rendered, encoding="utf-8")
-                modules[job.spec.name] = module
+                modules[key[:16]] = module
             errors = export_objects(modules, arch, staging / "out", toolchain)
         for job in todo:
-            results.append(_finish(job, arch, staging / "out" / job.spec.name, errors.get(job.spec.name),
+            results.append(_finish(job, arch, staging / "out" / job.key[:16], errors.get(job.key[:16]),
                                    registry_dir, toolchain, start))
     return results
 
 
-def _finish(job: _Job, arch: str, staged: Path, export_error: str | None, registry_dir: Path,
+def _finish(job: _Job, arch: str, staged: Path, export_error: str | None, registry_dir: Path | None,
             toolchain: CuteToolchain, start: float) -> ScoreBuild:
+    family = job.plan.family
     if export_error:
-        return ScoreBuild(job.spec.name, arch, "failed", None, job.key, time.perf_counter() - start, export_error)
+        return ScoreBuild(family, arch, "failed", None, job.key, time.perf_counter() - start, export_error)
     try:
         meta, hit = get_or_build(job.entry, job.key, lambda tmp: _build_into(tmp, job, staged, arch, toolchain))
     except (CuteCompileError, OSError) as exc:
-        return ScoreBuild(job.spec.name, arch, "failed", None, job.key, time.perf_counter() - start, str(exc))
-    artifact = publish_score_library(registry_dir, arch, job.entry / meta["artifact"], meta)
-    return ScoreBuild(job.spec.name, arch, "hit" if hit else "built", artifact, job.key, time.perf_counter() - start)
+        return ScoreBuild(family, arch, "failed", None, job.key, time.perf_counter() - start, str(exc))
+    artifact = job.entry / meta["artifact"]
+    if registry_dir is not None:
+        artifact = publish_score_library(registry_dir, arch, artifact, meta)
+    return ScoreBuild(family, arch, "hit" if hit else "built", artifact, job.key, time.perf_counter() - start)
 
 
 def build_score_library(spec: FamilySpec, arch: str, cache_dir: Path, registry_dir: Path = Path("build/registry"),
@@ -339,7 +345,7 @@ def build_score_library(spec: FamilySpec, arch: str, cache_dir: Path, registry_d
     """One family's score library for one arch: the path of the registry copy (built if needed).
     Raises ``CuteCompileError`` on failure, ``GeometryError`` for a family it cannot score."""
     require_scorable(spec)
-    builds = build_score_libraries([spec], [arch], cache_dir, registry_dir, params={spec.name: dict(params or {})},
+    builds = build_score_libraries([spec], [arch], cache_dir, registry_dir, params=lambda _f, _a: dict(params or {}),
                                    toolchain=toolchain, jobs=1, generated_dir=generated_dir)
     (build,) = builds
     if build.status == "failed":

@@ -1,7 +1,7 @@
 // kvgen/csrc/codec_abi.cuh -- the extern "C" functions of kvgen_codec.h for one family.
 //
 // Included exactly once, at the end of a generated codec.cu, after it has defined
-//   kvgen::family::CodecT   (kvgen::codec::Codec<Layer, threads>)
+//   kvgen::family::CodecT   (kvgen::codec::Codec<Layer, threads, in_flight>)
 //   kvgen::family::kTables  (kvgen::codec::FamilyTables)
 #pragma once
 

@@ -36,7 +36,7 @@ struct FamilyTables {
   int record_bytes;
 };
 
-template <class L, int kThreads>
+template <class L, int kThreads, int kInFlight>
 class Codec {
  public:
   static Codec* configure(const FamilyTables& f, const kvgen_pool_desc* descs, int64_t num_descs,
@@ -95,13 +95,13 @@ class Codec {
   // Records above 48 KiB need an explicit opt-in; records larger than the GPU allows fail here.
   static bool set_shared_memory() {
     const int bytes = L::kRecordBytes;
-    return cuda_ok(cudaFuncSetAttribute(encode_kernel<L, kThreads, false>,
+    return cuda_ok(cudaFuncSetAttribute(encode_kernel<L, kThreads, kInFlight, false>,
                                         cudaFuncAttributeMaxDynamicSharedMemorySize, bytes), "encode smem") &&
-           cuda_ok(cudaFuncSetAttribute(encode_kernel<L, kThreads, true>,
+           cuda_ok(cudaFuncSetAttribute(encode_kernel<L, kThreads, kInFlight, true>,
                                         cudaFuncAttributeMaxDynamicSharedMemorySize, bytes), "encode smem") &&
-           cuda_ok(cudaFuncSetAttribute(decode_kernel<L, kThreads, false>,
+           cuda_ok(cudaFuncSetAttribute(decode_kernel<L, kThreads, kInFlight, false>,
                                         cudaFuncAttributeMaxDynamicSharedMemorySize, bytes), "decode smem") &&
-           cuda_ok(cudaFuncSetAttribute(decode_kernel<L, kThreads, true>,
+           cuda_ok(cudaFuncSetAttribute(decode_kernel<L, kThreads, kInFlight, true>,
                                         cudaFuncAttributeMaxDynamicSharedMemorySize, bytes), "decode smem");
   }
 
@@ -159,10 +159,10 @@ class Codec {
   static void enqueue(const PoolDesc* table, void* cold, int64_t page_bytes, const PairBatch& batch,
                       const PagePair* pairs, dim3 grid, cudaStream_t stream) {
     if constexpr (kEncode) {
-      encode_kernel<L, kThreads, kDevicePairs><<<grid, kThreads, L::kRecordBytes, stream>>>(
+      encode_kernel<L, kThreads, kInFlight, kDevicePairs><<<grid, kThreads, L::kRecordBytes, stream>>>(
           table, static_cast<uint8_t*>(cold), page_bytes, batch, pairs);
     } else {
-      decode_kernel<L, kThreads, kDevicePairs><<<grid, kThreads, L::kRecordBytes, stream>>>(
+      decode_kernel<L, kThreads, kInFlight, kDevicePairs><<<grid, kThreads, L::kRecordBytes, stream>>>(
           table, static_cast<const uint8_t*>(cold), page_bytes, batch, pairs);
     }
   }

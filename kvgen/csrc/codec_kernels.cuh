@@ -349,11 +349,11 @@ struct Layer {
 
 // The whole record between the cold slot and shared memory, in 16-byte words, each thread
 // issuing kInFlight loads before its stores: over PCIe (mapped pinned slots) a load takes
-// microseconds, so several outstanding loads per thread are what keeps the bus busy.
-template <int kBytes, int kThreads>
+// microseconds, so several outstanding loads per thread are what keeps the bus busy (a tunable:
+// more in flight hides more latency but holds more registers).
+template <int kBytes, int kThreads, int kInFlight>
 __device__ __forceinline__ void copy_record(uint8_t* __restrict__ dst, const uint8_t* __restrict__ src) {
   constexpr int kWords = kBytes / 16;
-  constexpr int kInFlight = 4;
   const uint4* in = reinterpret_cast<const uint4*>(src);
   uint4* out = reinterpret_cast<uint4*>(dst);
   for (int base = threadIdx.x; base < kWords; base += kThreads * kInFlight) {
@@ -375,7 +375,7 @@ __device__ __forceinline__ PagePair pair_at(const PairBatch& batch, const PagePa
   else return batch.pairs[i];
 }
 
-template <class L, int kThreads, bool kDevicePairs>
+template <class L, int kThreads, int kInFlight, bool kDevicePairs>
 __global__ void __launch_bounds__(kThreads)
 encode_kernel(const PoolDesc* __restrict__ pools, uint8_t* cold, int64_t cold_page_bytes, PairBatch batch,
               const PagePair* __restrict__ pairs) {
@@ -385,10 +385,10 @@ encode_kernel(const PoolDesc* __restrict__ pools, uint8_t* cold, int64_t cold_pa
   L::encode(rec, pools + blockIdx.y * L::kNumParts, pair.src);
   __syncthreads();
   uint8_t* slot = cold + pair.dst * cold_page_bytes + (int64_t)blockIdx.y * L::kRecordBytes;
-  copy_record<L::kRecordBytes, kThreads>(slot, rec);
+  copy_record<L::kRecordBytes, kThreads, kInFlight>(slot, rec);
 }
 
-template <class L, int kThreads, bool kDevicePairs>
+template <class L, int kThreads, int kInFlight, bool kDevicePairs>
 __global__ void __launch_bounds__(kThreads)
 decode_kernel(const PoolDesc* __restrict__ pools, const uint8_t* cold, int64_t cold_page_bytes, PairBatch batch,
               const PagePair* __restrict__ pairs) {
@@ -396,7 +396,7 @@ decode_kernel(const PoolDesc* __restrict__ pools, const uint8_t* cold, int64_t c
   uint8_t* rec = reinterpret_cast<uint8_t*>(smem);
   const PagePair pair = pair_at<kDevicePairs>(batch, pairs, blockIdx.x);
   const uint8_t* slot = cold + pair.src * cold_page_bytes + (int64_t)blockIdx.y * L::kRecordBytes;
-  copy_record<L::kRecordBytes, kThreads>(rec, slot);
+  copy_record<L::kRecordBytes, kThreads, kInFlight>(rec, slot);
   __syncthreads();
   L::decode(rec, pools + blockIdx.y * L::kNumParts, pair.dst);
 }

@@ -37,19 +37,10 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
+from .geometry import effective_lanes, pairs_per_chunk, vector_width
+
 ELEMENT_TYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
 ELEMENT_BYTES = {"bf16": 2, "fp16": 2}
-VECTOR_BYTES = 16
-
-
-def vector_width(rotary_start: int, rotary_dim: int, pairing: str, elem_bytes: int) -> int:
-    """Elements per K load: the widest power of two up to 16 bytes that keeps every load of the
-    rotated span aligned (the span start, and for ``half`` the imaginary half, are multiples)."""
-    width = VECTOR_BYTES // elem_bytes
-    extent = rotary_dim // 2 if pairing == "half" else rotary_dim
-    while width > 1 and (rotary_start % width or extent % width):
-        width //= 2
-    return width
 
 
 class TriScoreKernel:
@@ -87,11 +78,9 @@ class TriScoreKernel:
         self.vec = vector_width(rotary_start, rotary_dim, pairing, self.elem_bytes)
         # A chunk: the frequencies one step of a thread reads (one vector of re and one of im for
         # half pairs; one vector of interleaved pairs, two scalars if vec == 1).
-        self.pairs_per_chunk = self.vec if pairing == "half" else max(self.vec // 2, 1)
+        self.pairs_per_chunk = pairs_per_chunk(self.vec, pairing)
         self.chunks = self.freqs // self.pairs_per_chunk
-        while self.chunks % lanes:
-            lanes //= 2
-        self.lanes = lanes                                  # threads per token, chunk c -> lane c % lanes
+        self.lanes = lanes = effective_lanes(lanes, self.chunks)  # threads per token, chunk c -> lane c % lanes
         self.steps = self.chunks // lanes                   # chunks per lane
         self.tokens_per_tile = threads // lanes
         self.token_tiles = token_tiles                      # tiles a CTA walks (amortizes its prologue)

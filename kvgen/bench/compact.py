@@ -4,7 +4,8 @@ Compaction, at the geometry of --family's library (default qwen3-8b: 36 layers, 
 head_dim 128, bf16, 32 tokens per block), budget 2048, decode length 4096 (S - P), prompt 512,
 protected tails of 0..31 tokens, batch 1, 32 and 256, pages scattered by a random page table:
   moved bytes (K and V rows of every real move, read + written; identity moves excluded)
-  / median time / device copy bandwidth (torch copy of 4 GiB, read + written).
+  / median time / device copy bandwidth (``measure_ceilings``: torch copy of 2 GiB, read + written,
+  measured once per run; before ``kvgen bench`` this benchmark copied 4 GiB: 4211 vs 4217 GB/s).
 Timing: the call captured in a CUDA graph and replayed, each replay between CUDA events, median and
 quantiles of 20 after 3 warm-ups. Compaction is in place and its cost does not depend on the bytes,
 so replaying the same moves measures the same work. L2: a set of pools whose moves touch less than
@@ -17,8 +18,14 @@ Packer: the generated Triton packer (generated/<family>/pack.py, with capacity: 
 CUDA graph replay and as an eager call, against the oracle's pack_moves on the GPU (torch ops in
 Python loops, eager wall time). Batch 1 also checks compaction against the oracle's compact_paged.
 
-Usage: python benchmarks/bench_compact.py [--family qwen3-8b] [--batches 1,32,256] [--mode union]
+Tuned vs default (``--default-registry DIR``): the compaction of the second registry's family
+library (built with the safe default parameters) captured over the same pools, page table and moves
+and timed the same way right after; batch 1 checks it against the oracle too. Recorded under
+``default`` per batch.
+
+Usage: python -m kvgen.bench.compact [--family qwen3-8b] [--batches 1,32,256] [--mode union]
 Needs only torch, triton and this repository (no pydantic). Writes bench_compact.json to $OUT or results/.
+(``kvgen bench run`` runs it with the other benchmarks, against ceilings measured once.)
 """
 
 from __future__ import annotations
@@ -26,7 +33,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import math
-import re
 import sys
 import time
 import types
@@ -35,31 +41,31 @@ from statistics import median
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
 
 def _register_bare_kvgen_packages() -> None:
-    """The GPU machine has no pydantic, which kvgen/__init__.py (via the spec) needs: register the
-    packages bare so the spec-free modules used here import. A no-op where pydantic exists."""
-    if importlib.util.find_spec("pydantic") is not None or "kvgen" in sys.modules:
+    """The GPU machine may have no pydantic, which kvgen.reference's package init (the codec oracle,
+    via the spec) needs: register the packages bare so the spec-free modules used here import.
+    A no-op where pydantic exists, and for a package already imported."""
+    if importlib.util.find_spec("pydantic") is not None:
         return
-    kvgen = ROOT / "kvgen"
-    version = re.search(r'__version__ = "([^"]+)"', (kvgen / "__init__.py").read_text()).group(1)
-    for name in ("kvgen", "kvgen.reference", "kvgen.runtime"):
+    kvgen = Path(__file__).resolve().parent.parent
+    for name in ("kvgen.reference", "kvgen.runtime"):
+        if name in sys.modules:
+            continue
         package = types.ModuleType(name)
         package.__path__ = [str(kvgen.joinpath(*name.split(".")[1:]))]
         sys.modules[name] = package
-    sys.modules["kvgen"].__version__ = version
 
 
 _register_bare_kvgen_packages()
 
-from benchmarks.common import copy_ceiling, environment, time_ms, write_result  # noqa: E402
+from kvgen.bench.common import (ROOT, environment, measure_ceilings, registry_artifact, require_cuda,  # noqa: E402
+                                time_ms, write_result)
 from kvgen.reference.triattention import TriGeometry, compact_paged  # noqa: E402
 from kvgen.reference.triattention import pack_moves as oracle_pack_moves  # noqa: E402
-from kvgen.registry import manifest_path, read_manifest, verify_artifact  # noqa: E402
+from kvgen.registry import RegistryError  # noqa: E402
 from kvgen.runtime.compact import CompactLibrary, Compactor  # noqa: E402
+from kvgen.runtime.library import LibraryError  # noqa: E402
 from kvgen.runtime.pack import MovePacker, pack_module_path  # noqa: E402
 
 BUDGET = 2048
@@ -70,12 +76,7 @@ REPS = 20
 
 
 def library_for(family: str, registry: Path, arch: str) -> CompactLibrary:
-    path = manifest_path(registry, arch)
-    manifest = read_manifest(path, verify=False)
-    entry = manifest.library(family)
-    if entry is None:
-        raise SystemExit(f"{family} is not in {path}; run: kvgen build --arch {arch} --family {family}")
-    return CompactLibrary(verify_artifact(path, manifest, entry))
+    return CompactLibrary(registry_artifact(family, registry, arch))
 
 
 def oracle_geometry(info: dict, packer: MovePacker) -> TriGeometry:
@@ -217,8 +218,10 @@ def verify(compactor: Compactor, k_pools: list, v_pools: list, table, moves: tup
 
 
 def bench_compaction(library: CompactLibrary, packer: MovePacker, geo: TriGeometry, batch: int, mode: str,
-                     copy_gbps: float, l2_bytes: int) -> tuple[dict, dict, int]:
-    """The compaction result of one batch size, plus the batch and capacity for the packer run."""
+                     copy_gbps: float, l2_bytes: int,
+                     default_library: CompactLibrary | None = None) -> tuple[dict, dict, int]:
+    """The compaction result of one batch size, plus the batch and capacity for the packer run;
+    with ``default_library``, that library's compaction over the same pools and moves too."""
     info = library.info
     tpb = info["tokens_per_block"]
     pages_per_request = math.ceil((PROMPT + DECODE + MAX_TAIL) / tpb)
@@ -250,8 +253,69 @@ def bench_compaction(library: CompactLibrary, packer: MovePacker, geo: TriGeomet
               "moved_bytes": moved_bytes, "rotation_sets": sets, "verified_against_oracle": verified,
               "packer_verified_against_oracle": packer_verified,
               "compact": {**_short(t), "gbps": gbps, "fraction_of_copy": gbps / copy_gbps}}
+    if default_library is not None:
+        try:
+            result["default"] = bench_default(default_library, graphs, table, (src, dst, offsets), geo, batch,
+                                              moved_bytes, copy_gbps)
+        except Exception as exc:  # noqa: BLE001 - the comparison is recorded as failed, the batch kept
+            result["default"] = {"library": str(default_library.path), "error": f"{type(exc).__name__}: {exc}"}
     del graphs
     return result, b, capacity
+
+
+def bench_default(library: CompactLibrary, graphs: list, table, moves: tuple, geo: TriGeometry, batch: int,
+                  moved_bytes: int, copy_gbps: float) -> dict:
+    """The default library's compaction over the pool sets of ``graphs`` (same pools, table and
+    moves), captured and timed like the tuned one; batch 1 is checked against the oracle."""
+    out: dict = {"library": str(library.path), "geometry": library.info}
+    sets = len(graphs)
+    default_graphs, verified = [], None
+    for i, (_, tuned) in enumerate(graphs):
+        compactor = Compactor(library, *tuned._pools)
+        if batch == 1 and i == 0:
+            verified = verify(compactor, *tuned._pools, table, moves, geo)
+        default_graphs.append((capture(lambda c=compactor: c(table, *moves)), compactor))
+    turn = iter(range(1 << 30))
+    t = time_ms(lambda: default_graphs[next(turn) % sets][0].replay(), reps=REPS)
+    gbps = moved_bytes / t["median_ms"] / 1e6
+    del default_graphs
+    return {**out, "verified_against_oracle": verified,
+            "compact": {**_short(t), "gbps": gbps, "fraction_of_copy": gbps / copy_gbps}}
+
+
+def run(ceilings: dict, family: str = "qwen3-8b", batches: list[int] = (1, 32, 256), mode: str = "union",
+        registry: Path = ROOT / "build" / "registry", arch: str = "sm_90a", generated: Path = ROOT / "generated",
+        default_registry: Path | None = None) -> dict:
+    """Compaction and packing at every batch size against ``ceilings["device_copy"]``:
+    ``{"config": {...}, "results": [...]}``."""
+    library = library_for(family, registry, arch)
+    default_library, default_error = None, None
+    if default_registry is not None:
+        try:
+            default_library = library_for(family, default_registry, arch)
+        except (LookupError, RegistryError, LibraryError) as exc:
+            default_error = f"{type(exc).__name__}: {exc}"
+    packer = MovePacker(pack_module_path(generated, family), family)
+    geo = oracle_geometry(library.info, packer)
+    torch.cuda.empty_cache()
+    copy_gbps = ceilings["device_copy"]["gbps_read_plus_write"]
+    l2_bytes = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 60 << 20)
+    results = []
+    for batch in batches:
+        res, b, capacity = bench_compaction(library, packer, geo, batch, mode, copy_gbps, l2_bytes, default_library)
+        if default_error:
+            res["default"] = {"registry": str(default_registry), "error": default_error}
+        torch.cuda.empty_cache()
+        res["pack"] = bench_packer(packer, geo, b, mode, capacity)
+        print(batch, res, flush=True)
+        results.append(res)
+        del b
+        torch.cuda.empty_cache()
+    config = {"family": family, "mode": mode, "budget": BUDGET, "decode": DECODE, "prompt": PROMPT,
+              "tail": f"0..{MAX_TAIL}", "geometry": library.info, "l2_bytes": l2_bytes}
+    if default_library is not None:
+        config["default_geometry"] = default_library.info
+    return {"config": config, "results": results}
 
 
 def main() -> int:
@@ -260,31 +324,17 @@ def main() -> int:
     parser.add_argument("--batches", default="1,32,256")
     parser.add_argument("--mode", default="union", choices=("union", "per_head", "per_layer_perhead"))
     parser.add_argument("--registry", type=Path, default=ROOT / "build" / "registry")
+    parser.add_argument("--default-registry", type=Path, default=None,
+                        help="also time this registry's compaction (built with the default parameters)")
     parser.add_argument("--arch", default="sm_90a")
     parser.add_argument("--generated", type=Path, default=ROOT / "generated")
     args = parser.parse_args()
-
-    library = library_for(args.family, args.registry, args.arch)
-    packer = MovePacker(pack_module_path(args.generated, args.family), args.family)
-    geo = oracle_geometry(library.info, packer)
-    ceilings = {"device_copy": copy_ceiling(4 << 30)}
-    torch.cuda.empty_cache()
-    copy_gbps = ceilings["device_copy"]["gbps_read_plus_write"]
-    l2_bytes = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 60 << 20)
+    require_cuda()
+    ceilings = measure_ceilings(pinned=False)
     print("ceilings", ceilings, flush=True)
-    results = []
-    for batch in map(int, args.batches.split(",")):
-        res, b, capacity = bench_compaction(library, packer, geo, batch, args.mode, copy_gbps, l2_bytes)
-        torch.cuda.empty_cache()
-        res["pack"] = bench_packer(packer, geo, b, args.mode, capacity)
-        print(batch, res, flush=True)
-        results.append(res)
-        del b
-        torch.cuda.empty_cache()
-    config = {"family": args.family, "mode": args.mode, "budget": BUDGET, "decode": DECODE, "prompt": PROMPT,
-              "tail": f"0..{MAX_TAIL}", "geometry": library.info, "l2_bytes": l2_bytes}
-    path = write_result("bench_compact", {"environment": environment(), "ceilings": ceilings, "config": config,
-                                          "results": results})
+    record = run(ceilings, args.family, [int(b) for b in args.batches.split(",")], args.mode, args.registry,
+                 args.arch, args.generated, args.default_registry)
+    path = write_result("bench_compact", {"environment": environment(), "ceilings": ceilings, **record})
     print("wrote", path)
     return 0
 

@@ -1,6 +1,10 @@
 """Shared benchmark plumbing: CUDA-event timing, the physical ceilings, and the run record.
 
-Every benchmark measures its ceilings in the same process and reports ratios against them.
+Every benchmark reports ratios against ceilings measured in the same process: ``kvgen bench run``
+measures them once (``measure_ceilings``) and hands them to every benchmark; a benchmark run on its
+own (``python -m kvgen.bench.codec``) measures them itself.
+
+Paths (specs, generated sources, registries): ``kvgen.bench.paths``, re-exported here.
 """
 
 from __future__ import annotations
@@ -15,6 +19,19 @@ from statistics import median
 from typing import Callable
 
 import torch
+
+from .paths import PACKAGE_ROOT, ROOT, project_root, set_specs_dir, spec_path, specs_dir  # noqa: F401
+
+
+class NoGpu(RuntimeError):
+    """The benchmarks need a CUDA device."""
+
+
+def require_cuda() -> None:
+    if not torch.cuda.is_available():
+        cpu_build = "" if torch.version.cuda else "; this is a CPU build of torch"
+        raise NoGpu(f"kvgen bench needs a CUDA GPU: torch {torch.__version__} sees none "
+                    f"(torch.cuda.is_available() is False{cpu_build})")
 
 
 def time_ms(fn: Callable[[], None], reps: int = 20, warmup: int = 3) -> dict[str, float]:
@@ -53,6 +70,17 @@ def pinned_ceilings(nbytes: int = 1 << 30) -> dict[str, dict[str, float]]:
             "h2d": {"gbps": nbytes / h2d["median_ms"] / 1e6, **_short(h2d)}}
 
 
+def measure_ceilings(pinned: bool = True) -> dict[str, dict]:
+    """The ceilings every benchmark divides by, measured once: device copy (2 GiB ``copy_``, read +
+    written) and, with ``pinned``, pinned host memory each way (1 GiB). Frees what it allocated."""
+    ceilings = {"device_copy": copy_ceiling()}
+    torch.cuda.empty_cache()
+    if pinned:
+        ceilings["pinned"] = pinned_ceilings()
+        torch.cuda.empty_cache()
+    return ceilings
+
+
 def _short(t: dict) -> dict:
     return {k: v for k, v in t.items() if k != "samples_ms"}
 
@@ -67,9 +95,23 @@ def environment() -> dict[str, str]:
         "driver": _driver(),
         "torch": torch.__version__,
         "cuda_runtime": torch.version.cuda or "",
-        "commit": os.environ.get("KVGEN_COMMIT", "unknown"),
+        "commit": os.environ.get("KVGEN_COMMIT") or _git_commit(),
         "host": platform.node(),
     }
+
+
+def _git_commit() -> str:
+    """The checkout's short commit, ``+dirty`` with uncommitted changes; "unknown" without git."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=30,
+                              cwd=PACKAGE_ROOT)
+        if head.returncode != 0:
+            return "unknown"
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, timeout=30, cwd=PACKAGE_ROOT)
+        return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
 
 
 def _driver() -> str:
@@ -79,6 +121,20 @@ def _driver() -> str:
         return out.stdout.strip()
     except (OSError, subprocess.TimeoutExpired):
         return "unknown"
+
+
+def registry_artifact(family: str, registry: Path, arch: str) -> Path:
+    """The verified library file of ``family`` in ``registry`` for ``arch`` (a clear error naming
+    the build command when it is not there)."""
+    from kvgen.registry import manifest_path, read_manifest, verify_artifact
+
+    path = manifest_path(registry, arch)
+    manifest = read_manifest(path, verify=False)
+    entry = manifest.library(family)
+    if entry is None:
+        raise LookupError(f"{family} is not in {path}; run: kvgen build --arch {arch} --family {family} "
+                          f"--registry {registry}")
+    return verify_artifact(path, manifest, entry)
 
 
 def write_result(name: str, data: dict, tag: str = "") -> Path:

@@ -6,7 +6,12 @@ Per family (lifecycle 0, >= 1 GiB of hot pages, page sources scattered):
   offload speed-up: hot bytes / measured pinned d2h bandwidth, over the time of encode-to-pinned
   peers: the oracle's encode in eager PyTorch and under torch.compile, same pages, on the GPU.
 
-Usage: python benchmarks/bench_codec.py [--families a,b] [--hot-gib 1.2] [--no-peers]
+Tuned vs default (``--default-registry DIR``): the same four runs with the family library of a
+  second registry (built with the safe default parameters), on the same pools, pairs and cold
+  buffers, right after the first registry's; recorded under ``default`` per family.
+
+Usage: python -m kvgen.bench.codec [--families a,b] [--hot-gib 1.2] [--no-peers] [--default-registry DIR]
+(``kvgen bench run`` runs it with the other benchmarks, against ceilings measured once.)
 """
 
 from __future__ import annotations
@@ -18,24 +23,20 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from kvgen.bench.common import (ROOT, environment, measure_ceilings, registry_artifact, require_cuda, spec_path,
+                                time_ms, write_result)
+from kvgen.layout import family_layout
+from kvgen.reference import encode_records
+from kvgen.reference.codec import HOT_TORCH_DTYPES
+from kvgen.registry import RegistryError
+from kvgen.runtime import ColdPageCodec, FamilyLibrary, LibraryError
+from kvgen.spec import load_spec
 
-from benchmarks.common import copy_ceiling, environment, pinned_ceilings, time_ms, write_result  # noqa: E402
-from kvgen.layout import family_layout  # noqa: E402
-from kvgen.reference import encode_records  # noqa: E402
-from kvgen.reference.codec import HOT_TORCH_DTYPES  # noqa: E402
-from kvgen.registry import manifest_path, read_manifest, verify_artifact  # noqa: E402
-from kvgen.runtime import ColdPageCodec, FamilyLibrary  # noqa: E402
-from kvgen.spec import load_spec  # noqa: E402
-
-ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_FAMILIES = "qwen3-8b,qwen3-8b-fp8,deepseek-v3,deepseek-v4-csa"
 
 
 def library_for(family: str, registry: Path, arch: str) -> FamilyLibrary:
-    path = manifest_path(registry, arch)
-    manifest = read_manifest(path, verify=False)
-    return FamilyLibrary(verify_artifact(path, manifest, manifest.library(family)), family)
+    return FamilyLibrary(registry_artifact(family, registry, arch), family)
 
 
 def make_pools(spec, layout, pages: int) -> list[list[torch.Tensor]]:
@@ -57,8 +58,9 @@ def oracle_encode(layout, pools, lc, src: torch.Tensor, encode_fn) -> None:
         encode_fn(layout.record, buffers, sides)
 
 
-def bench_family(family: str, hot_gib: float, ceilings: dict, registry: Path, arch: str, peers: bool) -> dict:
-    spec = load_spec(ROOT / "specs" / f"{family}.yaml")
+def bench_family(family: str, hot_gib: float, ceilings: dict, registry: Path, arch: str, peers: bool,
+                 default_registry: Path | None = None) -> dict:
+    spec = load_spec(spec_path(family))
     layout = family_layout(spec)
     lc = layout.lifecycles[0]
     pages = math.ceil(hot_gib * (1 << 30) / lc.hot_page_bytes)
@@ -81,11 +83,32 @@ def bench_family(family: str, hot_gib: float, ceilings: dict, registry: Path, ar
         "encode_pinned": (lambda: codec.encode(cold_pin, enc_pairs), cold_bytes, d2h),
         "decode_pinned": (lambda: codec.decode(cold_pin, dec_pairs), cold_bytes, h2d),
     }
-    for name, (fn, moved, ceiling) in runs.items():
-        t = time_ms(fn, reps=10)
-        gbps = moved / t["median_ms"] / 1e6
-        result[name] = {"median_ms": t["median_ms"], "p20_ms": t["p20_ms"], "p80_ms": t["p80_ms"],
-                        "gbps": gbps, "fraction_of_ceiling": gbps / ceiling}
+    result.update(time_runs(runs))
+    if default_registry is not None:
+        try:
+            default = ColdPageCodec(library_for(family, default_registry, arch), layout, pools)
+        except (LookupError, RegistryError, LibraryError) as exc:
+            result["default"] = {"registry": str(default_registry), "error": f"{type(exc).__name__}: {exc}"}
+        else:
+            try:
+                # both libraries must write the same cold bytes (parameters never change the format)
+                ours, theirs = torch.zeros_like(cold_dev), torch.zeros_like(cold_dev)
+                codec.encode(ours, enc_pairs)
+                default.encode(theirs, enc_pairs)
+                same = bool(torch.equal(ours, theirs))
+                del ours, theirs
+                default_runs = {
+                    "encode_device": (lambda: default.encode(cold_dev, enc_pairs), hot_bytes + cold_bytes, copy_bw),
+                    "decode_device": (lambda: default.decode(cold_dev, dec_pairs), hot_bytes + cold_bytes, copy_bw),
+                    "encode_pinned": (lambda: default.encode(cold_pin, enc_pairs), cold_bytes, d2h),
+                    "decode_pinned": (lambda: default.decode(cold_pin, dec_pairs), cold_bytes, h2d),
+                }
+                result["default"] = {"registry": str(default_registry), "encode_equal_to_tuned": same,
+                                     **time_runs(default_runs)}
+            except Exception as exc:  # noqa: BLE001 - the comparison is recorded as failed, the family kept
+                result["default"] = {"registry": str(default_registry), "error": f"{type(exc).__name__}: {exc}"}
+            finally:
+                default.close()
     # what offloading costs without the codec: the hot bytes at the measured pinned bandwidth
     result["raw_offload_ms"] = hot_bytes / d2h / 1e6
     result["offload_speedup_vs_raw_copy"] = result["raw_offload_ms"] / result["encode_pinned"]["median_ms"]
@@ -95,6 +118,17 @@ def bench_family(family: str, hot_gib: float, ceilings: dict, registry: Path, ar
     del pools
     torch.cuda.empty_cache()
     return result
+
+
+def time_runs(runs: dict) -> dict:
+    """name -> (call, bytes moved, ceiling GB/s): median and quantiles, GB/s, fraction of the ceiling."""
+    out = {}
+    for name, (fn, moved, ceiling) in runs.items():
+        t = time_ms(fn, reps=10)
+        gbps = moved / t["median_ms"] / 1e6
+        out[name] = {"median_ms": t["median_ms"], "p20_ms": t["p20_ms"], "p80_ms": t["p80_ms"],
+                     "gbps": gbps, "fraction_of_ceiling": gbps / ceiling}
+    return out
 
 
 def bench_peers(layout, pools, lc, src) -> dict:
@@ -111,24 +145,34 @@ def bench_peers(layout, pools, lc, src) -> dict:
     return peers
 
 
+def run(ceilings: dict, families: list[str], hot_gib: float = 1.2, registry: Path = ROOT / "build" / "registry",
+        arch: str = "sm_90a", peers: bool = True, default_registry: Path | None = None) -> dict:
+    """Every family against ``ceilings`` (``measure_ceilings()``, with pinned): ``{"results": [...]}``."""
+    results = []
+    for family in families:
+        res = bench_family(family, hot_gib, ceilings, registry, arch, peers, default_registry)
+        print(family, {k: v for k, v in res.items() if isinstance(v, dict)}, flush=True)
+        results.append(res)
+    return {"results": results}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--families", default=DEFAULT_FAMILIES)
     parser.add_argument("--hot-gib", type=float, default=1.2)
     parser.add_argument("--registry", type=Path, default=ROOT / "build" / "registry")
+    parser.add_argument("--default-registry", type=Path, default=None,
+                        help="also time this registry's libraries (built with the default parameters)")
     parser.add_argument("--arch", default="sm_90a")
     parser.add_argument("--no-peers", action="store_true")
     parser.add_argument("--tag", default="", help="suffix of the result file (bench_codec-TAG.json)")
     args = parser.parse_args()
-    ceilings = {"device_copy": copy_ceiling(), "pinned": pinned_ceilings()}
+    require_cuda()
+    ceilings = measure_ceilings()
     print("ceilings", ceilings, flush=True)
-    results = []
-    for family in args.families.split(","):
-        res = bench_family(family, args.hot_gib, ceilings, args.registry, args.arch, not args.no_peers)
-        print(family, {k: v for k, v in res.items() if isinstance(v, dict)}, flush=True)
-        results.append(res)
-    path = write_result("bench_codec", {"environment": environment(), "ceilings": ceilings, "results": results},
-                        args.tag)
+    record = run(ceilings, args.families.split(","), args.hot_gib, args.registry, args.arch, not args.no_peers,
+                 args.default_registry)
+    path = write_result("bench_codec", {"environment": environment(), "ceilings": ceilings, **record}, args.tag)
     print("wrote", path)
     return 0
 

@@ -18,30 +18,31 @@ Round: one whole round (score -> z -> aggregate -> select -> pack -> compact) fo
   attention over the same cache: K + V bytes of every layer / copy bandwidth (an estimate of a
   perfect memory-bound attention kernel, not a measurement), before and after compaction.
 
-Usage: python benchmarks/bench_score.py [--width 16384] [--batch 32] [--no-peers] [--no-round]
+Tuned vs default (``--default-registry DIR``): that registry's score library is one more variant
+  (``role: "default"``; the first registry's is ``role: "tuned"``), timed on the same cache and
+  checked against the first one's scores.
+
+Usage: python -m kvgen.bench.score [--width 16384] [--batch 32] [--no-peers] [--no-round] [--default-registry DIR]
+(``kvgen bench run`` runs it with the other benchmarks, against ceilings measured once.)
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from kvgen.bench.common import (ROOT, environment, measure_ceilings, require_cuda, spec_path, time_ms,
+                                write_result)
+from kvgen.reference.triattention import mean_phase_table, save_calibration, score_paged, synthetic_calibration
+from kvgen.runtime.score import TORCH_DTYPES, ScoreLibrary, score_library_path
+from kvgen.runtime.triattention import TriAttentionManager, generated_backends
+from kvgen.spec import load_spec
+from kvgen.spec_tri import rope_scaling, tri_geometry
 
-from benchmarks.common import copy_ceiling, environment, time_ms, write_result  # noqa: E402
-from kvgen.reference.triattention import (mean_phase_table, save_calibration, score_paged,  # noqa: E402
-                                          synthetic_calibration)
-from kvgen.runtime.score import TORCH_DTYPES, ScoreLibrary, score_library_path  # noqa: E402
-from kvgen.runtime.triattention import TriAttentionManager, generated_backends  # noqa: E402
-from kvgen.spec import load_spec  # noqa: E402
-from kvgen.spec_tri import rope_scaling, tri_geometry  # noqa: E402
-
-ROOT = Path(__file__).resolve().parent.parent
 PROMPT = 1024
 VARIANTS = [("qwen3-8b", 32), ("qwen3-8b", 1), ("gpt-oss-20b", 32), ("gemma-2-9b", 32), ("qwen3.5-397b-a17b", 32)]
 
@@ -58,7 +59,7 @@ class Cache:
 
     def __init__(self, family: str, batch: int, width: int, all_layers: bool = False, with_v: bool = False,
                  only_layer: int | None = None):
-        self.spec = load_spec(ROOT / "specs" / f"{family}.yaml")
+        self.spec = load_spec(spec_path(family))
         g = self.geometry = tri_geometry(self.spec)
         self.batch, self.width = batch, width
         dtype = TORCH_DTYPES[self.spec.dtype]
@@ -102,9 +103,14 @@ def score_library(family: str, registry: Path, arch: str) -> ScoreLibrary:
     return ScoreLibrary(score_library_path(registry, arch, family), family=family)
 
 
-def bench_score(family: str, batch: int, width: int, copy: dict, registries: list[Path], arch: str) -> dict:
+def bench_score(family: str, batch: int, width: int, copy: dict, registries: list[Path], arch: str,
+                default_registry: Path | None = None) -> dict:
     """Every score-library variant (one per registry: tunable params differ) on the same cache; the
-    first is the reference the others' scores are compared with."""
+    first is the reference the others' scores are compared with. ``role``: "tuned" for the first,
+    "default" for ``default_registry`` (appended last when not among ``registries``), else "variant"."""
+    registries = list(registries)
+    if default_registry is not None and default_registry not in registries:
+        registries.append(default_registry)
     cache = Cache(family, batch, width)
     g = cache.geometry
     inputs = cache.kernel_inputs()
@@ -117,13 +123,24 @@ def bench_score(family: str, batch: int, width: int, copy: dict, registries: lis
     for registry in registries:
         path = score_library_path(registry, arch, family)
         if not path.is_file():
+            if registry == default_registry:
+                result["default_error"] = f"{path}: no score library"
             continue
-        lib = ScoreLibrary(path, family=family)
-        t = time_ms(lambda: lib.score(**inputs), reps=10, warmup=2)
+        if registry == default_registry:   # the comparison may fail; the measurements above stay
+            try:
+                lib = ScoreLibrary(path, family=family)
+                t = time_ms(lambda: lib.score(**inputs), reps=10, warmup=2)
+            except Exception as exc:  # noqa: BLE001
+                result["default_error"] = f"{type(exc).__name__}: {exc}"
+                continue
+        else:
+            lib = ScoreLibrary(path, family=family)
+            t = time_ms(lambda: lib.score(**inputs), reps=10, warmup=2)
         passes = int(lib.geometry["passes"])
         k_bytes = len(g.scored_layers) * batch * g.kv_heads * width * g.rotary_dim * elem * passes
         gbps = (k_bytes + score_bytes) / t["median_ms"] / 1e6
-        variant = {"registry": str(registry), "params": lib.meta.get("params", {}), "passes": passes,
+        role = "tuned" if registry == registries[0] else "default" if registry == default_registry else "variant"
+        variant = {"registry": str(registry), "role": role, "params": lib.meta.get("params", {}), "passes": passes,
                    "k_bytes": k_bytes, "gbps": gbps, "fraction_of_copy": gbps / copy["gbps_read_plus_write"],
                    **{k: v for k, v in t.items()}}
         if reference is None:
@@ -159,7 +176,8 @@ def bench_oracle(width: int, batch: int) -> dict:
     return out
 
 
-def bench_round(width: int, batch: int, copy: dict, registry: Path, arch: str) -> dict:
+def bench_round(width: int, batch: int, copy: dict, registry: Path, arch: str,
+                generated: Path = ROOT / "generated") -> dict:
     family = "qwen3-8b"
     cache = Cache(family, batch, width, all_layers=True, with_v=True)
     g, spec = cache.geometry, cache.spec
@@ -169,7 +187,7 @@ def bench_round(width: int, batch: int, copy: dict, registry: Path, arch: str) -
         calib_path = Path(tmp) / "calib.pt"
         save_calibration(cache.calibration, calib_path)
         backends, which = {}, "oracle pack_moves + compact_paged"
-        pack = ROOT / "generated" / family / "pack.py"
+        pack = generated / family / "pack.py"
         compact = registry / arch / "libkvgen_qwen3_8b.so"
         if pack.is_file() and compact.is_file():
             try:
@@ -210,6 +228,26 @@ def bench_round(width: int, batch: int, copy: dict, registry: Path, arch: str) -
     return result
 
 
+def run(ceilings: dict, width: int = 16384, batch: int = 32, registry: Path = ROOT / "build" / "registry",
+        score_variants: list[Path] = (), arch: str = "sm_90a", peers: bool = True, round_: bool = True,
+        default_registry: Path | None = None, generated: Path = ROOT / "generated") -> dict:
+    """Every variant, the oracle peers and one round against ``ceilings["device_copy"]``:
+    ``{"score": [...], "oracle": {...}, "round": {...}}``."""
+    copy = ceilings["device_copy"]
+    record: dict = {"score": []}
+    for family, variant_batch in VARIANTS:
+        variant_batch = batch if variant_batch != 1 else 1
+        registries = [registry, *score_variants]
+        record["score"].append(bench_score(family, variant_batch, width, copy, registries, arch, default_registry))
+        torch.cuda.empty_cache()
+    if peers:
+        record["oracle"] = bench_oracle(width, batch)
+        torch.cuda.empty_cache()
+    if round_:
+        record["round"] = bench_round(width, batch, copy, registry, arch, generated)
+    return record
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--width", type=int, default=16384)
@@ -217,25 +255,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--registry", type=Path, default=ROOT / "build" / "registry")
     parser.add_argument("--score-variants", type=Path, nargs="*", default=sorted(
         (ROOT / "build").glob("registry-score-*")), help="more registries holding score-library variants")
+    parser.add_argument("--default-registry", type=Path, default=None,
+                        help="also time this registry's score libraries (built with the default parameters)")
     parser.add_argument("--arch", default="sm_90a")
     parser.add_argument("--no-peers", action="store_true")
     parser.add_argument("--no-round", action="store_true")
     parser.add_argument("--tag", default="", help="suffix of the result file (bench_score-TAG.json)")
     args = parser.parse_args(argv)
-    copy = copy_ceiling()
-    torch.cuda.empty_cache()
-    print(f"copy ceiling: {copy['gbps_read_plus_write']:.0f} GB/s (read + write)")
-    record = {"environment": environment(), "ceilings": {"copy": copy}, "score": []}
-    for family, batch in VARIANTS:
-        batch = args.batch if batch != 1 else 1
-        registries = [args.registry, *args.score_variants]
-        record["score"].append(bench_score(family, batch, args.width, copy, registries, args.arch))
-        torch.cuda.empty_cache()
-    if not args.no_peers:
-        record["oracle"] = bench_oracle(args.width, args.batch)
-        torch.cuda.empty_cache()
-    if not args.no_round:
-        record["round"] = bench_round(args.width, args.batch, copy, args.registry, args.arch)
+    require_cuda()
+    ceilings = measure_ceilings(pinned=False)
+    print(f"copy ceiling: {ceilings['device_copy']['gbps_read_plus_write']:.0f} GB/s (read + write)")
+    record = {"environment": environment(), "ceilings": ceilings,
+              **run(ceilings, args.width, args.batch, args.registry, args.score_variants, args.arch,
+                    not args.no_peers, not args.no_round, args.default_registry)}
     print(f"wrote {write_result('bench_score', record, args.tag)}")
     return 0
 

@@ -1,0 +1,219 @@
+"""``kvgen tune``: build candidates, search them, write the winners to ``tuning/``.
+
+Three ways to run, one search:
+
+    kvgen tune --family qwen3-8b --op codec --arch sm_90a --build-only --bundle build/tune/b
+        # here, no GPU: every canonical candidate built -> build/tune/b + build/tune/b.tar.xz
+    python -m kvgen.tuning.measure build/tune/b.tar.xz --out m.jsonl
+        # on the GPU machine: correctness-gated measurements, one line per (candidate, bucket)
+    kvgen tune --family qwen3-8b --op codec --arch sm_90a --measurements m.jsonl --strategy tpe --trials 8
+        # anywhere: the optuna studies over the measurements -> tuning/sm_90a/qwen3-8b.json
+
+    kvgen tune --family qwen3-8b --op codec --arch sm_90a --trials 8
+        # one machine with a GPU and nvcc: each trial builds and measures its candidate
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from ..plan import Op, default_params
+from .configs import build_choice, write_op
+from .space import BUCKETS, TUNED_OPS, canonical, config_id, configurations, ops_for, parse_config
+from .study import STRATEGIES, BucketResult, Measurement, RecordedEvaluator, run_bucket
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--family", action="append", help="family (repeatable, comma-separated; default: every spec)")
+    p.add_argument("--op", action="append", help=f"op(s) to tune, repeatable or comma-separated (default: every "
+                                                 f"op the family has: {', '.join(TUNED_OPS)})")
+    p.add_argument("--arch", default="sm_90a", help="target arch (default: sm_90a)")
+    p.add_argument("--bucket", action="append", help="size bucket(s), repeatable (default: all of the op's)")
+    p.add_argument("--strategy", choices=STRATEGIES, default="tpe", help="sampler (default: tpe)")
+    p.add_argument("--trials", type=int, default=None,
+                   help="finished trials per study in total (default: the number of distinct configurations; "
+                        "grid: the whole grid); rerunning resumes up to it")
+    p.add_argument("--storage", default=None, help="optuna storage URL (default: sqlite in the cache dir; "
+                                                   "postgresql://... to share studies between workers)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--measurements", type=Path, action="append",
+                   help="search recorded measurements (kvgen.tuning.measure output) instead of measuring here")
+    p.add_argument("--build-only", action="store_true", help="build every candidate into --bundle; no search")
+    p.add_argument("--bundle", type=Path, default=Path("build/tune/bundle"),
+                   help="candidate bundle directory (default: build/tune/bundle; packed beside it as .tar.xz)")
+    p.add_argument("--tuning", type=Path, default=Path("tuning"), help="tuned-config directory (default: tuning)")
+    p.add_argument("--no-write", action="store_true", help="search and report, write nothing to --tuning")
+
+
+def default_storage(cache_dir: Path) -> str:
+    path = Path(cache_dir) / "tuning" / "studies.sqlite3"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{path}"
+
+
+def requests_for(sources, ops: list[Op] | None) -> list:
+    from .candidates import Request
+
+    return [Request(s, op, params) for s in sources for op in (ops or ops_for(s.spec)) if op in ops_for(s.spec)
+            for params in configurations(op, s.spec)]
+
+
+# ---------------------------------------------------------------------------------------------
+# One-machine mode
+# ---------------------------------------------------------------------------------------------
+
+
+class LiveEvaluator:
+    """Builds a candidate when a trial first needs it and measures all its buckets at once
+    (a worker process per batch, as ``kvgen.tuning.measure`` does)."""
+
+    def __init__(self, sources, arch: str, work_dir: Path, cache_dir: Path, toolchains, reps: int = 20):
+        self.sources = {s.spec.name: s for s in sources}
+        self.arch = arch
+        self.bundle = work_dir / "bundle"
+        self.out = work_dir / "measurements.jsonl"
+        self.cache_dir = cache_dir
+        self.toolchains = toolchains
+        self.reps = reps
+
+    def __call__(self, family: str, op: Op, arch: str, bucket: str, params) -> Measurement:
+        from .candidates import Request, build_candidates, read_bundle, read_index, write_index
+        from .measure import measure_bundle
+
+        found = self._recorded(family, op, bucket, params)
+        if found is None:
+            old = read_index(self.bundle) if (self.bundle / "bundle.json").exists() else []
+            built = build_candidates([Request(self.sources[family], op, dict(params))], arch, self.bundle,
+                                     self.cache_dir, toolchains=self.toolchains, jobs=1)
+            keep = [c for c in old if (c.family, c.op, c.config) != (family, op, built[0].config)]
+            write_index(self.bundle, arch, keep + built, read_bundle(self.bundle)["toolchains"])  # all so far
+            measure_bundle(self.bundle, self.out, families={family}, ops={op}, reps=self.reps, log=lambda _m: None)
+            found = self._recorded(family, op, bucket, params)
+        return found or Measurement("missing", detail="the measurement worker recorded nothing")
+
+    def environment(self, family: str, op: Op, arch: str) -> dict[str, Any]:
+        return RecordedEvaluator([self.out]).environment(family, op, arch) if self.out.exists() else {}
+
+    def _recorded(self, family, op, bucket, params) -> Measurement | None:
+        if not self.out.exists():
+            return None
+        m = RecordedEvaluator([self.out])(family, op, self.arch, bucket, params)
+        return None if m.status == "missing" else m
+
+
+# ---------------------------------------------------------------------------------------------
+# The command
+# ---------------------------------------------------------------------------------------------
+
+
+def run(args: argparse.Namespace, sources, console, cache_dir: Path, discover_toolchains) -> int:
+    ops: list[Op] | None = [o.strip() for v in args.op for o in v.split(",") if o.strip()] if args.op else None
+    for op in ops or []:
+        if op not in TUNED_OPS:
+            console.print(f"[red]error[/red] --op {op}: accepted: {', '.join(TUNED_OPS)}")
+            return 2
+    if args.build_only:
+        return _build_only(args, sources, ops, console, cache_dir, discover_toolchains())
+    if args.measurements:
+        evaluator = RecordedEvaluator(args.measurements)
+    else:
+        import torch
+
+        if not torch.cuda.is_available():
+            console.print("[red]error[/red] no CUDA GPU here: build candidates with --build-only, measure them on "
+                          "the GPU machine (python -m kvgen.tuning.measure BUNDLE --out m.jsonl), then search them "
+                          "with --measurements m.jsonl")
+            return 2
+        work = Path(tempfile.mkdtemp(prefix="kvgen-tune-"))
+        evaluator = LiveEvaluator(sources, args.arch, work, cache_dir, discover_toolchains())
+    storage = args.storage or default_storage(cache_dir)
+    results: list[tuple[str, Op, BucketResult, str]] = []
+    for source in sources:
+        spec = source.spec
+        for op in [o for o in (ops or ops_for(spec)) if o in ops_for(spec)]:
+            per_bucket = _tune_op(args, spec, op, evaluator, storage, console)
+            choice = _write(args, spec, op, per_bucket, evaluator)
+            results += [(spec.name, op, r, choice) for r in per_bucket]
+    console.print(summary_table(results))
+    return 0 if all(r.best is not None for _, _, r, _ in results) else 1
+
+
+def _tune_op(args, spec, op: Op, evaluator, storage: str, console) -> list[BucketResult]:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    names = args.bucket or [b.name for b in BUCKETS[op]]
+    out = []
+    for name in names:
+        total = args.trials or len(configurations(op, spec))
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=console, transient=True) as bar:
+            task = bar.add_task(f"{spec.name} {op} {args.arch} {name} ({args.strategy})", total=total)
+
+            def advance(trial, task=task, bar=bar) -> None:
+                best = f"{trial.value:.4f} ms" if trial.value is not None else trial.user_attrs.get("failure", "failed")
+                bar.update(task, advance=1, description=f"{spec.name} {op} {name}: trial {trial.number} "
+                                                        f"{trial.user_attrs.get('config', '')} -> {best}")
+
+            out.append(run_bucket(spec, op, args.arch, name, evaluator, strategy=args.strategy, trials=args.trials,
+                                  storage=storage, seed=args.seed, on_trial=advance))
+    return out
+
+
+def _write(args, spec, op: Op, per_bucket: list[BucketResult], evaluator) -> str:
+    """The config the build will compile (printed either way), written unless --no-write."""
+    default = config_id(op, canonical(op, default_params(op), spec))
+    choice = build_choice({r.bucket: r.measured for r in per_bucket}, default)
+    if args.no_write or any(r.best is None for r in per_bucket):
+        return choice
+    entry = {
+        "params": parse_config(choice),
+        "default": parse_config(default),
+        "buckets": {r.bucket: {"best": r.best, "best_ms": r.best_ms, "default_ms": r.default_ms,
+                               "params_ms": r.measured.get(choice, math.nan), "speedup": r.speedup,
+                               "trials": r.trials, "failed": r.failed, "failures": r.failures,
+                               "strategy": r.strategy, "study": r.study} for r in per_bucket},
+    }
+    env = evaluator.environment(spec.name, op, args.arch)
+    write_op(args.tuning, spec.name, args.arch, op, entry, env)
+    return choice
+
+
+def summary_table(results):
+    from rich.table import Table
+
+    table = Table("family", "op", "bucket", "trials", "failed", "default ms", "best ms", "speed-up", "best",
+                  "built", title="kvgen tune")
+    for family, op, r, choice in results:
+        table.add_row(family, op, r.bucket, str(r.trials), str(r.failed), _ms(r.default_ms), _ms(r.best_ms),
+                      "-" if math.isnan(r.speedup) else f"{r.speedup:.3f}x",
+                      config_id(op, r.best) if r.best else "-", choice)
+    return table
+
+
+def _ms(value: float) -> str:
+    return "-" if value is None or math.isnan(value) else f"{value:.4f}"
+
+
+def _build_only(args, sources, ops, console, cache_dir: Path, toolchains) -> int:
+    from rich.progress import Progress
+
+    from .candidates import build_candidates, pack_bundle
+
+    requests = requests_for(sources, ops)
+    with Progress(console=console, transient=True) as bar:
+        task = bar.add_task("building candidates", total=len(requests))
+        candidates = build_candidates(requests, args.arch, args.bundle, cache_dir, toolchains=toolchains,
+                                      jobs=getattr(args, "jobs", 2),
+                                      on_done=lambda c: bar.update(task, advance=1,
+                                                                   description=f"{c.family} {c.op} {c.config}: "
+                                                                               f"{c.status}"))
+    archive = pack_bundle(args.bundle, args.bundle.with_suffix(".tar.xz"))
+    failed = [c for c in candidates if c.status == "failed"]
+    console.print(f"{len(candidates)} candidates ({len(failed)} failed to build) in {args.bundle}; packed: {archive} "
+                  f"({archive.stat().st_size / 2**20:.1f} MiB)")
+    console.print(f"next, on the GPU machine: python -m kvgen.tuning.measure {archive} --out measurements.jsonl")
+    return 0

@@ -1,0 +1,97 @@
+"""What the tuner searches: per op, the declared tunables (``kvgen.plan.TUNABLES``), the
+configurations that compile to the same kernel folded onto one, and the size buckets it tunes for.
+
+Canonical configurations: the score kernel clamps ``lanes`` to what divides the chunks of a row and
+splits a query group into ``ceil(group / max_heads)`` passes, so e.g. ``max_heads`` 8 and 16 are the
+same kernel for a group of 4. Measuring both would waste GPU time and, worse, let a noisy duplicate
+win; every candidate is keyed by its canonical configuration (Kernel Tuner's "restrictions").
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from typing import Mapping
+
+from ..cute.geometry import effective_lanes, row_chunks
+from ..plan import TUNABLES, Op, default_params, score_geometry
+from ..spec import FamilySpec
+
+TUNED_OPS: tuple[Op, ...] = ("codec", "compact", "score")
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """One problem size an op is tuned for; ``size`` is read by the op's measurement."""
+
+    name: str
+    size: Mapping[str, int | str]
+    why: str
+
+
+# Buckets per op. The build compiles one configuration per (family, op, arch); it is the one with the
+# best geometric-mean speed-up over these buckets (kvgen.tuning.configs.build_choice).
+BUCKETS: dict[Op, tuple[Bucket, ...]] = {
+    "codec": (
+        Bucket("small", {"hot_mib": 8, "cold": "device"}, "one returning request: few pages, latency-bound"),
+        Bucket("large", {"hot_mib": 1024, "cold": "device"}, "bulk offload into device staging: throughput"),
+        Bucket("offload", {"hot_mib": 1024, "cold": "pinned"}, "bulk offload straight into pinned host memory"),
+    ),
+    "compact": (
+        Bucket("b1", {"batch": 1, "decode": 4096, "budget": 2048}, "one long-decode request compacted"),
+        Bucket("b32", {"batch": 32, "decode": 4096, "budget": 2048}, "a full decode batch due at once"),
+    ),
+    "score": (
+        Bucket("b1", {"batch": 1, "width": 4096}, "one request due"),
+        Bucket("b32", {"batch": 32, "width": 4096}, "a full decode batch due at once"),
+    ),
+}
+
+
+def bucket(op: Op, name: str) -> Bucket:
+    for b in BUCKETS[op]:
+        if b.name == name:
+            return b
+    raise ValueError(f"{op}: no size bucket {name!r}; accepted: {', '.join(b.name for b in BUCKETS[op])}")
+
+
+def ops_for(spec: FamilySpec) -> tuple[Op, ...]:
+    """The tuned ops a family has (TriAttention ops only where the spec enables it)."""
+    return TUNED_OPS if spec.triattention.enabled else ("codec",)
+
+
+def canonical(op: Op, params: Mapping[str, int], spec: FamilySpec) -> dict[str, int]:
+    """The representative of ``params``' equivalence class (same generated kernel)."""
+    out = dict(params)
+    if op == "score":
+        g = score_geometry(spec)
+        group = g["query_heads"] // g["kv_heads"]
+        passes = math.ceil(group / out["max_heads"])
+        # the smallest declared max_heads giving the same passes (so the same heads per pass)
+        out["max_heads"] = min(m for m in TUNABLES["score"]["max_heads"][0] if math.ceil(group / m) == passes)
+        chunks = row_chunks(g["rotary_start"], g["rotary_dim"], g["pairing"], spec.elem_bytes)
+        out["lanes"] = effective_lanes(out["lanes"], chunks)
+    return out
+
+
+def configurations(op: Op, spec: FamilySpec) -> list[dict[str, int]]:
+    """Every distinct (canonical) configuration of the op's space, the safe default first."""
+    names = list(TUNABLES[op])
+    seen: dict[tuple, dict[str, int]] = {}
+    default = canonical(op, default_params(op), spec)
+    seen[tuple(sorted(default.items()))] = default
+    for values in itertools.product(*(TUNABLES[op][n][0] for n in names)):
+        config = canonical(op, dict(zip(names, values)), spec)
+        seen.setdefault(tuple(sorted(config.items())), config)
+    return list(seen.values())
+
+
+def config_id(op: Op, params: Mapping[str, int]) -> str:
+    """Stable, readable name of a configuration: ``threads=256,in_flight=4`` in TUNABLES order."""
+    return ",".join(f"{name}={params[name]}" for name in TUNABLES[op])
+
+
+def parse_config(config: str) -> dict[str, int]:
+    """Inverse of ``config_id``."""
+    return {k: int(v) for k, v in (item.split("=") for item in config.split(","))}

@@ -1,0 +1,233 @@
+"""The search: one optuna study per (family, op, arch, size bucket), over measured candidates.
+
+A trial suggests a configuration, folds it onto its canonical form (``space.canonical``), and asks
+an **evaluator** for its measurement:
+
+- ``RecordedEvaluator``: measurements made on a GPU machine (``kvgen.tuning.measure``), the
+  build/measure split: candidates built here, measured there, searched anywhere (Kernel Tuner's
+  simulation mode, and how a build farm feeds a tuner);
+- ``LiveEvaluator``: one machine with a GPU and a compiler: each trial builds its candidate
+  (content-hash cache) and measures it in a fresh worker process.
+
+A candidate that failed (build, load, launch, wrong result, crash, timeout) is a FAIL trial with
+its failure kind in the trial's user attributes: optuna never picks it. A configuration whose
+canonical form was measured already is a PRUNED trial: the budget (``--trials``) counts distinct
+candidates, as GPU time does. The safe default is always trial 0, so every study has the baseline
+its speed-up is computed against.
+
+Storage: any optuna storage URL. The embedded default is SQLite (every finished trial is committed
+before the next starts); trials left RUNNING by a killed process are marked FAIL ("interrupted")
+when the study is opened again, and ``--trials N`` means N finished trials in total, so rerunning
+the same command resumes. A PostgreSQL URL lets several workers share a study; each stops when the
+study holds N finished trials.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping, Protocol
+
+import optuna
+from optuna.trial import TrialState
+
+from ..plan import TUNABLES, Op, default_params
+from ..spec import FamilySpec
+from .measure import read_records
+from .space import canonical, config_id, configurations, parse_config
+
+STRATEGIES = ("tpe", "random", "grid")
+WORKER = f"{socket.gethostname()}:{os.getpid()}"
+FINISHED = (TrialState.COMPLETE, TrialState.FAIL)
+
+
+class CandidateFailed(Exception):
+    """A candidate that must never be picked (its failure kind is in the trial's attributes)."""
+
+
+@dataclass(frozen=True)
+class Measurement:
+    status: str                   # "ok" or a failure kind
+    median_ms: float = math.nan
+    detail: str = ""
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+
+class Evaluator(Protocol):
+    def __call__(self, family: str, op: Op, arch: str, bucket: str, params: Mapping[str, int]) -> Measurement: ...
+
+
+class RecordedEvaluator:
+    """Measurements from JSON-lines files written by ``kvgen.tuning.measure``."""
+
+    def __init__(self, paths: list[Path]):
+        self.records: dict[tuple, dict[str, Any]] = {}
+        for path in paths:
+            if not Path(path).is_file():
+                raise FileNotFoundError(f"{path}: no such measurement file")
+            for r in read_records(path):
+                self.records[(r["family"], r["op"], r["arch"], r["bucket"], r["config"])] = r
+        if not self.records:
+            raise ValueError(f"{', '.join(map(str, paths))}: no measurements")
+
+    def environment(self, family: str, op: Op, arch: str) -> dict[str, Any]:
+        for (f, o, a, _, _), r in self.records.items():
+            if (f, o, a) == (family, op, arch) and r.get("environment"):
+                return dict(r["environment"])
+        return {}
+
+    def __call__(self, family: str, op: Op, arch: str, bucket: str, params: Mapping[str, int]) -> Measurement:
+        r = self.records.get((family, op, arch, bucket, config_id(op, params)))
+        if r is None:
+            return Measurement("missing", detail=f"{family} {op} {arch} {bucket} {config_id(op, params)}: "
+                                                 "not in the measurement files (build and measure it first)")
+        if r["status"] != "ok":
+            return Measurement(r["status"], detail=r.get("failure", ""))
+        return Measurement("ok", r["median_ms"], extra={k: r[k] for k in ("p20_ms", "p80_ms", "size") if k in r})
+
+
+# ---------------------------------------------------------------------------------------------
+# Studies
+# ---------------------------------------------------------------------------------------------
+
+
+def study_name(family: str, op: Op, arch: str, bucket: str) -> str:
+    return f"{family}/{op}/{arch}/{bucket}"
+
+
+def sampler_for(strategy: str, op: Op, seed: int | None) -> optuna.samplers.BaseSampler:
+    if strategy == "tpe":
+        # few startup trials: the spaces are small, and the default is already trial 0
+        # one random trial after the default: the budgets are a quarter of spaces of 16 to 81
+        return optuna.samplers.TPESampler(seed=seed, n_startup_trials=2, multivariate=True)
+    if strategy == "random":
+        return optuna.samplers.RandomSampler(seed=seed)
+    if strategy == "grid":
+        return optuna.samplers.GridSampler({n: list(range(len(c))) for n, (c, _) in TUNABLES[op].items()}, seed=seed)
+    raise ValueError(f"strategy {strategy!r}; accepted: {', '.join(STRATEGIES)}")
+
+
+def open_study(name: str, storage: str | optuna.storages.BaseStorage, sampler) -> optuna.Study:
+    """Create or load; trials a killed process left RUNNING become FAIL ("interrupted")."""
+    study = optuna.create_study(study_name=name, storage=storage, sampler=sampler, direction="minimize",
+                                load_if_exists=True)
+    if isinstance(storage, str) and storage.startswith("sqlite"):
+        for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            study._storage.set_trial_user_attr(trial._trial_id, "failure", "interrupted")
+            study._storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)
+    return study
+
+
+def ordinal(op: Op, params: Mapping[str, int]) -> dict[str, int]:
+    """Parameters as positions in their declared (ascending) choices: the sampler sees ordered
+    numbers, so TPE can learn that 256 threads lies between 128 and 512 (categorical choices
+    would make every value a stranger to its neighbours)."""
+    return {n: TUNABLES[op][n][0].index(v) for n, v in params.items()}
+
+
+def finished(study: optuna.Study) -> int:
+    return len(study.get_trials(deepcopy=False, states=FINISHED))
+
+
+def grid_size(op: Op) -> int:
+    return math.prod(len(c) for c, _ in TUNABLES[op].values())
+
+
+def make_objective(spec: FamilySpec, op: Op, arch: str, bucket: str, evaluator: Evaluator,
+                   study: optuna.Study) -> Callable[[optuna.Trial], float]:
+    names = list(TUNABLES[op])
+
+    def objective(trial: optuna.Trial) -> float:
+        params = {n: TUNABLES[op][n][0][trial.suggest_int(n, 0, len(TUNABLES[op][n][0]) - 1)] for n in names}
+        trial.set_user_attr("worker", WORKER)   # shared studies: which machine/process ran it
+        canon = canonical(op, params, spec)
+        trial.set_user_attr("config", config_id(op, canon))
+        twin = _measured_twin(study, config_id(op, canon), trial.number)
+        if twin is not None:
+            # the same kernel is measured already: a pruned trial (not counted against the budget,
+            # never timed twice); the twin's value is reported so the sampler still learns from it
+            trial.set_user_attr("duplicate_of", twin.number)
+            if twin.state == TrialState.COMPLETE:
+                trial.report(twin.value, 0)
+            raise optuna.TrialPruned()
+        m = evaluator(spec.name, op, arch, bucket, canon)
+        if m.status != "ok":
+            trial.set_user_attr("failure", m.status)
+            trial.set_user_attr("detail", m.detail[:300])
+            raise CandidateFailed(f"{m.status}: {m.detail[:200]}")
+        for key, value in m.extra.items():
+            trial.set_user_attr(key, value)
+        return m.median_ms
+
+    return objective
+
+
+def _measured_twin(study: optuna.Study, config: str, number: int) -> optuna.trial.FrozenTrial | None:
+    for t in study.get_trials(deepcopy=False, states=FINISHED):
+        if t.number != number and t.user_attrs.get("config") == config:
+            return t
+    return None
+
+
+@dataclass
+class BucketResult:
+    bucket: str
+    study: str
+    strategy: str
+    trials: int
+    failed: int
+    best: dict[str, int] | None
+    best_ms: float
+    default: dict[str, int]
+    default_ms: float
+    failures: dict[str, int]                        # failure kind -> trials
+    measured: dict[str, float]                      # config id -> median ms (complete, distinct)
+
+    @property
+    def speedup(self) -> float:
+        return self.default_ms / self.best_ms if self.best_ms and not math.isnan(self.default_ms) else math.nan
+
+
+def run_bucket(spec: FamilySpec, op: Op, arch: str, bucket: str, evaluator: Evaluator, *, strategy: str = "tpe",
+               trials: int | None = None, storage: str | optuna.storages.BaseStorage = "sqlite:///:memory:",
+               seed: int | None = 0, on_trial: Callable[[optuna.trial.FrozenTrial], None] | None = None) -> BucketResult:
+    """Run (or resume) one study until it holds ``trials`` finished trials (grid: the whole grid)."""
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    name = study_name(spec.name, op, arch, bucket)
+    study = open_study(name, storage, sampler_for(strategy, op, seed))
+    study.set_user_attr("strategy", strategy)
+    distinct = len(configurations(op, spec))
+    target = distinct if strategy == "grid" else min(trials or distinct, distinct)
+    default = canonical(op, default_params(op), spec)
+    if not study.get_trials(deepcopy=False):
+        study.enqueue_trial(ordinal(op, default_params(op)), user_attrs={"role": "default"})
+    objective = make_objective(spec, op, arch, bucket, evaluator, study)
+    callbacks = [optuna.study.MaxTrialsCallback(target, states=FINISHED)]
+    if on_trial is not None:
+        callbacks.append(lambda _study, trial: on_trial(trial) if trial.state in FINISHED else None)
+    if finished(study) < target:
+        # duplicates are pruned and do not count: cap the attempts (the grid stops itself when exhausted)
+        attempts = grid_size(op) + 1 if strategy == "grid" else 50 * target
+        study.optimize(objective, n_trials=attempts, catch=(CandidateFailed,), callbacks=callbacks)
+    return summarize(study, spec, op, strategy, default)
+
+
+def summarize(study: optuna.Study, spec: FamilySpec, op: Op, strategy: str, default: dict[str, int]) -> BucketResult:
+    trials = study.get_trials(deepcopy=False, states=FINISHED)
+    complete = [t for t in trials if t.state == TrialState.COMPLETE]
+    failures: dict[str, int] = {}
+    for t in trials:
+        if t.state == TrialState.FAIL:
+            kind = t.user_attrs.get("failure", "failed")
+            failures[kind] = failures.get(kind, 0) + 1
+    measured = {t.user_attrs["config"]: t.value for t in complete}
+    best = min(complete, key=lambda t: t.value) if complete else None
+    default_id = config_id(op, default)
+    return BucketResult(
+        bucket=study.study_name.rsplit("/", 1)[-1], study=study.study_name, strategy=strategy, trials=len(trials),
+        failed=len(trials) - len(complete),
+        best=parse_config(best.user_attrs["config"]) if best else None, best_ms=best.value if best else math.nan,
+        default=default, default_ms=measured.get(default_id, math.nan), failures=failures, measured=measured)

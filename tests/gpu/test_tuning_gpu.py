@@ -1,0 +1,104 @@
+"""The tuner's GPU side on a real GPU: the correctness gate rejects broken candidates (wrong bytes,
+a library of another family, a corrupt file), and the one-machine mode builds, measures and writes a
+tuned config. Candidates are compiled on the GPU machine itself (it has nvcc), so nothing needs
+carrying; skipped where there is no nvcc or no optuna.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from kvgen.build import BuildJob, _run_job, load_spec_source
+from kvgen.plan import f32_literal, plans_for
+from kvgen.render import render
+from kvgen.tuning.candidates import Candidate, Request, build_candidates, read_bundle, write_index
+from kvgen.tuning.measure import measure_bundle, read_records
+from kvgen.tuning.space import BUCKETS
+
+from ..conftest import ROOT, SPECS_DIR
+
+pytestmark = pytest.mark.gpu
+
+FAMILY = "qwen3-8b"
+
+
+@pytest.fixture(scope="module")
+def toolchains():
+    from kvgen.backends.nvcc import ToolchainError
+    from kvgen.cli import discover_toolchains
+
+    try:
+        return discover_toolchains()
+    except ToolchainError as exc:
+        pytest.skip(f"no nvcc on this GPU machine: {exc}")
+
+
+def _wrong_library(tmp: Path, toolchains) -> Path:
+    """The family's library with the key buffer's global encode scale doubled: same name, ABI and
+    layout, different bytes: only the oracle comparison can tell."""
+    from kvgen.backends.nvcc import toolchain_for
+
+    source = load_spec_source(SPECS_DIR / f"{FAMILY}.yaml")
+    plans = plans_for(source.spec)
+    codec = plans[0]
+    geometry = json.loads(json.dumps(codec.as_dict()["geometry"]))
+    geometry["buffers"][0]["G"] = f32_literal(2.0)
+    bad = replace(codec, geometry=geometry)
+    rendered = {f"{FAMILY}/codec.cu": render(bad), **{f"{FAMILY}/{p.template[:-3]}": render(p)
+                                                      for p in plans[1:] if p.template.endswith(".cu.j2")}}
+    job = BuildJob(source, "sm_90a", toolchain_for("sm_90a", toolchains), (bad, *plans[1:]), rendered)
+    outcome, _ = _run_job(job, tmp / "cache", ROOT / "kvgen" / "csrc", ())
+    assert outcome.status != "failed", outcome.error
+    return outcome.artifact
+
+
+def test_the_gate_records_each_broken_candidate_with_its_failure_kind(tmp_path: Path, toolchains) -> None:
+    source = load_spec_source(SPECS_DIR / f"{FAMILY}.yaml")
+    other = load_spec_source(SPECS_DIR / "qwen3-8b-nhd.yaml")
+    bundle = tmp_path / "bundle"
+    good = build_candidates([Request(source, "codec", {"threads": 256, "in_flight": 4}),
+                             Request(other, "codec", {"threads": 256, "in_flight": 4})], "sm_90a", bundle,
+                            tmp_path / "cache", toolchains=toolchains)
+    shutil.copyfile(_wrong_library(tmp_path, toolchains), bundle / "wrong.so")
+    (bundle / "corrupt.so").write_bytes(b"\x7fELF not really")
+    base = good[0]
+    broken = [replace(base, config="threads=128,in_flight=4", params={"threads": 128, "in_flight": 4},
+                      artifact="wrong.so"),
+              replace(base, config="threads=512,in_flight=4", params={"threads": 512, "in_flight": 4},
+                      artifact=good[1].artifact),                       # another family's library
+              replace(base, config="threads=64,in_flight=4", params={"threads": 64, "in_flight": 4},
+                      artifact="corrupt.so"),
+              Candidate(FAMILY, "codec", "sm_90a", "threads=256,in_flight=8", {"threads": 256, "in_flight": 8},
+                        "failed", error="ptxas error: too many resources requested")]
+    write_index(bundle, "sm_90a", [base, *broken], read_bundle(bundle)["toolchains"])
+    out = tmp_path / "m.jsonl"
+    measure_bundle(bundle, out, families={FAMILY}, reps=5)
+    status = {(r["config"], r["bucket"]): r["status"] for r in read_records(out)}
+    buckets = [b.name for b in BUCKETS["codec"]]
+    assert {status[("threads=256,in_flight=4", b)] for b in buckets} == {"ok"}
+    assert {status[("threads=128,in_flight=4", b)] for b in buckets} == {"wrong"}
+    assert {status[("threads=512,in_flight=4", b)] for b in buckets} == {"load"}
+    assert {status[("threads=64,in_flight=4", b)] for b in buckets} == {"load"}
+    assert {status[("threads=256,in_flight=8", b)] for b in buckets} == {"build"}
+    ok = [r for r in read_records(out) if r["status"] == "ok"]
+    assert all(r["median_ms"] > 0 and r["environment"]["toolchain"]["nvcc"] for r in ok)
+
+
+def test_one_machine_mode_builds_measures_and_writes_a_tuned_config(tmp_path: Path, toolchains) -> None:
+    pytest.importorskip("optuna")
+    from kvgen.cli import main
+
+    rc = main(["tune", "--family", "qwen3-8b-fp8", "--op", "codec", "--arch", "sm_90a", "--bucket", "small",
+               "--trials", "3", "--tuning", str(tmp_path / "tuning"), "--storage", f"sqlite:///{tmp_path / 's.db'}",
+               "--cache-dir", str(tmp_path / "cache")])
+    assert rc == 0
+    data = json.loads((tmp_path / "tuning" / "sm_90a" / "qwen3-8b-fp8.json").read_text())
+    small = data["ops"]["codec"]["buckets"]["small"]
+    assert small["trials"] == 3 and small["failed"] == 0 and small["best_ms"] <= small["default_ms"]
+    env = data["ops"]["codec"]["environment"]
+    assert env["gpu"] and env["toolchain"]["nvcc"]

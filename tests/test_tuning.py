@@ -1,0 +1,247 @@
+"""The autotuner without a GPU: search space, studies over recorded measurements (the build/measure
+split's search half), resume after a kill, tuned-config files and what ``kvgen build`` does with
+them. Measurements are files in the format the GPU side writes (tests/tuning_data.py); the GPU
+side itself runs in tests/gpu/test_tuning_gpu.py.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+from kvgen.plan import TUNABLES, default_params
+from kvgen.spec import load_spec
+from kvgen.tuning.configs import (BuildEnvironment, TuningFileError, build_choice, load_tuned, parse_override,
+                                  tuning_path, write_op)
+from kvgen.tuning.space import canonical, config_id, configurations, parse_config
+from kvgen.tuning.study import RecordedEvaluator, run_bucket, study_name
+
+from .conftest import ROOT, SPECS_DIR
+from .tuning_data import ENV, OPTIMUM, WRONG, bowl, write_codec_measurements
+
+QWEN = load_spec(SPECS_DIR / "qwen3-8b.yaml")
+
+
+# ---------------------------------------------------------------- space
+
+
+def test_space_folds_configurations_that_compile_to_the_same_kernel() -> None:
+    # group 4: max_heads 4, 8 and 16 are one pass of 4 heads -> one kernel
+    assert canonical("score", {"threads": 128, "max_heads": 16, "lanes": 2, "token_tiles": 1}, QWEN)["max_heads"] == 4
+    falcon = load_spec(SPECS_DIR / "falcon-7b.yaml")   # group 71: every max_heads is another split
+    assert {canonical("score", {**default_params("score"), "max_heads": m}, falcon)["max_heads"]
+            for m in (4, 8, 16)} == {4, 8, 16}
+    configs = configurations("score", QWEN)
+    assert len(configs) == 27 and len({config_id("score", c) for c in configs}) == 27
+    assert configs[0] == canonical("score", default_params("score"), QWEN)   # the default is first
+    assert len(configurations("codec", QWEN)) == len(TUNABLES["codec"]["threads"][0]) * len(
+        TUNABLES["codec"]["in_flight"][0])
+
+
+# ---------------------------------------------------------------- studies over recorded measurements
+
+
+@pytest.fixture()
+def measurements(tmp_path: Path) -> Path:
+    return write_codec_measurements(tmp_path / "m.jsonl")
+
+
+def test_grid_finds_the_exact_best_and_never_picks_a_wrong_candidate(measurements: Path) -> None:
+    evaluator = RecordedEvaluator([measurements])
+    for bucket, best in OPTIMUM.items():
+        result = run_bucket(QWEN, "codec", "sm_90a", bucket, evaluator, strategy="grid")
+        assert result.best == best
+        assert result.best_ms == pytest.approx(1.0)
+        assert result.failures == {"wrong": 1} and config_id("codec", WRONG) not in result.measured
+        assert len(result.measured) == 15   # 16 distinct, one wrong; grid duplicates reused, not re-measured
+        assert result.default_ms == pytest.approx(bowl(default_params("codec"), bucket))
+
+
+def test_tpe_runs_the_requested_trials_starting_from_the_default(tmp_path: Path, measurements: Path) -> None:
+    storage = f"sqlite:///{tmp_path / 's.db'}"
+    result = run_bucket(QWEN, "codec", "sm_90a", "large", RecordedEvaluator([measurements]), strategy="tpe",
+                        trials=8, seed=3, storage=storage)
+    assert result.trials == 8 and result.best_ms <= result.default_ms
+    first = optuna.load_study(study_name=result.study, storage=storage).trials[0]
+    assert first.user_attrs["role"] == "default" and first.user_attrs["config"] == config_id("codec", default_params("codec"))
+
+
+def test_missing_measurements_are_failed_trials_with_a_reason(tmp_path: Path, measurements: Path) -> None:
+    lines = [json.loads(line) for line in measurements.read_text().splitlines()]
+    kept = [r for r in lines if not (r["bucket"] == "large" and r["params"]["threads"] == 512)]
+    partial = tmp_path / "partial.jsonl"
+    partial.write_text("\n".join(json.dumps(r) for r in kept) + "\n")
+    result = run_bucket(QWEN, "codec", "sm_90a", "large", RecordedEvaluator([partial]), strategy="grid")
+    assert result.failures.get("missing") == 4 and result.best["threads"] != 512
+
+
+def test_a_killed_tune_resumes_without_losing_a_finished_trial(tmp_path: Path, measurements: Path) -> None:
+    storage = f"sqlite:///{tmp_path / 'studies.sqlite3'}"
+    script = f"""
+import os, signal
+from pathlib import Path
+from kvgen.spec import load_spec
+from kvgen.tuning.study import RecordedEvaluator, run_bucket
+inner = RecordedEvaluator([Path({str(measurements)!r})])
+calls = []
+def evaluator(*args):
+    calls.append(1)
+    if len(calls) == 6:                      # killed in the middle of the 6th measurement
+        os.kill(os.getpid(), signal.SIGKILL)
+    return inner(*args)
+run_bucket(load_spec({str(SPECS_DIR / 'qwen3-8b.yaml')!r}), "codec", "sm_90a", "large", evaluator,
+           strategy="random", trials=12, storage={storage!r}, seed=1)
+"""
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == -9, proc.stderr
+    study = optuna.load_study(study_name="qwen3-8b/codec/sm_90a/large", storage=storage)
+    before = {t.number: t.value for t in study.get_trials() if t.state == TrialState.COMPLETE}
+    assert len([t for t in study.get_trials() if t.state == TrialState.RUNNING]) == 1
+    result = run_bucket(QWEN, "codec", "sm_90a", "large", RecordedEvaluator([measurements]), strategy="random",
+                        trials=12, storage=storage, seed=1)
+    study = optuna.load_study(study_name="qwen3-8b/codec/sm_90a/large", storage=storage)
+    trials = study.get_trials()
+    after = {t.number: t.value for t in trials if t.state == TrialState.COMPLETE}
+    assert before.items() <= after.items()                       # nothing finished was lost or redone
+    interrupted = [t for t in trials if t.user_attrs.get("failure") == "interrupted"]
+    assert len(interrupted) == 1 and interrupted[0].state == TrialState.FAIL
+    assert result.trials == 12 and not [t for t in trials if t.state == TrialState.RUNNING]
+
+
+def test_two_workers_share_one_study_on_a_real_postgresql_server(tmp_path: Path, measurements: Path,
+                                                                postgres_url: str) -> None:
+    cmd = [sys.executable, "-m", "kvgen.cli", "tune", "--family", "qwen3-8b", "--op", "codec", "--arch", "sm_90a",
+           "--bucket", "offload", "--strategy", "random", "--trials", "12", "--measurements", str(measurements),
+           "--storage", postgres_url, "--no-write"]
+    workers = [subprocess.Popen([*cmd, "--seed", str(seed)], cwd=ROOT, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True) for seed in (1, 2)]
+    outputs = [w.communicate(timeout=300)[0] for w in workers]
+    assert all(w.returncode == 0 for w in workers), outputs
+    study = optuna.load_study(study_name=study_name("qwen3-8b", "codec", "sm_90a", "offload"), storage=postgres_url)
+    trials = study.get_trials(states=(TrialState.COMPLETE, TrialState.FAIL))
+    assert 12 <= len(trials) <= 13          # each worker stops once the study holds 12 (one may be in flight)
+    assert len({t.number for t in trials}) == len(trials)
+    assert len({t.user_attrs["worker"] for t in trials}) == 2      # both did work
+    assert study.best_value == min(bowl(parse_config(t.user_attrs["config"]), "offload")
+                                   for t in trials if t.state == TrialState.COMPLETE)
+
+
+# ---------------------------------------------------------------- tuned-config files and the build
+
+
+def test_build_choice_is_the_best_geometric_mean_over_buckets() -> None:
+    per_bucket = {"a": {"d": 1.0, "x": 0.5, "y": 0.8}, "b": {"d": 1.0, "x": 1.6, "y": 0.8}, "c": {"d": 1.0, "x": 0.5}}
+    assert build_choice(per_bucket, "d") == "x"   # y is not measured in c; x: 2 * 0.625 * 2 > 1
+    assert build_choice({"a": {"x": 1.0}}, "d") == "d"
+
+
+def _env(**over) -> BuildEnvironment:
+    return BuildEnvironment(over.get("kvgen", "0.1.0"), over.get("toolchains", {"nvcc": "13.0.88"}), over.get("gpu"))
+
+
+def _write(tuning: Path, params: dict) -> Path:
+    return write_op(tuning, "qwen3-8b", "sm_90a", "codec", {"params": params, "default": default_params("codec"),
+                                                             "buckets": {}}, ENV)
+
+
+def test_tuned_configs_apply_only_where_their_environment_matches(tmp_path: Path) -> None:
+    params = {"threads": 512, "in_flight": 2}
+    _write(tmp_path, params)
+    tuned = load_tuned(tmp_path, ["sm_90a"], ["qwen3-8b"], _env(), environ={})
+    assert tuned.for_family("sm_90a", "qwen3-8b") == {"codec": params} and not tuned.notes
+    for env, why in ((_env(toolchains={"nvcc": "13.5.1"}), "nvcc '13.0.88', building with 13.5.1"),
+                     (_env(gpu="NVIDIA B200"), "tuned on NVIDIA H200, this machine has NVIDIA B200"),
+                     (_env(kvgen="0.2.0"), "kvgen '0.1.0', building with 0.2.0")):
+        tuned = load_tuned(tmp_path, ["sm_90a"], ["qwen3-8b"], env, environ={})
+        assert tuned.for_family("sm_90a", "qwen3-8b") == {}
+        assert len(tuned.notes) == 1 and why in tuned.notes[0] and "safe defaults" in tuned.notes[0]
+    off = load_tuned(tmp_path, ["sm_90a"], ["qwen3-8b"], _env(), environ={"KVGEN_TUNING": "off"})
+    assert off.for_family("sm_90a", "qwen3-8b") == {} and "KVGEN_TUNING=off" in off.notes[0]
+
+
+def test_a_tampered_tuned_config_is_named_and_the_defaults_are_used(tmp_path: Path) -> None:
+    path = _write(tmp_path, {"threads": 512, "in_flight": 2})
+    data = json.loads(path.read_text())
+    data["ops"]["codec"]["params"]["threads"] = 96
+    path.write_text(json.dumps(data))
+    tuned = load_tuned(tmp_path, ["sm_90a"], ["qwen3-8b"], _env(), environ={})
+    assert tuned.for_family("sm_90a", "qwen3-8b") == {}
+    assert str(path) in tuned.notes[0] and "threads=96 is not one of" in tuned.notes[0]
+
+
+def test_environment_override_wins_and_bad_overrides_are_named() -> None:
+    tuned = load_tuned(Path("/nonexistent"), ["sm_90a"], ["qwen3-8b"], _env(),
+                       environ={"KVGEN_TUNED_PARAMS": "qwen3-8b:codec:threads=128; qwen3-8b:score:lanes=4"})
+    assert tuned.for_family("sm_90a", "qwen3-8b") == {"codec": {"threads": 128}, "score": {"lanes": 4}}
+    with pytest.raises(TuningFileError, match="'qwen3-8b:codec:threads=100'.*not one of"):
+        parse_override("qwen3-8b:codec:threads=100")
+    with pytest.raises(TuningFileError, match="format: family:op:name=value"):
+        parse_override("qwen3-8b:codec")
+
+
+def test_tune_writes_a_config_the_build_compiles(tmp_path: Path, measurements: Path) -> None:
+    """kvgen tune over recorded measurements -> tuning/sm_90a/qwen3-8b.json -> the build renders it."""
+    from kvgen.cli import main
+    from kvgen.render import render_family
+
+    tuning = tmp_path / "tuning"
+    rc = main(["tune", "--family", "qwen3-8b", "--op", "codec", "--arch", "sm_90a", "--strategy", "grid",
+               "--measurements", str(measurements), "--storage", f"sqlite:///{tmp_path / 's.db'}",
+               "--tuning", str(tuning)])
+    assert rc == 0
+    data = json.loads(tuning_path(tuning, "sm_90a", "qwen3-8b").read_text())
+    entry = data["ops"]["codec"]
+    assert {b: v["best"] for b, v in entry["buckets"].items()} == OPTIMUM
+    assert entry["params"] == {"threads": 512, "in_flight": 4}   # best geometric mean over the three bowls
+    env = entry["environment"]
+    assert env["gpu"] == "NVIDIA H200" and env["toolchain"]["nvcc"] == "13.0.88"
+    tuned = load_tuned(tuning, ["sm_90a"], ["qwen3-8b"], _env(), environ={})
+    source = render_family(QWEN, params=tuned.for_family("sm_90a", "qwen3-8b"))["qwen3-8b/codec.cu"]
+    assert "codec::Codec<Layer, 512, 4>" in source
+
+
+# ---------------------------------------------------------------- the build side of the split
+
+
+def test_candidates_build_into_a_bundle_that_packs_and_unpacks(tmp_path: Path) -> None:
+    """Real nvcc builds of two codec candidates; a failed one is recorded, not raised; the archive
+    carries the same files and index; a foreign index is a clear error naming the file."""
+    from kvgen.build import load_spec_source
+    from kvgen.cli import discover_toolchains
+    from kvgen.tuning.candidates import Request, build_candidates, pack_bundle, read_bundle, read_index, unpack_bundle
+
+    source = load_spec_source(SPECS_DIR / "qwen3-8b-fp8.yaml")
+    requests = [Request(source, "codec", {"threads": 256, "in_flight": 4}),
+                Request(source, "codec", {"threads": 512, "in_flight": 8})]
+    bundle = tmp_path / "bundle"
+    built = build_candidates(requests, "sm_90a", bundle, tmp_path / "cache", toolchains=discover_toolchains())
+    assert [c.status for c in built] == ["built", "built"] and len({c.artifact for c in built}) == 2
+    assert read_bundle(bundle)["toolchains"]["nvcc"].startswith("13.")
+    archive = pack_bundle(bundle, tmp_path / "bundle.tar.xz")
+    assert archive.stat().st_size < sum((bundle / c.artifact).stat().st_size for c in built)
+    out = unpack_bundle(archive, tmp_path / "unpacked")
+    assert read_index(out) == built
+    assert all((out / c.artifact).read_bytes() == (bundle / c.artifact).read_bytes() for c in built)
+    (out / "bundle.json").write_text('{"schema": 99}')
+    with pytest.raises(ValueError, match=r"unpacked/bundle.json: bundle schema 99"):
+        read_index(out)
+
+
+def test_measuring_without_a_gpu_says_where_to_measure(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "kvgen.tuning.measure", str(tmp_path), "--out", str(tmp_path / "m")],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stderr
+
+
+def test_tune_without_measurements_or_gpu_is_a_clear_error(capsys) -> None:
+    from kvgen.cli import main
+
+    assert main(["tune", "--family", "qwen3-8b", "--op", "codec", "--no-write"]) == 2
+    assert "no CUDA GPU here" in capsys.readouterr().out
+    assert main(["tune", "--family", "qwen3-8b", "--op", "pack", "--no-write"]) == 2

@@ -1,0 +1,45 @@
+"""Measurement files for tuner tests: the format ``kvgen.tuning.measure`` writes, over the real
+search space of a family, with a known landscape (the search is what is under test, not the GPU).
+
+Landscape per bucket: a smooth bowl around a bucket-specific optimum, plus one candidate that is
+recorded "wrong" (a failed correctness check: it must never be picked).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from kvgen.spec import load_spec
+from kvgen.tuning.space import BUCKETS, config_id, configurations
+
+from .conftest import SPECS_DIR
+
+OPTIMUM = {"small": {"threads": 128, "in_flight": 2}, "large": {"threads": 512, "in_flight": 4},
+           "offload": {"threads": 512, "in_flight": 8}}
+WRONG = {"threads": 64, "in_flight": 1}
+ENV = {"gpu": "NVIDIA H200", "compute_capability": "9.0", "driver": "570.00", "kvgen": "0.1.0",
+       "toolchain": {"nvcc": "13.0.88", "kvgen": "0.1.0"}}
+
+
+def bowl(params: dict[str, int], bucket: str) -> float:
+    best = OPTIMUM[bucket]
+    return 1.0 + 0.3 * abs(math.log2(params["threads"] / best["threads"])) \
+        + 0.1 * abs(math.log2(params["in_flight"] / best["in_flight"]))
+
+
+def write_codec_measurements(path: Path, family: str = "qwen3-8b", arch: str = "sm_90a") -> Path:
+    spec = load_spec(SPECS_DIR / f"{family}.yaml")
+    lines = []
+    for params in configurations("codec", spec):
+        for b in BUCKETS["codec"]:
+            row = {"family": family, "op": "codec", "arch": arch, "config": config_id("codec", params),
+                   "params": params, "bucket": b.name, "environment": ENV}
+            if params == WRONG:
+                row.update(status="wrong", failure="encoded layer 3 differs from the oracle")
+            else:
+                row.update(status="ok", median_ms=bowl(params, b.name), p20_ms=0.0, p80_ms=0.0, reps=20)
+            lines.append(json.dumps(row))
+    path.write_text("\n".join(lines) + "\n")
+    return path
