@@ -141,11 +141,13 @@ def test_missing_arch_lists_what_was_found_and_the_fix(tmp_path: Path) -> None:
     assert f"pip install kvgen-kernels-sm100=={__version__}" in message
 
 
-def test_default_search_path(tmp_path: Path) -> None:
+def test_default_search_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     a, b = tmp_path / "a", tmp_path / "b"
     registry = RuntimeRegistry.default([tmp_path / "x"], environ={"KVGEN_REGISTRY": f"{a}{os.pathsep}{b}"},
                                        installed=False)
     assert [s.path for s in registry.sources] == [tmp_path / "x", a, b]
+    monkeypatch.setenv("KVGEN_REGISTRY", str(a))            # environ defaults to the process's
+    assert [s.path for s in RuntimeRegistry.default(installed=False).sources] == [a]
 
 
 # ---------------------------------------------------------------- refusals

@@ -212,6 +212,13 @@ def test_score_library_builds_and_loads(built: dict, family: str, arch: str) -> 
     _check_library(build.artifact, family, arch)
 
 
+def test_an_arch_the_spec_does_not_target_builds_no_score_library(tmp_path: Path) -> None:
+    spec = ALL_SPECS[PROBE_FAMILY].model_copy(update={"targets": ["sm_90a"]})
+    assert build_score_libraries([spec], ["sm_100a"], tmp_path / "cache", tmp_path / "registry",
+                                 toolchain=object()) == []
+    assert not (tmp_path / "registry").exists()
+
+
 def test_every_dsl_target_is_covered() -> None:
     assert set(CUTE_ARCHS) == {"sm_90a", *OTHER_ARCHS}
 

@@ -279,6 +279,8 @@ def build_score_libraries(specs: Sequence[FamilySpec], archs: Sequence[str] | No
         for arch in archs or [a for a in spec.targets if a in CUTE_ARCHS]:
             if arch not in CUTE_ARCHS:
                 raise ValueError(f"score kernels target {', '.join(CUTE_ARCHS)}; not {arch}")
+            if arch not in spec.targets:
+                continue   # like the family library: an arch the spec does not target is skipped
             wanted.setdefault(arch, []).append(score_plan(spec, params(spec.name, arch) if params else None))
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         futures = [pool.submit(_build_arch, arch, plans, Path(cache_dir), toolchain, templates_dir, registry_dir)

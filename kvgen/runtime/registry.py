@@ -158,7 +158,8 @@ class RuntimeRegistry:
     @classmethod
     def default(cls, search_path: Sequence[Path | str] = (), environ: Mapping[str, str] | None = None,
                 installed: bool = True) -> RuntimeRegistry:
-        sources = [RegistrySource(Path(p)) for p in search_path] + sources_from_env(environ or {})
+        environ = os.environ if environ is None else environ   # $KVGEN_REGISTRY unless told otherwise
+        sources = [RegistrySource(Path(p)) for p in search_path] + sources_from_env(environ)
         return cls(sources + (installed_sources() if installed else []))
 
     def resolve(self, family: str, arch: str | None = None, spec_path: Path | None = None) -> Resolved:

@@ -20,12 +20,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ..bench.paths import spec_path
 from ..plan import default_params
 from ..spec import load_spec
 from .space import canonical, config_id, configurations
 from .study import RecordedEvaluator, run_bucket
 
-ROOT = Path(__file__).resolve().parents[2]
 BUDGET_SHARE = 0.25
 WITHIN = 0.03
 
@@ -35,7 +35,7 @@ def studies_in(evaluator: RecordedEvaluator) -> list[tuple[str, str, str, str]]:
 
 
 def compare(evaluator: RecordedEvaluator, family: str, op: str, arch: str, bucket: str, seeds: int) -> dict[str, Any]:
-    spec = load_spec(ROOT / "specs" / f"{family}.yaml")
+    spec = load_spec(spec_path(family))
     space = configurations(op, spec)
     ok = {config_id(op, c): evaluator(family, op, arch, bucket, c) for c in space}
     times = {c: m.median_ms for c, m in ok.items() if m.status == "ok"}

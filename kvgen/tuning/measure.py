@@ -32,9 +32,9 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from .candidates import Candidate, read_bundle, read_index, unpack_bundle
+from ..bench.paths import spec_path
 from .space import parse_config
 
-ROOT = Path(__file__).resolve().parents[2]
 L2_ROTATE_FACTOR = 3
 DEFAULT_REPS = 20
 WORKER_SILENCE_S = 180        # a worker that writes nothing for this long is hung: killed, "timeout"
@@ -116,7 +116,7 @@ class CodecBench(_Bench):
         from ..layout import family_layout
         from ..spec import load_spec
 
-        self.spec = load_spec(ROOT / "specs" / f"{family}.yaml")
+        self.spec = load_spec(spec_path(family))
         self.layout = family_layout(self.spec)
         self.lc = self.layout.lifecycles[0]
         self.seed = seed
@@ -286,7 +286,7 @@ class CompactBench(_Bench):
         from ..spec import load_spec
         from ..spec_tri import tri_geometry
 
-        self.spec = load_spec(ROOT / "specs" / f"{family}.yaml")
+        self.spec = load_spec(spec_path(family))
         self.geometry = tri_geometry(self.spec)
         self.seed = seed
         self.inputs, self.sizes = {}, {}
@@ -549,11 +549,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ops", default="", help="comma-separated (default: all in the bundle)")
     parser.add_argument("--reps", type=int, default=DEFAULT_REPS)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--specs", type=Path, default=None, help="spec directory (default: $KVGEN_SPECS_DIR, "
+                                                                 "else ./specs)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--family", help=argparse.SUPPRESS)
     parser.add_argument("--op", help=argparse.SUPPRESS)
     parser.add_argument("--configs", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.specs is not None:   # workers inherit it through the environment
+        os.environ["KVGEN_SPECS_DIR"] = str(args.specs.resolve())
     if args.worker:
         return worker(args.bundle, args.family, args.op, args.configs.split(";"), args.out, args.reps, args.seed)
     import torch
