@@ -493,7 +493,8 @@ def _add_run_parsers(sub) -> None:  # noqa: ANN001 - argparse's private subparse
     from . import bench, demo
     from .tuning import run as tune
 
-    p = sub.add_parser("tune", help="autotune launch parameters (optuna), correctness-gated; writes tuning/")
+    p = sub.add_parser("tune", help="autotune launch parameters (optuna), correctness-gated; writes tuning/",
+                       description=tune.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cache-dir", type=Path, default=None, help="build cache (default: $KVGEN_CACHE_DIR or "
                                                                 "~/.cache/kvgen)")
     p.add_argument("--jobs", "-j", type=int, default=default_jobs(), help="parallel compiles")

@@ -245,3 +245,15 @@ def test_tune_without_measurements_or_gpu_is_a_clear_error(capsys) -> None:
     assert main(["tune", "--family", "qwen3-8b", "--op", "codec", "--no-write"]) == 2
     assert "no CUDA GPU here" in capsys.readouterr().out
     assert main(["tune", "--family", "qwen3-8b", "--op", "pack", "--no-write"]) == 2
+
+
+def test_bad_measurement_files_are_named_with_what_is_wrong(tmp_path: Path, capsys) -> None:
+    from kvgen.cli import main
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"family": "qwen3-8b"}\n')
+    for path, why in ((bad, "record 1 is not a kvgen measurement"), (tmp_path / "none.jsonl", "no such")):
+        assert main(["tune", "--family", "qwen3-8b", "--op", "codec", "--measurements", str(path),
+                     "--no-write"]) == 1
+        out = capsys.readouterr().out
+        assert str(path) in out and why in out

@@ -24,6 +24,7 @@ import math
 import os
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 import traceback
@@ -567,11 +568,15 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     bundle = args.bundle
-    if bundle.is_file():
-        bundle = unpack_bundle(bundle, Path(tempfile.mkdtemp(prefix="kvgen-bundle-")))
     split = lambda s: {x for x in s.split(",") if x}  # noqa: E731
-    measure_bundle(bundle, args.out, families=split(args.families) or None, ops=split(args.ops) or None,
-                   reps=args.reps, seed=args.seed)
+    try:
+        if bundle.is_file():
+            bundle = unpack_bundle(bundle, Path(tempfile.mkdtemp(prefix="kvgen-bundle-")))
+        measure_bundle(bundle, args.out, families=split(args.families) or None, ops=split(args.ops) or None,
+                       reps=args.reps, seed=args.seed)
+    except (OSError, ValueError, tarfile.TarError) as exc:
+        print(f"error: {args.bundle}: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

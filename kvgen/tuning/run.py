@@ -119,7 +119,11 @@ def run(args: argparse.Namespace, sources, console, cache_dir: Path, discover_to
     if args.build_only:
         return _build_only(args, sources, ops, console, cache_dir, discover_toolchains())
     if args.measurements:
-        evaluator = RecordedEvaluator(args.measurements)
+        try:
+            evaluator = RecordedEvaluator(args.measurements)
+        except (OSError, ValueError, KeyError) as exc:
+            console.print(f"[red]error[/red] {exc}", markup=True, highlight=False)
+            return 1
     else:
         import torch
 
@@ -207,7 +211,7 @@ def _build_only(args, sources, ops, console, cache_dir: Path, toolchains) -> int
     with Progress(console=console, transient=True) as bar:
         task = bar.add_task("building candidates", total=len(requests))
         candidates = build_candidates(requests, args.arch, args.bundle, cache_dir, toolchains=toolchains,
-                                      jobs=getattr(args, "jobs", 2),
+                                      jobs=args.jobs,
                                       on_done=lambda c: bar.update(task, advance=1,
                                                                    description=f"{c.family} {c.op} {c.config}: "
                                                                                f"{c.status}"))

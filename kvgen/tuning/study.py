@@ -68,8 +68,12 @@ class RecordedEvaluator:
         for path in paths:
             if not Path(path).is_file():
                 raise FileNotFoundError(f"{path}: no such measurement file")
-            for r in read_records(path):
-                self.records[(r["family"], r["op"], r["arch"], r["bucket"], r["config"])] = r
+            for n, r in enumerate(read_records(path), 1):
+                try:
+                    self.records[(r["family"], r["op"], r["arch"], r["bucket"], r["config"])] = r
+                except (KeyError, TypeError):
+                    raise ValueError(f"{path}: record {n} is not a kvgen measurement (needs family, op, arch, "
+                                     "bucket, config)") from None
         if not self.records:
             raise ValueError(f"{', '.join(map(str, paths))}: no measurements")
 
