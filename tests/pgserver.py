@@ -7,6 +7,7 @@ A real server (not SQLite) is what lets several processes share one optuna study
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import socket
@@ -26,7 +27,8 @@ _SERVER_BINARIES = ("initdb", "pg_ctl", "postgres")
 
 def find_pg_bin() -> Path:
     """The directory holding initdb, pg_ctl and postgres: PATH first, then the newest
-    /usr/lib/postgresql/<version>/bin (Debian keeps the server binaries off PATH)."""
+    /usr/lib/postgresql/<version>/bin (Debian keeps the server binaries off PATH), then the
+    server the `pgserver` wheel bundles (scripts/bootstrap.sh installs it when neither exists)."""
     candidates = []
     on_path = shutil.which("pg_ctl")
     if on_path:
@@ -34,12 +36,16 @@ def find_pg_bin() -> Path:
         candidates.append(Path(on_path).resolve().parent)
     versioned = Path("/usr/lib/postgresql").glob("*/bin")
     candidates += sorted(versioned, key=lambda d: _version_key(d.parent.name), reverse=True)
+    bundled = importlib.util.find_spec("pgserver")   # a server from PyPI, where the system has none
+    if bundled is not None and bundled.origin:
+        candidates.append(Path(bundled.origin).parent / "pginstall" / "bin")
     for bin_dir in candidates:
         if all(os.access(bin_dir / name, os.X_OK) for name in _SERVER_BINARIES):
             return bin_dir
     raise RuntimeError(
         "PostgreSQL server binaries (initdb, pg_ctl, postgres) not found on PATH or in "
-        "/usr/lib/postgresql/*/bin; install the server, e.g. `apt-get install postgresql`"
+        "/usr/lib/postgresql/*/bin, and no `pgserver` wheel; install the server, e.g. "
+        "`apt-get install postgresql` or `pip install pgserver`"
     )
 
 
