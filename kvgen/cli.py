@@ -266,27 +266,22 @@ def _tuned_params(args: argparse.Namespace, sources: list, toolchains: list):
     from .tuning.configs import BuildEnvironment, load_tuned
 
     archs = _build_archs(args) or sorted({a for s in sources for a in s.spec.targets})
-    notes, table = [], None
+    try:
+        dsl = {"cutlass_dsl": version("nvidia-cutlass-dsl")}
+    except PackageNotFoundError:
+        dsl = {}
+    gpu = _gpu_name()
+    envs = {}
     for arch in archs:
-        versions = {}
         try:
-            versions["nvcc"] = toolchain_for(arch, toolchains).version
+            nvcc = {"nvcc": toolchain_for(arch, toolchains).version}
         except ToolchainError:
-            pass
-        try:
-            versions["cutlass_dsl"] = version("nvidia-cutlass-dsl")
-        except PackageNotFoundError:
-            pass
-        one = load_tuned(args.tuning, [arch], [s.spec.name for s in sources],
-                         BuildEnvironment(__version__, versions, _gpu_name()))
-        notes += one.notes
-        if table is None:
-            table = one
-        else:
-            table.table.update(one.table)
-    for note in dict.fromkeys(notes):
+            nvcc = {}
+        envs[arch] = BuildEnvironment(__version__, {**nvcc, **dsl}, gpu)
+    tuned = load_tuned(args.tuning, envs, [s.spec.name for s in sources])
+    for note in tuned.notes:
         err_console.print(f"[yellow]tuning[/yellow] {note}", markup=True, soft_wrap=True, highlight=False)
-    return table
+    return tuned
 
 
 def _gpu_name() -> str | None:

@@ -153,15 +153,15 @@ def _write(tuning: Path, params: dict) -> Path:
 def test_tuned_configs_apply_only_where_their_environment_matches(tmp_path: Path) -> None:
     params = {"threads": 512, "in_flight": 2}
     _write(tmp_path, params)
-    tuned = load_tuned(tmp_path, ["sm_90a"], ["qwen3-8b"], _env(), environ={})
+    tuned = load_tuned(tmp_path, {"sm_90a": _env()}, ["qwen3-8b"], environ={})
     assert tuned.for_family("sm_90a", "qwen3-8b") == {"codec": params} and not tuned.notes
     for env, why in ((_env(toolchains={"nvcc": "13.5.1"}), "nvcc '13.0.88', building with 13.5.1"),
                      (_env(gpu="NVIDIA B200"), "tuned on NVIDIA H200, this machine has NVIDIA B200"),
                      (_env(kvgen="0.2.0"), "kvgen '0.1.0', building with 0.2.0")):
-        tuned = load_tuned(tmp_path, ["sm_90a"], ["qwen3-8b"], env, environ={})
+        tuned = load_tuned(tmp_path, {"sm_90a": env}, ["qwen3-8b"], environ={})
         assert tuned.for_family("sm_90a", "qwen3-8b") == {}
         assert len(tuned.notes) == 1 and why in tuned.notes[0] and "safe defaults" in tuned.notes[0]
-    off = load_tuned(tmp_path, ["sm_90a"], ["qwen3-8b"], _env(), environ={"KVGEN_TUNING": "off"})
+    off = load_tuned(tmp_path, {"sm_90a": _env()}, ["qwen3-8b"], environ={"KVGEN_TUNING": "off"})
     assert off.for_family("sm_90a", "qwen3-8b") == {} and "KVGEN_TUNING=off" in off.notes[0]
 
 
@@ -170,13 +170,13 @@ def test_a_tampered_tuned_config_is_named_and_the_defaults_are_used(tmp_path: Pa
     data = json.loads(path.read_text())
     data["ops"]["codec"]["params"]["threads"] = 96
     path.write_text(json.dumps(data))
-    tuned = load_tuned(tmp_path, ["sm_90a"], ["qwen3-8b"], _env(), environ={})
+    tuned = load_tuned(tmp_path, {"sm_90a": _env()}, ["qwen3-8b"], environ={})
     assert tuned.for_family("sm_90a", "qwen3-8b") == {}
     assert str(path) in tuned.notes[0] and "threads=96 is not one of" in tuned.notes[0]
 
 
 def test_environment_override_wins_and_bad_overrides_are_named() -> None:
-    tuned = load_tuned(Path("/nonexistent"), ["sm_90a"], ["qwen3-8b"], _env(),
+    tuned = load_tuned(Path("/nonexistent"), {"sm_90a": _env()}, ["qwen3-8b"],
                        environ={"KVGEN_TUNED_PARAMS": "qwen3-8b:codec:threads=128; qwen3-8b:score:lanes=4"})
     assert tuned.for_family("sm_90a", "qwen3-8b") == {"codec": {"threads": 128}, "score": {"lanes": 4}}
     with pytest.raises(TuningFileError, match="'qwen3-8b:codec:threads=100'.*not one of"):
@@ -201,7 +201,7 @@ def test_tune_writes_a_config_the_build_compiles(tmp_path: Path, measurements: P
     assert entry["params"] == {"threads": 512, "in_flight": 4}   # best geometric mean over the three bowls
     env = entry["environment"]
     assert env["gpu"] == "NVIDIA H200" and env["toolchain"]["nvcc"] == "13.0.88"
-    tuned = load_tuned(tuning, ["sm_90a"], ["qwen3-8b"], _env(), environ={})
+    tuned = load_tuned(tuning, {"sm_90a": _env()}, ["qwen3-8b"], environ={})
     source = render_family(QWEN, params=tuned.for_family("sm_90a", "qwen3-8b"))["qwen3-8b/codec.cu"]
     assert "codec::Codec<Layer, 512, 4>" in source
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import platform
 import subprocess
@@ -57,7 +58,7 @@ def copy_ceiling(nbytes: int = 2 << 30) -> dict[str, float]:
     a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     b = torch.empty_like(a)
     t = time_ms(lambda: b.copy_(a), reps=10)
-    return {"bytes": nbytes, "gbps_read_plus_write": 2 * nbytes / t["median_ms"] / 1e6, **_short(t)}
+    return {"bytes": nbytes, "gbps_read_plus_write": 2 * nbytes / t["median_ms"] / 1e6, **summary(t)}
 
 
 def pinned_ceilings(nbytes: int = 1 << 30) -> dict[str, dict[str, float]]:
@@ -66,8 +67,8 @@ def pinned_ceilings(nbytes: int = 1 << 30) -> dict[str, dict[str, float]]:
     dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     d2h = time_ms(lambda: host.copy_(dev, non_blocking=True), reps=10)
     h2d = time_ms(lambda: dev.copy_(host, non_blocking=True), reps=10)
-    return {"d2h": {"gbps": nbytes / d2h["median_ms"] / 1e6, **_short(d2h)},
-            "h2d": {"gbps": nbytes / h2d["median_ms"] / 1e6, **_short(h2d)}}
+    return {"d2h": {"gbps": nbytes / d2h["median_ms"] / 1e6, **summary(d2h)},
+            "h2d": {"gbps": nbytes / h2d["median_ms"] / 1e6, **summary(h2d)}}
 
 
 def measure_ceilings(pinned: bool = True) -> dict[str, dict]:
@@ -81,8 +82,33 @@ def measure_ceilings(pinned: bool = True) -> dict[str, dict]:
     return ceilings
 
 
-def _short(t: dict) -> dict:
+def summary(t: dict) -> dict:
+    """A ``time_ms`` result without its samples (what the JSON records)."""
     return {k: v for k, v in t.items() if k != "samples_ms"}
+
+
+L2_ROTATE_FACTOR = 3
+
+
+def l2_bytes() -> int:
+    return int(getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 60 << 20))
+
+
+def rotation_sets(touched_bytes: int, set_bytes: int | None = None) -> int:
+    """How many copies of the inputs the timed calls cycle through so that they touch at least 3x
+    the L2 (each call touches ``touched_bytes`` distinct bytes); with ``set_bytes`` (one copy's
+    size), no more copies than 85 % of the free memory holds."""
+    wanted = max(1, math.ceil(L2_ROTATE_FACTOR * l2_bytes() / max(1, touched_bytes)))
+    if set_bytes is None:
+        return wanted
+    free, _ = torch.cuda.mem_get_info()
+    return max(1, min(wanted, int(0.85 * free // max(1, set_bytes))))
+
+
+def time_rotated(calls: list[Callable[[], None]], reps: int = 20, warmup: int = 3) -> dict[str, float]:
+    """``time_ms`` where call ``i`` runs ``calls[i % len(calls)]`` (inputs rotated past the L2)."""
+    turn = iter(range(1 << 40))
+    return time_ms(lambda: calls[next(turn) % len(calls)](), reps=reps, warmup=warmup)
 
 
 def environment() -> dict[str, str]:

@@ -59,8 +59,8 @@ def _register_bare_kvgen_packages() -> None:
 
 _register_bare_kvgen_packages()
 
-from kvgen.bench.common import (ROOT, environment, measure_ceilings, registry_artifact, require_cuda,  # noqa: E402
-                                time_ms, write_result)
+from kvgen.bench.common import (ROOT, environment, l2_bytes, measure_ceilings, registry_artifact,  # noqa: E402
+                                require_cuda, rotation_sets, summary, time_ms, time_rotated, write_result)
 from kvgen.reference.triattention import TriGeometry, compact_paged  # noqa: E402
 from kvgen.reference.triattention import pack_moves as oracle_pack_moves  # noqa: E402
 from kvgen.registry import RegistryError  # noqa: E402
@@ -130,10 +130,6 @@ def capture(fn) -> torch.cuda.CUDAGraph:
     return graph
 
 
-def _short(t: dict) -> dict:
-    return {k: v for k, v in t.items() if k != "samples_ms"}
-
-
 # ---------------------------------------------------------------------------------------------
 # Packer
 # ---------------------------------------------------------------------------------------------
@@ -146,7 +142,7 @@ def bench_packer(packer: MovePacker, geo: TriGeometry, b: dict, mode: str, capac
     replay = time_ms(graph.replay, reps=REPS)
     eager = wall_ms(lambda: packer(*args, batch, capacity), reps=REPS)
     oracle = wall_ms(lambda: oracle_pack_moves(*args, geo, batch), reps=10)
-    return {"triton_graph": _short(replay), "triton_eager": eager, "oracle_eager": oracle,
+    return {"triton_graph": summary(replay), "triton_eager": eager, "oracle_eager": oracle,
             "speedup_graph_vs_oracle": oracle["median_ms"] / replay["median_ms"]}
 
 
@@ -169,13 +165,6 @@ def layer_bytes(info: dict, pages: int) -> int:
 def layers_that_fit(info: dict, pages: int, reserve: int = 1 << 30) -> int:
     free, _ = torch.cuda.mem_get_info()
     return max(1, min(info["num_layers"], int((0.85 * free - reserve) // layer_bytes(info, pages))))
-
-
-def rotation_sets(moved_bytes: int, set_bytes: int, l2_bytes: int) -> int:
-    """Pool sets to rotate so the replays touch >= 3x the L2, as many as memory allows."""
-    wanted = max(1, math.ceil(3 * l2_bytes / max(1, moved_bytes // 2)))  # distinct bytes ~ half of read + written
-    free, _ = torch.cuda.mem_get_info()
-    return max(1, min(wanted, int(0.85 * free // max(1, set_bytes))))
 
 
 def make_pools(info: dict, pages: int, moved_layers: int, fill: bool) -> tuple[list, list]:
@@ -218,8 +207,7 @@ def verify(compactor: Compactor, k_pools: list, v_pools: list, table, moves: tup
 
 
 def bench_compaction(library: CompactLibrary, packer: MovePacker, geo: TriGeometry, batch: int, mode: str,
-                     copy_gbps: float, l2_bytes: int,
-                     default_library: CompactLibrary | None = None) -> tuple[dict, dict, int]:
+                     copy_gbps: float, default_library: CompactLibrary | None = None) -> tuple[dict, dict, int]:
     """The compaction result of one batch size, plus the batch and capacity for the packer run;
     with ``default_library``, that library's compaction over the same pools and moves too."""
     info = library.info
@@ -238,7 +226,8 @@ def bench_compaction(library: CompactLibrary, packer: MovePacker, geo: TriGeomet
     moved_bytes = real * info["head_dim"] * info["elem_bytes"] * 2 * 2  # K and V, read and written
     table = torch.randperm(pages, dtype=torch.int32, device="cuda").reshape(batch, pages_per_request)
 
-    sets = rotation_sets(moved_bytes, moved_layers * layer_bytes(info, pages), l2_bytes)
+    # distinct bytes a replay touches ~ half of the bytes read + written
+    sets = rotation_sets(moved_bytes // 2, moved_layers * layer_bytes(info, pages))
     graphs, verified = [], None
     for i in range(sets):
         k_pools, v_pools = make_pools(info, pages, moved_layers, fill=(batch == 1 and i == 0))
@@ -246,13 +235,12 @@ def bench_compaction(library: CompactLibrary, packer: MovePacker, geo: TriGeomet
         if batch == 1 and i == 0:
             verified = verify(compactor, k_pools, v_pools, table, (src, dst, offsets), geo)
         graphs.append((capture(lambda c=compactor: c(table, src, dst, offsets)), compactor))
-    turn = iter(range(1 << 30))
-    t = time_ms(lambda: graphs[next(turn) % sets][0].replay(), reps=REPS)
+    t = time_rotated([graph.replay for graph, _ in graphs], reps=REPS)
     gbps = moved_bytes / t["median_ms"] / 1e6
     result = {"batch": batch, "layers_moved": moved_layers, "layers": info["num_layers"], "real_moves": real,
               "moved_bytes": moved_bytes, "rotation_sets": sets, "verified_against_oracle": verified,
               "packer_verified_against_oracle": packer_verified,
-              "compact": {**_short(t), "gbps": gbps, "fraction_of_copy": gbps / copy_gbps}}
+              "compact": {**summary(t), "gbps": gbps, "fraction_of_copy": gbps / copy_gbps}}
     if default_library is not None:
         try:
             result["default"] = bench_default(default_library, graphs, table, (src, dst, offsets), geo, batch,
@@ -268,19 +256,17 @@ def bench_default(library: CompactLibrary, graphs: list, table, moves: tuple, ge
     """The default library's compaction over the pool sets of ``graphs`` (same pools, table and
     moves), captured and timed like the tuned one; batch 1 is checked against the oracle."""
     out: dict = {"library": str(library.path), "geometry": library.info}
-    sets = len(graphs)
     default_graphs, verified = [], None
     for i, (_, tuned) in enumerate(graphs):
         compactor = Compactor(library, *tuned._pools)
         if batch == 1 and i == 0:
             verified = verify(compactor, *tuned._pools, table, moves, geo)
         default_graphs.append((capture(lambda c=compactor: c(table, *moves)), compactor))
-    turn = iter(range(1 << 30))
-    t = time_ms(lambda: default_graphs[next(turn) % sets][0].replay(), reps=REPS)
+    t = time_rotated([graph.replay for graph, _ in default_graphs], reps=REPS)
     gbps = moved_bytes / t["median_ms"] / 1e6
     del default_graphs
     return {**out, "verified_against_oracle": verified,
-            "compact": {**_short(t), "gbps": gbps, "fraction_of_copy": gbps / copy_gbps}}
+            "compact": {**summary(t), "gbps": gbps, "fraction_of_copy": gbps / copy_gbps}}
 
 
 def run(ceilings: dict, family: str = "qwen3-8b", batches: list[int] = (1, 32, 256), mode: str = "union",
@@ -299,10 +285,9 @@ def run(ceilings: dict, family: str = "qwen3-8b", batches: list[int] = (1, 32, 2
     geo = oracle_geometry(library.info, packer)
     torch.cuda.empty_cache()
     copy_gbps = ceilings["device_copy"]["gbps_read_plus_write"]
-    l2_bytes = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 60 << 20)
     results = []
     for batch in batches:
-        res, b, capacity = bench_compaction(library, packer, geo, batch, mode, copy_gbps, l2_bytes, default_library)
+        res, b, capacity = bench_compaction(library, packer, geo, batch, mode, copy_gbps, default_library)
         if default_error:
             res["default"] = {"registry": str(default_registry), "error": default_error}
         torch.cuda.empty_cache()
@@ -312,7 +297,7 @@ def run(ceilings: dict, family: str = "qwen3-8b", batches: list[int] = (1, 32, 2
         del b
         torch.cuda.empty_cache()
     config = {"family": family, "mode": mode, "budget": BUDGET, "decode": DECODE, "prompt": PROMPT,
-              "tail": f"0..{MAX_TAIL}", "geometry": library.info, "l2_bytes": l2_bytes}
+              "tail": f"0..{MAX_TAIL}", "geometry": library.info, "l2_bytes": l2_bytes()}
     if default_library is not None:
         config["default_geometry"] = default_library.info
     return {"config": config, "results": results}

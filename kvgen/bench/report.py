@@ -99,7 +99,7 @@ def _tuned_variant(s: dict) -> dict | None:
     return next((v for v in variants if v.get("role") == "tuned"), variants[0] if variants else None)
 
 
-def _size_codec(r: dict) -> str:
+def codec_size(r: dict) -> str:
     return f"{r['hot_bytes'] / 2**30:.2f} GiB hot, {r['pages']} pages"
 
 
@@ -116,7 +116,7 @@ def fraction_rows(doc: dict) -> list[dict]:
     for r in doc["benchmarks"].get("codec", {}).get("results", []):
         for run, (kernel, ceiling, goal) in CODEC_LABELS.items():
             if run in r:
-                rows.append({"kernel": kernel, "family": r["family"], "size": _size_codec(r),
+                rows.append({"kernel": kernel, "family": r["family"], "size": codec_size(r),
                              "ms": r[run]["median_ms"], "gbps": r[run].get("gbps"), "ceiling": ceiling,
                              "fraction": r[run].get("fraction_of_ceiling"), "goal": GOALS[goal]})
     compact = doc["benchmarks"].get("compact", {})
@@ -145,14 +145,14 @@ def peer_rows(doc: dict) -> list[dict]:
         peers = r.get("peers", {})
         if "encode_device" in r:
             moved = r["hot_bytes"] + r["cold_bytes"]
-            rows.append({"kernel": "codec encode → device", "family": r["family"], "size": _size_codec(r),
+            rows.append({"kernel": "codec encode → device", "family": r["family"], "size": codec_size(r),
                          "kvgen_ms": r["encode_device"]["median_ms"],
                          "oracle_eager_ms": peers.get("oracle_eager_ms"),
                          "oracle_compile_ms": peers.get("oracle_torch_compile_ms"),
                          "plain_copy_ms": moved / codec_copy / 1e6 if codec_copy else None,
                          "plain_copy": "hot + cold bytes at the device copy ceiling"})
         if "encode_pinned" in r and r.get("raw_offload_ms"):
-            rows.append({"kernel": "offload → pinned", "family": r["family"], "size": _size_codec(r),
+            rows.append({"kernel": "offload → pinned", "family": r["family"], "size": codec_size(r),
                          "kvgen_ms": r["encode_pinned"]["median_ms"], "plain_copy_ms": r["raw_offload_ms"],
                          "plain_copy": "raw hot pages at the pinned d2h ceiling"})
     compact = doc["benchmarks"].get("compact", {})

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .paths import ROOT
+from .report import codec_size
 
 SCHEMA = 1
 BENCHMARKS = ("codec", "compact", "score")
@@ -190,10 +191,6 @@ def _entry(kernel: str, family: str, size: str, tuned: dict, default: dict, tune
             "speedup": default_ms / tuned_ms if tuned_ms else None, "tuned_params": tuned_params,
             "default_params": default_params, "tuned_fraction": tuned.get(fraction_key),
             "default_fraction": default.get(fraction_key)}
-
-
-def codec_size(result: dict) -> str:
-    return f"{result['hot_bytes'] / 2**30:.2f} GiB hot, {result['pages']} pages"
 
 
 def tuned_vs_default(benchmarks: dict, tuned_params: Params, default_params: Params) -> list[dict]:

@@ -21,8 +21,8 @@ from typing import Callable, Iterable, Sequence
 
 from .. import __version__
 from ..backends.nvcc import Toolchain, toolchain_for
-from ..build import BuildJob, SpecSource, _run_job
-from ..plan import KernelPlan, Op, plans_for, score_plan
+from ..build import CSRC_DIR, BuildJob, SpecSource, _run_job
+from ..plan import Op, plans_for, score_plan
 from ..render import render_family
 from .space import config_id
 
@@ -52,30 +52,21 @@ class Request:
     params: dict[str, int]
 
 
-def _family_plans(source: SpecSource, op: Op, params: dict[str, int]) -> tuple[KernelPlan, ...]:
-    return tuple(plans_for(source.spec, {op: params}))
-
-
 def _build_family_library(request: Request, arch: str, toolchain: Toolchain, cache_dir: Path) -> tuple[str, Path | None,
                                                                                                          str, str]:
     """(status, artifact in the cache, key, error) of the family library with ``op``'s params."""
     spec = request.source.spec
     rendered = render_family(spec, params={request.op: request.params})
-    job = BuildJob(request.source, arch, toolchain, _family_plans(request.source, request.op, request.params), rendered)
-    outcome, _ = _run_job(job, cache_dir, _csrc_dir(), ())
+    plans = tuple(plans_for(spec, {request.op: request.params}))
+    outcome, _ = _run_job(BuildJob(request.source, arch, toolchain, plans, rendered), cache_dir, CSRC_DIR, ())
     return outcome.status, outcome.artifact, outcome.key, outcome.error
-
-
-def _csrc_dir() -> Path:
-    from ..build import CSRC_DIR
-
-    return CSRC_DIR
 
 
 def build_candidates(requests: Sequence[Request], arch: str, out_dir: Path, cache_dir: Path, *,
                      toolchains: Sequence[Toolchain] = (), jobs: int = 2,
                      on_done: Callable[[Candidate], None] | None = None) -> list[Candidate]:
-    """Build every request for ``arch`` into the bundle directory ``out_dir`` and write its index.
+    """Build every request for ``arch`` into the bundle directory ``out_dir`` and write its index
+    (candidates already in the bundle stay, unless rebuilt now).
 
     nvcc candidates build ``jobs`` at a time; score candidates go through one CuTe DSL export
     process per call (the DSL import dominates a single export). A failed build is a candidate
@@ -105,7 +96,10 @@ def build_candidates(requests: Sequence[Request], arch: str, out_dir: Path, cach
         for request, built in zip(score_requests, build_score_candidates(plans, arch, cache_dir, toolchain=cute)):
             candidates.append(_publish(out_dir, request, arch, built.status, built.artifact, built.key, built.error))
             done(candidates[-1])
-    write_index(out_dir, arch, candidates, versions)
+    previous = read_bundle(out_dir) if (out_dir / BUNDLE_INDEX).exists() else {"candidates": [], "toolchains": {}}
+    rebuilt = {(c.family, c.op, c.config) for c in candidates}
+    kept = [Candidate(**c) for c in previous["candidates"] if (c["family"], c["op"], c["config"]) not in rebuilt]
+    write_index(out_dir, arch, kept + candidates, {**previous["toolchains"], **versions})
     return candidates
 
 

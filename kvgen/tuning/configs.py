@@ -144,21 +144,22 @@ def mismatch(data: Mapping[str, Any], op: Op, env: BuildEnvironment) -> str:
     return ""
 
 
-def load_tuned(tuning_dir: Path, archs: list[str], families: list[str], env: BuildEnvironment,
+def load_tuned(tuning_dir: Path, envs: Mapping[str, BuildEnvironment], families: list[str],
                environ: Mapping[str, str] | None = None) -> TunedParams:
-    """The tuned parameters ``kvgen build`` applies, with a note for each file it does not use."""
+    """The tuned parameters ``kvgen build`` applies for each arch of ``envs`` (what that arch is
+    built with), with a note for each file it does not use."""
     environ = os.environ if environ is None else environ
     tuned = TunedParams()
     if environ.get("KVGEN_TUNING", "").lower() in ("off", "0", "no", "false"):
         tuned.notes.append("KVGEN_TUNING=off: building every op with its safe default parameters")
     else:
-        for arch in archs:
+        for arch, env in envs.items():
             for family in families:
                 _load_one(tuning_path(tuning_dir, arch, family), arch, family, env, tuned)
     override = environ.get("KVGEN_TUNED_PARAMS", "")
     if override:
         for (family, op), params in parse_override(override).items():
-            for arch in archs:
+            for arch in envs:
                 tuned.set(arch, family, op, {**tuned.for_family(arch, family).get(op, {}), **params})
         tuned.notes.append(f"KVGEN_TUNED_PARAMS overrides: {override}")
     return tuned

@@ -34,9 +34,8 @@ from typing import Any, Callable, Iterable
 
 from .candidates import Candidate, read_bundle, read_index, unpack_bundle
 from ..bench.paths import spec_path
-from .space import parse_config
+from .space import BUCKETS, parse_config
 
-L2_ROTATE_FACTOR = 3
 DEFAULT_REPS = 20
 WORKER_SILENCE_S = 180        # a worker that writes nothing for this long is hung: killed, "timeout"
 
@@ -68,31 +67,6 @@ def read_records(path: Path) -> list[dict[str, Any]]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Timing
-# ---------------------------------------------------------------------------------------------
-
-
-def l2_bytes() -> int:
-    import torch
-
-    return int(getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20))
-
-
-def rotation(set_bytes: int) -> int:
-    """How many input copies the timed calls cycle through so that they touch >= 3x the L2."""
-    return max(1, math.ceil(L2_ROTATE_FACTOR * l2_bytes() / max(1, set_bytes)))
-
-
-def time_rotated(calls: list[Callable[[], None]], reps: int, warmup: int = 3) -> dict[str, float]:
-    """Median and quantiles (ms) of ``reps`` calls, call ``i`` running ``calls[i % len(calls)]``."""
-    from ..bench.common import time_ms
-
-    turn = iter(range(1 << 40))
-    t = time_ms(lambda: calls[next(turn) % len(calls)](), reps=reps, warmup=warmup)
-    return {"median_ms": t["median_ms"], "p20_ms": t["p20_ms"], "p80_ms": t["p80_ms"]}
-
-
-# ---------------------------------------------------------------------------------------------
 # Per op: inputs per bucket, a correctness check, a timed call
 # ---------------------------------------------------------------------------------------------
 
@@ -105,6 +79,20 @@ class _Bench:
 
     def size(self, bucket) -> dict[str, Any]:
         return self.sizes[bucket.name]
+
+    @staticmethod
+    def copies(touched_bytes: int) -> int:
+        """Input copies to rotate over so that the timed calls touch >= 3x the L2."""
+        from ..bench.common import rotation_sets
+
+        return rotation_sets(touched_bytes)
+
+    @staticmethod
+    def timed(calls: list[Callable[[], Any]], reps: int) -> dict[str, float]:
+        """Median and quantiles (ms) of ``reps`` CUDA-event-timed calls, rotating over ``calls``."""
+        from ..bench.common import summary, time_rotated
+
+        return summary(time_rotated(calls, reps))
 
 
 class CodecBench(_Bench):
@@ -124,7 +112,7 @@ class CodecBench(_Bench):
         self.inputs, self.sizes = {}, {}
         for b in buckets:
             pages = max(1, math.ceil(b.size["hot_mib"] * (1 << 20) / self.lc.hot_page_bytes))
-            sets = rotation(pages * self.lc.hot_page_bytes)
+            sets = self.copies(pages * self.lc.hot_page_bytes)
             pools = self._pools(pages * sets, torch.Generator(device="cuda").manual_seed(seed))
             cold = torch.empty(pages * sets, self.lc.cold_page_bytes, dtype=torch.uint8,
                                device="cuda" if b.size["cold"] == "device" else "cpu")
@@ -207,7 +195,7 @@ class CodecBench(_Bench):
         back = [reverse_pairs(p) for p in pairs]
         calls = [lambda p=p, q=q: (codec.encode(cold, p), codec.decode(cold, q)) for p, q in zip(pairs, back)]
         _launch(calls[0])
-        t = time_rotated(calls, reps)
+        t = self.timed(calls, reps)
         codec.close()
         return t
 
@@ -234,7 +222,7 @@ class ScoreBench(_Bench):
                 cache = Cache(family, b.size["batch"], b.size["width"])
                 sets.append((cache, cache.kernel_inputs()))
                 k_bytes = sum(p.numel() * p.element_size() for p in cache.k_pools.values())
-                if len(sets) >= rotation(k_bytes):
+                if len(sets) >= self.copies(k_bytes):
                     break
             self.inputs[b.name] = sets
             self.sizes[b.name] = {"batch": b.size["batch"], "width": b.size["width"], "rotation": len(sets)}
@@ -274,7 +262,7 @@ class ScoreBench(_Bench):
         library = self._library(path)
         calls = [lambda inputs=inputs: library.score(**inputs) for _, inputs in self.inputs[bucket]]
         _launch(calls[0])
-        return time_rotated(calls, reps)
+        return self.timed(calls, reps)
 
 
 class CompactBench(_Bench):
@@ -295,7 +283,7 @@ class CompactBench(_Bench):
             batch, decode, budget = self._size(b.size)
             moves, table, pages = self._moves(batch, decode, budget, seed)
             layer_bytes = 2 * pages * self._page_elems() * self.spec.elem_bytes
-            sets = [self._pools(pages, fill=False) for _ in range(rotation(self.spec.layers * layer_bytes // 2))]
+            sets = [self._pools(pages, fill=False) for _ in range(self.copies(self.spec.layers * layer_bytes // 2))]
             self.inputs[b.name] = (moves, table, sets)
             self.sizes[b.name] = {"batch": batch, "decode": decode, "budget": budget, "rotation": len(sets)}
 
@@ -386,7 +374,7 @@ class CompactBench(_Bench):
         compactors = [self._compactor(path, pools) for pools in sets]
         calls = [lambda c=c: c(table, moves.src, moves.dst, moves.offsets) for c in compactors]
         _launch(calls[0])
-        return time_rotated(calls, reps)
+        return self.timed(calls, reps)
 
 
 BENCHES = {"codec": CodecBench, "score": ScoreBench, "compact": CompactBench}
@@ -423,12 +411,11 @@ def _library_for(op: str, path: Path):
 
 
 def worker(bundle: Path, family: str, op: str, configs: list[str], out: Path, reps: int, seed: int) -> int:
-    from .space import BUCKETS
-
-    candidates = {c.config: c for c in read_index(bundle) if c.family == family and c.op == op}
+    index = read_bundle(bundle)
+    candidates = {c["config"]: Candidate(**c) for c in index["candidates"] if (c["family"], c["op"]) == (family, op)}
     buckets = BUCKETS[op]
     bench = BENCHES[op](family, buckets, seed)
-    env = {**environment(), "toolchain": read_bundle(bundle).get("toolchains", {})}
+    env = {**environment(), "toolchain": index.get("toolchains", {})}
     with open(out, "a", encoding="utf-8") as sink:
         for n, config in enumerate(configs):
             c = candidates[config]
@@ -480,28 +467,23 @@ def environment() -> dict[str, str]:
 
 def measure_bundle(bundle: Path, out: Path, *, families: set[str] | None = None, ops: set[str] | None = None,
                    reps: int = DEFAULT_REPS, seed: int = 0, log: Callable[[str], None] = print) -> Path:
-    from .space import BUCKETS
-
     done = {record_key(r) for r in read_records(out)}
-    groups: dict[tuple[str, str], list[str]] = {}
+    groups: dict[tuple[str, str, str], list[str]] = {}
     for c in read_index(bundle):
         if (families and c.family not in families) or (ops and c.op not in ops):
             continue
         if all((c.family, c.op, c.arch, c.config, b.name) in done for b in BUCKETS[c.op]):
             continue
-        groups.setdefault((c.family, c.op), []).append(c.config)
-    for (family, op), configs in groups.items():
+        groups.setdefault((c.family, c.op, c.arch), []).append(c.config)
+    for (family, op, arch), configs in groups.items():
         start = time.perf_counter()
-        _run_group(bundle, family, op, configs, out, reps, seed, log)
+        _run_group(bundle, family, op, arch, configs, out, reps, seed, log)
         log(f"{family} {op}: {len(configs)} candidates in {time.perf_counter() - start:.1f} s")
     return out
 
 
-def _run_group(bundle: Path, family: str, op: str, configs: list[str], out: Path, reps: int, seed: int,
+def _run_group(bundle: Path, family: str, op: str, arch: str, configs: list[str], out: Path, reps: int, seed: int,
                log: Callable[[str], None]) -> None:
-    from .space import BUCKETS
-
-    arch = next(c.arch for c in read_index(bundle))
     todo = list(configs)
     while todo:
         cmd = [sys.executable, "-m", "kvgen.tuning.measure", "--worker", str(bundle), "--family", family,

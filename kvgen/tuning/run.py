@@ -79,30 +79,29 @@ class LiveEvaluator:
         self.cache_dir = cache_dir
         self.toolchains = toolchains
         self.reps = reps
+        self.recorded: RecordedEvaluator | None = None   # re-read only after a measurement
 
     def __call__(self, family: str, op: Op, arch: str, bucket: str, params) -> Measurement:
-        from .candidates import Request, build_candidates, read_bundle, read_index, write_index
-        from .measure import measure_bundle
-
         found = self._recorded(family, op, bucket, params)
-        if found is None:
-            old = read_index(self.bundle) if (self.bundle / "bundle.json").exists() else []
-            built = build_candidates([Request(self.sources[family], op, dict(params))], arch, self.bundle,
-                                     self.cache_dir, toolchains=self.toolchains, jobs=1)
-            keep = [c for c in old if (c.family, c.op, c.config) != (family, op, built[0].config)]
-            write_index(self.bundle, arch, keep + built, read_bundle(self.bundle)["toolchains"])  # all so far
+        if found.status == "missing":
+            from .candidates import Request, build_candidates
+            from .measure import measure_bundle
+
+            build_candidates([Request(self.sources[family], op, dict(params))], arch, self.bundle, self.cache_dir,
+                             toolchains=self.toolchains, jobs=1)
             measure_bundle(self.bundle, self.out, families={family}, ops={op}, reps=self.reps, log=lambda _m: None)
+            if self.out.exists():
+                self.recorded = RecordedEvaluator([self.out])
             found = self._recorded(family, op, bucket, params)
-        return found or Measurement("missing", detail="the measurement worker recorded nothing")
+        return found
 
     def environment(self, family: str, op: Op, arch: str) -> dict[str, Any]:
-        return RecordedEvaluator([self.out]).environment(family, op, arch) if self.out.exists() else {}
+        return self.recorded.environment(family, op, arch) if self.recorded else {}
 
-    def _recorded(self, family, op, bucket, params) -> Measurement | None:
-        if not self.out.exists():
-            return None
-        m = RecordedEvaluator([self.out])(family, op, self.arch, bucket, params)
-        return None if m.status == "missing" else m
+    def _recorded(self, family, op, bucket, params) -> Measurement:
+        if self.recorded is None:
+            return Measurement("missing", detail="the measurement worker recorded nothing")
+        return self.recorded(family, op, self.arch, bucket, params)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -49,13 +49,6 @@ BUCKETS: dict[Op, tuple[Bucket, ...]] = {
 }
 
 
-def bucket(op: Op, name: str) -> Bucket:
-    for b in BUCKETS[op]:
-        if b.name == name:
-            return b
-    raise ValueError(f"{op}: no size bucket {name!r}; accepted: {', '.join(b.name for b in BUCKETS[op])}")
-
-
 def ops_for(spec: FamilySpec) -> tuple[Op, ...]:
     """The tuned ops a family has (TriAttention ops only where the spec enables it)."""
     return TUNED_OPS if spec.triattention.enabled else ("codec",)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 import os
 import socket
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Protocol
@@ -104,8 +105,7 @@ def study_name(family: str, op: Op, arch: str, bucket: str) -> str:
 
 def sampler_for(strategy: str, op: Op, seed: int | None) -> optuna.samplers.BaseSampler:
     if strategy == "tpe":
-        # few startup trials: the spaces are small, and the default is already trial 0
-        # one random trial after the default: the budgets are a quarter of spaces of 16 to 81
+        # one random trial after the default (trial 0): the budgets are a quarter of spaces of 16 to 81
         return optuna.samplers.TPESampler(seed=seed, n_startup_trials=2, multivariate=True)
     if strategy == "random":
         return optuna.samplers.RandomSampler(seed=seed)
@@ -114,14 +114,30 @@ def sampler_for(strategy: str, op: Op, seed: int | None) -> optuna.samplers.Base
     raise ValueError(f"strategy {strategy!r}; accepted: {', '.join(STRATEGIES)}")
 
 
+def connect(storage: str | optuna.storages.BaseStorage, attempts: int = 5) -> optuna.storages.BaseStorage:
+    """The storage behind a URL. Workers starting together on a fresh database all try to create
+    its schema and all but one fail (PostgreSQL: a duplicate type); those retry and find it made."""
+    import sqlalchemy.exc
+
+    for attempt in range(1, attempts):
+        try:
+            return optuna.storages.get_storage(storage)
+        except sqlalchemy.exc.DBAPIError:
+            time.sleep(0.2 * attempt)
+    return optuna.storages.get_storage(storage)
+
+
 def open_study(name: str, storage: str | optuna.storages.BaseStorage, sampler) -> optuna.Study:
-    """Create or load; trials a killed process left RUNNING become FAIL ("interrupted")."""
+    """Create or load; in the embedded (SQLite, one writer) storage, trials a killed process left
+    RUNNING become FAIL ("interrupted")."""
+    embedded = isinstance(storage, str) and storage.startswith("sqlite")
+    storage = connect(storage)
     study = optuna.create_study(study_name=name, storage=storage, sampler=sampler, direction="minimize",
                                 load_if_exists=True)
-    if isinstance(storage, str) and storage.startswith("sqlite"):
+    if embedded:
         for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-            study._storage.set_trial_user_attr(trial._trial_id, "failure", "interrupted")
-            study._storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)
+            storage.set_trial_user_attr(trial._trial_id, "failure", "interrupted")
+            storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)
     return study
 
 
