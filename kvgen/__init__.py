@@ -13,12 +13,12 @@ __version__ = "0.1.0"
 __all__ = ["FamilySpec", "SpecError", "__version__", "load_spec"]
 
 if TYPE_CHECKING:
-    from .spec import FamilySpec, SpecError, load_spec
+    from kvgen.spec.schema import FamilySpec, SpecError, load_spec
 
 
 def __getattr__(name: str) -> Any:
     if name in ("FamilySpec", "SpecError", "load_spec"):
-        from . import spec
+        from kvgen import spec
 
         return getattr(spec, name)
     raise AttributeError(f"module 'kvgen' has no attribute {name!r}")

@@ -6,15 +6,14 @@ import argparse
 import json
 import os
 import sys
-from dataclasses import asdict
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from .layout import FamilyLayout, family_layout
-from .spec import FamilySpec, SpecError, load_spec
+from kvgen.lower.layout import family_layout, to_json
+from kvgen.spec.schema import FamilySpec, SpecError, load_spec
 
 # Build-side modules (render, backends, cache, registry) are imported inside their verbs so that
 # `kvgen validate` stays fast and works without them.
@@ -49,7 +48,7 @@ def find_spec(name: str, specs_dir: Path) -> Path:
 
 
 def _issue(message: str):
-    from .spec import SpecIssue
+    from kvgen.spec.schema import SpecIssue
 
     return SpecIssue(line=1, key="(file)", message=message)
 
@@ -95,23 +94,6 @@ def cmd_list(args: argparse.Namespace) -> int:
     return 1 if errors else 0
 
 
-def layout_json(spec: FamilySpec, layout: FamilyLayout) -> dict:
-    record = layout.record
-    return {
-        "family": spec.name,
-        "record_bytes": record.bytes,
-        "hot_record_bytes": record.hot_bytes,
-        "buffers": [asdict(b) for b in record.buffers],
-        "sides": [asdict(s) for s in record.sides],
-        "regions": [asdict(r) for r in record.regions],
-        "lifecycles": [
-            {"index": lc.index, "window": lc.window, "layers": list(lc.layers),
-             "cold_page_bytes": lc.cold_page_bytes, "hot_page_bytes": lc.hot_page_bytes}
-            for lc in layout.lifecycles
-        ],
-    }
-
-
 def _saving(cold: int, hot: int) -> str:
     return f"{(cold - hot) / hot * 100:+.3f} %"
 
@@ -120,7 +102,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     spec = load_spec(find_spec(args.family, args.specs))
     layout = family_layout(spec)
     if args.json:
-        print(json.dumps(layout_json(spec, layout), indent=2))
+        print(json.dumps(to_json(spec, layout), indent=2))
         return 0
     record = layout.record
     console.print(f"[bold]{spec.name}[/bold] ({spec.model or 'no model id'}): {spec.attention}, {spec.dtype}, "
@@ -163,8 +145,13 @@ def _split(values: list[str] | None) -> list[str]:
 
 def discover_toolchains() -> list:
     """Toolchains from $KVGEN_NVCC, $CUDA_HOME, $PATH and pip wheels (the only env read for it)."""
-    from .backends.nvcc import (ToolchainError, default_host_compiler, default_nvcc_candidates, find_toolchains,
-                                probe_toolchain)
+    from kvgen.build.nvcc import (
+        ToolchainError,
+        default_host_compiler,
+        default_nvcc_candidates,
+        find_toolchains,
+        probe_toolchain,
+    )
 
     path = os.environ.get("PATH", "")
     host_cc = default_host_compiler(path)
@@ -192,7 +179,7 @@ def _build_archs(args: argparse.Namespace) -> list[str] | None:
 
 
 class _RichProgress:
-    """Adapts ``kvgen.build.BuildProgress`` to a rich progress bar."""
+    """Adapts ``kvgen.build.pipeline.BuildProgress`` to a rich progress bar."""
 
     def __init__(self, progress) -> None:  # noqa: ANN001 - rich.progress.Progress
         self.progress = progress
@@ -201,11 +188,11 @@ class _RichProgress:
     def start(self, total: int) -> None:
         self.task = self.progress.add_task("compiling", total=total)
 
-    def advance(self, outcome) -> None:  # noqa: ANN001 - kvgen.build.BuildOutcome
+    def advance(self, outcome) -> None:  # noqa: ANN001 - kvgen.build.pipeline.BuildOutcome
         self.progress.update(self.task, advance=1, description=f"{outcome.family} {outcome.arch}: {outcome.status}")
 
 
-def _summary(report) -> Table:  # noqa: ANN001 - kvgen.build.BuildReport
+def _summary(report) -> Table:  # noqa: ANN001 - kvgen.build.pipeline.BuildReport
     table = Table("family", "arch", "status", "seconds", "artifact", title="kvgen build")
     colours = {"hit": "green", "built": "cyan", "failed": "red", "skipped": "yellow"}
     for o in report.outcomes:
@@ -215,7 +202,7 @@ def _summary(report) -> Table:  # noqa: ANN001 - kvgen.build.BuildReport
 
 
 def _render_check(sources: list, args: argparse.Namespace) -> int:
-    from .build import check_generated
+    from kvgen.build.pipeline import check_generated
 
     differ = check_generated(sources, args.generated, args.templates)
     for rel in differ:
@@ -230,8 +217,8 @@ def _render_check(sources: list, args: argparse.Namespace) -> int:
 def cmd_build(args: argparse.Namespace) -> int:
     from rich.progress import Progress
 
-    from .build import build, load_spec_source, render_all
-    from .render import write_rendered
+    from kvgen.build.pipeline import build, load_spec_source, render_all
+    from kvgen.render.source import write_rendered
 
     sources = [load_spec_source(p) for p in _selected_spec_paths(args)]
     if args.check:
@@ -261,9 +248,9 @@ def _tuned_params(args: argparse.Namespace, sources: list, toolchains: list):
     """Tuned configurations from ``--tuning`` valid for this build (one line for each one not used)."""
     from importlib.metadata import PackageNotFoundError, version
 
-    from . import __version__
-    from .backends.nvcc import ToolchainError, toolchain_for
-    from .tuning.configs import BuildEnvironment, load_tuned
+    from kvgen import __version__
+    from kvgen.build.nvcc import ToolchainError, toolchain_for
+    from kvgen.lower.tuned import BuildEnvironment, load_tuned
 
     archs = _build_archs(args) or sorted({a for s in sources for a in s.spec.targets})
     try:
@@ -296,7 +283,8 @@ def _gpu_name() -> str | None:
 
 def _build_scores(specs, args: argparse.Namespace, tuned) -> bool:
     """TriAttention score libraries (CuTe DSL, AOT) beside the family libraries."""
-    from .backends.cute_aot import CUTE_ARCHS, CuteCompileError, build_score_libraries, find_cute_toolchain
+    from kvgen.arch import ARCHS
+    from kvgen.build.cute_aot import CuteCompileError, build_score_libraries, find_cute_toolchain
 
     if not any(spec.triattention.enabled for spec in specs):
         return True
@@ -305,7 +293,7 @@ def _build_scores(specs, args: argparse.Namespace, tuned) -> bool:
     except CuteCompileError as exc:
         _print_error(f"TriAttention score libraries not built: {exc}")
         return False
-    archs = [a for a in _build_archs(args) or [] if a in CUTE_ARCHS] or None
+    archs = [a for a in _build_archs(args) or [] if a in ARCHS] or None
     with console.status("exporting CuTe DSL score kernels"):
         builds = build_score_libraries(specs, archs, args.cache_dir, args.registry, toolchain=toolchain,
                                        params=lambda family, arch: tuned.for_family(arch, family).get("score", {}),
@@ -327,9 +315,9 @@ def _installed(dist: str) -> str:
 
 
 def cmd_show_config(args: argparse.Namespace) -> int:
-    from . import __version__
-    from .backends.nvcc import ToolchainError
-    from .render import TEMPLATES_DIR
+    from kvgen import __version__
+    from kvgen.build.nvcc import ToolchainError
+    from kvgen.render.source import TEMPLATES_DIR
 
     try:
         toolchains = discover_toolchains()
@@ -352,7 +340,7 @@ def cmd_show_config(args: argparse.Namespace) -> int:
 
 
 def cmd_clear_cache(args: argparse.Namespace) -> int:
-    from .cache import clear_cache
+    from kvgen.build.cache import clear_cache
 
     removed = clear_cache(args.cache_dir)
     for path in removed:
@@ -365,9 +353,9 @@ def verify_registry(registry: Path, specs_dir: Path) -> list[str]:
     """Problems of a registry, one line each: manifests that do not read (format, version, ABI,
     artifact sha256), score libraries whose bytes differ from their sidecar, libraries built from a
     spec file that has changed since (or is gone)."""
-    from .cache import file_sha256
-    from .registry import RegistryError, read_manifest, score_library_name
-    from .runtime.registry import check_spec
+    from kvgen.artifacts.manifest import RegistryError, read_manifest, score_library_name
+    from kvgen.files import file_sha256
+    from kvgen.runtime.lookup import check_spec
 
     problems = []
     for path in sorted(Path(registry).glob("*/manifest.json")):
@@ -413,7 +401,7 @@ def _add_paths(p: argparse.ArgumentParser) -> None:
 
 
 def _add_build_parsers(sub) -> None:  # noqa: ANN001 - argparse's private subparsers type
-    from .render import TEMPLATES_DIR
+    from kvgen.render.source import TEMPLATES_DIR
 
     p = sub.add_parser("build", help="render, compile and publish kernel libraries")
     _add_paths(p)
@@ -448,7 +436,7 @@ def _add_build_parsers(sub) -> None:  # noqa: ANN001 - argparse's private subpar
 
 
 def cmd_wheel(args: argparse.Namespace) -> int:
-    from .wheel import WheelError, build_wheels, registry_archs
+    from kvgen.artifacts.wheel import WheelError, build_wheels, registry_archs
 
     archs = _build_archs(args) or registry_archs(args.registry)
     if not archs:
@@ -477,16 +465,16 @@ def _add_wheel_parser(sub) -> None:  # noqa: ANN001 - argparse's private subpars
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    from .build import load_spec_source
-    from .tuning.run import run
+    from kvgen.build.pipeline import load_spec_source
+    from kvgen.tuning.run import run
 
     sources = [load_spec_source(p) for p in _selected_spec_paths(args)]
     return run(args, sources, console, args.cache_dir, discover_toolchains)
 
 
 def _add_run_parsers(sub) -> None:  # noqa: ANN001 - argparse's private subparsers type
-    from . import bench, demo
-    from .tuning import run as tune
+    from kvgen import bench, demo
+    from kvgen.tuning import run as tune
 
     p = sub.add_parser("tune", help="autotune launch parameters (optuna), correctness-gated; writes tuning/",
                        description=tune.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -553,9 +541,9 @@ def _print_error(text: str) -> None:
 
 
 def _build_errors() -> tuple[type[Exception], ...]:
-    from .backends.nvcc import ToolchainError
-    from .registry import RegistryError
-    from .render import RenderError
+    from kvgen.artifacts.manifest import RegistryError
+    from kvgen.build.nvcc import ToolchainError
+    from kvgen.render.source import RenderError
 
     return ToolchainError, RegistryError, RenderError
 

@@ -195,7 +195,7 @@ def test_run_bookkeeping_with_the_gpu_parts_stubbed(tmp_path, monkeypatch):
 
 
 def test_manifest_params_reads_the_per_op_entries(tmp_path):
-    from kvgen.registry import LibraryEntry, Manifest, OpEntry, manifest_path, write_manifest
+    from kvgen.artifacts.manifest import LibraryEntry, Manifest, OpEntry, manifest_path, write_manifest
     from kvgen.bench.suite import manifest_params
 
     entry = LibraryEntry(family="qwen3-8b", arch="sm_90a", symbol="kvgen_qwen3_8b",

@@ -17,17 +17,37 @@ from pathlib import Path
 import pytest
 
 from kvgen import __version__
-from kvgen.backends.nvcc import (CompileError, Toolchain, ToolchainError, cache_key, compile_shared_library,
-                                 default_nvcc_candidates, find_toolchains, gencode, parse_ptxas, pip_nvcc_paths, probe_toolchain, real_nvcc,
-                                 toolchain_for)
-from kvgen.build import build, check_generated, load_spec_source
-from kvgen.cache import META, entry_dir, failed_dir, get_or_build, load_entry
+from kvgen.artifacts.manifest import (
+    ABI_VERSION,
+    LibraryEntry,
+    Manifest,
+    OpEntry,
+    RegistryError,
+    read_manifest,
+    write_manifest,
+)
+from kvgen.build.cache import META, entry_dir, failed_dir, get_or_build, load_entry
+from kvgen.build.nvcc import (
+    CompileError,
+    Toolchain,
+    ToolchainError,
+    cache_key,
+    compile_shared_library,
+    default_nvcc_candidates,
+    find_toolchains,
+    gencode,
+    parse_ptxas,
+    pip_nvcc_paths,
+    probe_toolchain,
+    real_nvcc,
+    toolchain_for,
+)
+from kvgen.build.pipeline import build, check_generated, load_spec_source
 from kvgen.cli import main
-from kvgen.plan import default_params, plans_for
-from kvgen.registry import (ABI_VERSION, LibraryEntry, Manifest, OpEntry, RegistryError, read_manifest,
-                            write_manifest)
-from kvgen.render import RenderError, header, render, render_family, write_if_different
-from kvgen.spec import load_spec
+from kvgen.files import write_if_different
+from kvgen.lower.plan import default_params, plans_for
+from kvgen.render.source import RenderError, header, render, render_family
+from kvgen.spec.schema import load_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 SPECS = ROOT / "specs"
@@ -359,7 +379,7 @@ def test_concurrent_builds_of_one_key_compile_once(tmp_path: Path) -> None:
 def _build(tmp_path: Path, templates: Path, toolchains: list[Toolchain], archs=("sm_90a",), registry="registry"):
     return build([SPECS / f"{FAMILY}.yaml"], list(archs), tmp_path / "generated", tmp_path / "cache", jobs=2,
                  toolchains=toolchains, registry_dir=tmp_path / registry, templates_dir=templates,
-                 csrc_dir=tmp_path / "csrc")
+                 kernels_dir=tmp_path / "kernels")
 
 
 def test_build_then_rebuild_is_all_cache_hits(tmp_path: Path, templates: Path, toolchains: list[Toolchain]) -> None:
@@ -377,8 +397,8 @@ def test_build_then_rebuild_is_all_cache_hits(tmp_path: Path, templates: Path, t
         os.utime(path, (1, 1))                                   # mtimes are not inputs
     again = _build(tmp_path, templates, toolchains)
     assert [o.status for o in again.outcomes] == ["hit"] and again.rendered == []
-    (tmp_path / "csrc").mkdir()
-    (tmp_path / "csrc" / "common.cuh").write_text("#pragma once\n")   # a header change is a new key
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "kernels" / "common.cuh").write_text("#pragma once\n")   # a header change is a new key
     assert [o.status for o in _build(tmp_path, templates, toolchains).outcomes] == ["built"]
 
 
@@ -386,13 +406,13 @@ def test_tuned_parameters_are_compiled_per_arch_and_recorded(tmp_path: Path, tem
                                                             toolchains: list[Toolchain]) -> None:
     """The arch's tuned launch parameters reach the compiled source and the manifest; generated/
     keeps the arch-neutral default rendering."""
-    from kvgen.tuning.configs import TunedParams
+    from kvgen.lower.tuned import TunedParams
 
     tuned = TunedParams()
     tuned.set("sm_90a", FAMILY, "codec", {"threads": 512, "in_flight": 2})
     report = build([SPECS / f"{FAMILY}.yaml"], ["sm_90a"], tmp_path / "generated", tmp_path / "cache", 2, tuned,
                    toolchains=toolchains, registry_dir=tmp_path / "registry", templates_dir=templates,
-                   csrc_dir=tmp_path / "csrc")
+                   kernels_dir=tmp_path / "kernels")
     assert report.ok
     lib = read_manifest(tmp_path / "registry" / "sm_90a" / "manifest.json").library(FAMILY)
     assert lib.ops[0].params == {"threads": 512, "in_flight": 2}
@@ -435,7 +455,7 @@ def _fake_registry(tmp_path: Path) -> Path:
     arch_dir = tmp_path / "registry" / "sm_90a"
     arch_dir.mkdir(parents=True)
     (arch_dir / "libkvgen_fam.so").write_bytes(b"library bytes")
-    from kvgen.cache import file_sha256
+    from kvgen.files import file_sha256
 
     entry = LibraryEntry(family="fam", arch="sm_90a", symbol="kvgen_fam",
                          ops=(OpEntry("codec", "codec.cu.j2", "p" * 64, {"threads": 256}),), spec_sha256="s" * 64,

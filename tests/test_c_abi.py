@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from kvgen.build import CSRC_DIR
-from kvgen.registry import manifest_path, read_manifest
+from kvgen.artifacts.manifest import manifest_path, read_manifest
+from kvgen.kernels import INCLUDE_DIR
 
 from .test_runtime_registry import REAL_FAMILY, ROOT, real_registry
 
@@ -24,7 +24,7 @@ def manager(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if cxx is None:
         pytest.skip("no g++")
     exe = tmp_path_factory.mktemp("cpp") / "offload_manager"
-    subprocess.run([cxx, "-std=c++17", "-Wall", "-Werror", "-I", str(CSRC_DIR), str(EXAMPLE), "-ldl", "-o", str(exe)],
+    subprocess.run([cxx, "-std=c++17", "-Wall", "-Werror", "-I", str(INCLUDE_DIR), str(EXAMPLE), "-ldl", "-o", str(exe)],
                    check=True, capture_output=True, text=True)
     return exe
 

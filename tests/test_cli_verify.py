@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvgen.cli import main
-from kvgen.runtime.registry import spec_file_sha256
+from kvgen.runtime.lookup import spec_file_sha256
 
 from .conftest import SPECS_DIR
 from .test_runtime_registry import fake_registry

@@ -1,4 +1,4 @@
-"""The compaction kernel (compact.cu.j2 + kvgen/csrc/compact_*.cuh) on the CPU build machine.
+"""The compaction kernel (compact.cu.j2 + kvgen/kernels/cuda/compact_*.cuh) on the CPU build machine.
 
 (a) The kernel's walk on the host: tests/csrc/compact_host_check.cu runs walk_moves with the
     kernel's addressing over host memory, phase by phase, and the pools must equal the oracle's
@@ -25,17 +25,17 @@ import numpy as np
 import pytest
 import torch
 
-from kvgen.backends.nvcc import compile_shared_library, find_toolchains, parse_ptxas, pip_nvcc_paths
-from kvgen.plan import TUNABLES, plans_for
+from kvgen.build.nvcc import compile_shared_library, find_toolchains, parse_ptxas, pip_nvcc_paths
+from kvgen.kernels import INCLUDE_DIRS
+from kvgen.lower.plan import TUNABLES, plans_for
 from kvgen.reference.triattention import MODES, check_moves, compact_paged, pack_moves
-from kvgen.render import render
+from kvgen.render.source import render
 from kvgen.runtime.compact import CompactLibrary, Compactor
 from kvgen.runtime.library import LibraryError
-from kvgen.spec import load_spec
+from kvgen.spec.schema import load_spec
 from tests.move_cases import geometry, random_batch, random_page_table, random_pools
 
 ROOT = Path(__file__).resolve().parents[1]
-CSRC = ROOT / "kvgen" / "csrc"
 CHECK_SRC = ROOT / "tests" / "csrc" / "compact_host_check.cu"
 SYSTEM_NVCC = Path("/usr/local/bin/nvcc")
 PIP_NVCC = [p for p in pip_nvcc_paths() if p.is_file()]
@@ -165,7 +165,7 @@ def _cubin(nvcc: str, source: str, arch: str, workdir: Path, name: str) -> dict:
     """Device code only (-cubin: no host pass, fast); the ptxas facts of the kernel."""
     src = workdir / f"{name}.cu"
     src.write_text(source)
-    cmd = [nvcc, "-cubin", "-O3", "-std=c++17", f"-arch={arch}", "-Xptxas", "-v", "-I", str(CSRC), str(src),
+    cmd = [nvcc, "-cubin", "-O3", "-std=c++17", f"-arch={arch}", "-Xptxas", "-v", *[f"-I{d}" for d in INCLUDE_DIRS], str(src),
            "-o", str(workdir / f"{name}.{arch}.cubin")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"{name} {arch}:\n{proc.stdout}{proc.stderr}"
@@ -227,7 +227,7 @@ def compact_library(tmp_path_factory) -> Path:
     source = work / "compact.cu"
     source.write_text(render(_compact_plan(_triattention_specs()["mistral-7b"])))
     out = work / "libkvgen_mistral_7b_compact.so"
-    compile_shared_library([source], "sm_90a", [CSRC], out, toolchains[0])
+    compile_shared_library([source], "sm_90a", list(INCLUDE_DIRS), out, toolchains[0])
     return out
 
 

@@ -31,8 +31,8 @@ import pytest
 import torch
 
 from kvgen import demo
-from kvgen.layout import family_layout
-from kvgen.spec import load_spec
+from kvgen.lower.layout import family_layout
+from kvgen.spec.schema import load_spec
 
 SPECS = Path(__file__).resolve().parents[1] / "specs"
 

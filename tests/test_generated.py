@@ -15,10 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from kvgen.backends.nvcc import default_nvcc_candidates, find_toolchains, gencode, toolchain_for
-from kvgen.build import CSRC_DIR, check_generated
-from kvgen.render import render_family
-from kvgen.spec import load_spec
+from kvgen.build.nvcc import default_nvcc_candidates, find_toolchains, gencode, toolchain_for
+from kvgen.build.pipeline import check_generated
+from kvgen.kernels import INCLUDE_DIRS
+from kvgen.render.source import render_family
+from kvgen.spec.schema import load_spec
 
 from .conftest import ROOT, SPECS_DIR
 
@@ -47,7 +48,7 @@ def toolchains():
 
 def _cubin(source: Path, arch: str, toolchains, out: Path) -> tuple[str, str]:
     toolchain = toolchain_for(arch, toolchains)
-    cmd = [toolchain.nvcc, "-cubin", "-O3", "-std=c++17", "--fmad=false", "-gencode", gencode(arch), "-I", str(CSRC_DIR),
+    cmd = [toolchain.nvcc, "-cubin", "-O3", "-std=c++17", "--fmad=false", "-gencode", gencode(arch), *[f"-I{d}" for d in INCLUDE_DIRS],
            "-o", str(out), str(source)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     return source.parent.name, proc.stderr if proc.returncode else ""
@@ -75,7 +76,7 @@ def _sass(cubin: Path) -> str:
 def _ptx(source: Path, arch: str, toolchains, out: Path) -> str:
     toolchain = toolchain_for(arch, toolchains)
     cmd = [toolchain.nvcc, "-ptx", "-O3", "-std=c++17", "--fmad=false", "-arch", arch.replace("sm_", "compute_"),
-           "-I", str(CSRC_DIR), "-o", str(out), str(source)]
+           *[f"-I{d}" for d in INCLUDE_DIRS], "-o", str(out), str(source)]
     subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=600)
     return out.read_text()
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvgen.layout import family_layout
-from kvgen.spec import load_spec, parse_spec
+from kvgen.lower.layout import family_layout
+from kvgen.spec.schema import load_spec, parse_spec
 
 from .conftest import SPECS_DIR
 

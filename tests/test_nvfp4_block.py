@@ -1,5 +1,5 @@
 """NVFP4 block arithmetic: the oracle (kvgen/reference/nvfp4.py) against COLD_PAGE_FORMAT.md
-section 3/4, and the CUDA header (kvgen/csrc/nvfp4.cuh) against the oracle, bit for bit.
+section 3/4, and the CUDA header (kvgen/kernels/cuda/nvfp4.cuh) against the oracle, bit for bit.
 
 (a) contract examples and exhaustive small-format checks of the oracle;
 (b) hypothesis properties of section 4 (no drift, error bound, non-finite rules);
@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+
 from kvgen.reference import nvfp4 as R
 
 try:  # a dev dependency; the GPU machine may lack it, and the rest of this file still runs there
@@ -30,7 +31,7 @@ except ImportError:  # pragma: no cover
     st = None
 
 ROOT = Path(__file__).resolve().parent.parent
-HEADER = ROOT / "kvgen" / "csrc" / "nvfp4.cuh"
+HEADER = ROOT / "kvgen" / "kernels" / "cuda" / "nvfp4.cuh"
 CHECK_SRC = ROOT / "tests" / "csrc" / "nvfp4_host_check.cu"
 
 # ---------------------------------------------------------------------------------------------
@@ -375,7 +376,7 @@ def _nvcc_candidates() -> list[str]:
             found.append(c)
     # Extra toolchains (pip's nvidia-cuda-nvcc 13.5 for sm_107a, found like `kvgen build` finds it,
     # or listed in KVGEN_EXTRA_NVCC, os.pathsep-separated).
-    from kvgen.backends.nvcc import pip_nvcc_paths
+    from kvgen.build.nvcc import pip_nvcc_paths
 
     extra = [str(p) for p in pip_nvcc_paths()] + os.environ.get("KVGEN_EXTRA_NVCC", "").split(os.pathsep)
     for c in extra:
@@ -686,7 +687,7 @@ def test_header_scale_is_exhaustive_near_e4m3_range(host_check):
 # ---------------------------------------------------------------------------------------------
 
 PROBE_KERNEL = r"""
-#include "kvgen/csrc/nvfp4.cuh"
+#include "kvgen/kernels/cuda/nvfp4.cuh"
 namespace kn = kvgen::nvfp4;
 extern "C" __device__ const int kvgen_probe_hw_path = KVGEN_NVFP4_HW_PATH;
 extern "C" __global__ void kvgen_probe(const float* __restrict__ x, uint2* __restrict__ packed,

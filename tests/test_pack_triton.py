@@ -24,11 +24,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvgen.plan import plans_for
+from kvgen.lower.plan import plans_for
 from kvgen.reference.triattention import MODES, num_decision_rows, pack_moves
-from kvgen.render import render
+from kvgen.render.source import render
 from kvgen.runtime.pack import MovePacker, PackModuleError, import_pack_module, load_pack_module
-from kvgen.spec import load_spec
+from kvgen.spec.schema import load_spec
 from tests.move_cases import geometry, random_batch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -188,7 +188,7 @@ def test_kernels_compile_for_gpu_targets() -> None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from kvgen import triton_pack as module  # the generated modules bind these kernels to family constants
+    from kvgen.kernels.triton import pack as module  # the generated modules bind these kernels to family constants
 
     moves = {"kept_ptr": "*i64", "P_ptr": "*i64", "S_ptr": "*i64", "window_ptr": "*i32", "offsets_ptr": "*i32",
              "src_ptr": "*i32", "dst_ptr": "*i32", "max_requests": "i32", "budget": "i32", "num_rows": "i32",

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvgen.layout import family_layout
+from kvgen.lower.layout import family_layout
 from kvgen.reference import decode_layer, decode_page, encode_layer, encode_page, nvfp4
-from kvgen.spec import load_spec
+from kvgen.spec.schema import load_spec
 
 from .conftest import SPECS_DIR
 

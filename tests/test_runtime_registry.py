@@ -1,4 +1,4 @@
-"""Run-time lookup (kvgen.runtime.registry) on the CPU: search order, verification before loading,
+"""Run-time lookup (kvgen.runtime.lookup) on the CPU: search order, verification before loading,
 version and spec checks, read-only registries, no files on import, no GPU call without a GPU,
 the layout carried by the manifest, and the schema of the torch custom ops.
 
@@ -19,12 +19,13 @@ import pytest
 import torch
 
 from kvgen import __version__
-from kvgen.cache import file_sha256
-from kvgen.registry import LibraryEntry, Manifest, OpEntry, RegistryError, manifest_path, write_manifest
-from kvgen.runtime import registry as rr
+from kvgen.arch import arch_family, arch_for_capability, family_target, parse_arch
+from kvgen.artifacts.manifest import LibraryEntry, Manifest, OpEntry, RegistryError, manifest_path, write_manifest
+from kvgen.artifacts.packages import distribution_name, package_name
+from kvgen.files import file_sha256
+from kvgen.runtime import lookup as rr
 from kvgen.runtime.library import LibraryError
-from kvgen.runtime.registry import RegistrySource, RuntimeRegistry, check_spec, spec_file_sha256
-from kvgen.wheel import arch_family, arch_for_capability, distribution_name, family_target, package_name, parse_arch
+from kvgen.runtime.lookup import RegistrySource, RuntimeRegistry, check_spec, spec_file_sha256
 
 ROOT = Path(__file__).resolve().parents[1]
 SPECS = ROOT / "specs"
@@ -60,8 +61,8 @@ _REAL: dict[str, Path] = {}
 def real_registry(factory: pytest.TempPathFactory) -> Path:
     """The real qwen3-8b sm_90a library, built once per test session (shared with test_wheel)."""
     if "dir" not in _REAL:
-        from kvgen.backends.nvcc import find_toolchains, pip_nvcc_paths
-        from kvgen.build import build
+        from kvgen.build.nvcc import find_toolchains, pip_nvcc_paths
+        from kvgen.build.pipeline import build
 
         toolchains = find_toolchains([SYSTEM_NVCC, *pip_nvcc_paths()])
         if not any(t.supports("sm_90a") for t in toolchains):
@@ -228,8 +229,8 @@ def test_manifest_without_layout_asks_for_a_rebuild(tmp_path: Path) -> None:
 
 
 def test_layout_in_the_manifest_matches_the_spec(real: Path) -> None:
-    from kvgen.layout import family_layout
-    from kvgen.spec import load_spec
+    from kvgen.lower.layout import family_layout
+    from kvgen.spec.schema import load_spec
 
     want = family_layout(load_spec(SPECS / f"{REAL_FAMILY}.yaml"))
     resolved = RuntimeRegistry([real]).resolve(REAL_FAMILY, "sm_90a", spec_path=SPECS / f"{REAL_FAMILY}.yaml")
@@ -288,7 +289,7 @@ def test_importing_the_runtime_creates_nothing(tmp_path: Path) -> None:
     cwd.mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("XDG_", "KVGEN_", "TORCH", "TRITON"))}
     env.update(HOME=str(home), PYTHONPATH=str(ROOT))
-    code = "import kvgen.runtime, kvgen.runtime.registry, kvgen.wheel; kvgen.runtime.installed_sources()"
+    code = "import kvgen.runtime, kvgen.runtime.lookup, kvgen.artifacts.wheel; kvgen.runtime.installed_sources()"
     result = _run_python(code, cwd, env)
     assert result.returncode == 0, result.stderr
     assert list(home.rglob("*")) == [] and list(cwd.rglob("*")) == []
@@ -321,10 +322,10 @@ for name in ("kvgen", "kvgen.runtime"):        # packages whose __init__ imports
     package.__path__ = [str(root.joinpath(*name.split(".")[1:]))]
     sys.modules[name] = package
 sys.modules["kvgen"].__version__ = re.search(r'__version__ = "([^"]+)"', (root / "__init__.py").read_text())[1]
-from kvgen.runtime.registry import RuntimeRegistry
+from kvgen.runtime.lookup import RuntimeRegistry
 registry = RuntimeRegistry([sys.argv[2]])
 print(registry.load("FAMILY", "sm_90a").family, registry.resolve("FAMILY", "sm_90a").layout().record_bytes)
-assert not any(m.startswith(("pydantic", "kvgen.spec", "kvgen.layout")) for m in sys.modules)
+assert not any(m.startswith(("pydantic", "kvgen.spec.schema", "kvgen.lower.layout")) for m in sys.modules)
 """
 
 

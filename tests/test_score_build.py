@@ -18,16 +18,25 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvgen.backends.cute_aot import (CUTE_ARCHS, CuteCompileError, build_score_libraries,
-                                     build_score_library, embedded_sm_versions, find_cute_toolchain,
-                                     score_cache_key, score_library_path, score_plan, source_texts)
-from kvgen.plan import default_params
+from kvgen.arch import ARCHS
+from kvgen.build.cute_aot import (
+    CuteCompileError,
+    build_score_libraries,
+    build_score_library,
+    embedded_sm_versions,
+    find_cute_toolchain,
+    score_cache_key,
+    score_library_path,
+    score_plan,
+    source_texts,
+)
+from kvgen.lower.plan import default_params
+from kvgen.lower.triattention import calibration_defaults, require_scorable, tri_geometry
 from kvgen.reference.triattention import GeometryError, load_calibration, save_calibration, synthetic_calibration
 from kvgen.reference.triattention_calib import rope_freq_scale_sq, rope_omega
-from kvgen.render import render
+from kvgen.render.source import render
 from kvgen.runtime.score import ScoreLibrary
-from kvgen.spec import SpecError, load_spec, parse_spec
-from kvgen.spec_tri import calibration_defaults, require_scorable, tri_geometry
+from kvgen.spec.schema import SpecError, load_spec, parse_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 SPECS = ROOT / "specs"
@@ -223,7 +232,7 @@ def test_an_arch_the_spec_does_not_target_builds_no_score_library(tmp_path: Path
 
 
 def test_every_dsl_target_is_covered() -> None:
-    assert set(CUTE_ARCHS) == {"sm_90a", *OTHER_ARCHS}
+    assert set(ARCHS) == {"sm_90a", *OTHER_ARCHS}
 
 
 @pytest.mark.slow

@@ -10,7 +10,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvgen.spec import SpecError, load_spec, parse_spec
+from kvgen.spec.schema import SpecError, load_spec, parse_spec
 
 SPECS = sorted((Path(__file__).resolve().parent.parent / "specs").glob("*.yaml"))
 

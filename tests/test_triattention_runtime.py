@@ -13,12 +13,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvgen.reference.triattention import (MODES, CalibrationError, aggregate, gather_token_rows, load_calibration,
-                                          score_keys, select_keep as oracle_select_keep, zscore)
-from kvgen.runtime.triattention import (GenerationStep, TriAttentionManager, aggregate_layers, select_keep,
-                                        zscore_layers)
-from kvgen.spec import load_spec
-from kvgen.spec_tri import calibration_defaults, tri_geometry
+from kvgen.lower.triattention import calibration_defaults, tri_geometry
+from kvgen.reference.triattention import (
+    MODES,
+    CalibrationError,
+    aggregate,
+    gather_token_rows,
+    load_calibration,
+    score_keys,
+    zscore,
+)
+from kvgen.reference.triattention import select_keep as oracle_select_keep
+from kvgen.runtime.eviction import GenerationStep, TriAttentionManager, aggregate_layers, select_keep, zscore_layers
+from kvgen.spec.schema import load_spec
 
 from .tri_sim import DecodeSim, run_against_oracle, save_synthetic_calibration, small_spec
 

@@ -15,10 +15,17 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from kvgen.plan import TUNABLES, default_params
-from kvgen.spec import load_spec
-from kvgen.tuning.configs import (BuildEnvironment, TuningFileError, build_choice, load_tuned, parse_override,
-                                  tuning_path, write_op)
+from kvgen.lower.plan import TUNABLES, default_params
+from kvgen.lower.tuned import (
+    BuildEnvironment,
+    TuningFileError,
+    build_choice,
+    load_tuned,
+    parse_override,
+    tuning_path,
+    write_op,
+)
+from kvgen.spec.schema import load_spec
 from kvgen.tuning.space import canonical, config_id, configurations, parse_config
 from kvgen.tuning.study import RecordedEvaluator, run_bucket, study_name
 
@@ -86,7 +93,7 @@ def test_a_killed_tune_resumes_without_losing_a_finished_trial(tmp_path: Path, m
     script = f"""
 import os, signal
 from pathlib import Path
-from kvgen.spec import load_spec
+from kvgen.spec.schema import load_spec
 from kvgen.tuning.study import RecordedEvaluator, run_bucket
 inner = RecordedEvaluator([Path({str(measurements)!r})])
 calls = []
@@ -188,7 +195,7 @@ def test_environment_override_wins_and_bad_overrides_are_named() -> None:
 def test_tune_writes_a_config_the_build_compiles(tmp_path: Path, measurements: Path) -> None:
     """kvgen tune over recorded measurements -> tuning/sm_90a/qwen3-8b.json -> the build renders it."""
     from kvgen.cli import main
-    from kvgen.render import render_family
+    from kvgen.render.source import render_family
 
     tuning = tmp_path / "tuning"
     rc = main(["tune", "--family", "qwen3-8b", "--op", "codec", "--arch", "sm_90a", "--strategy", "grid",
@@ -212,7 +219,7 @@ def test_tune_writes_a_config_the_build_compiles(tmp_path: Path, measurements: P
 def test_candidates_build_into_a_bundle_that_packs_and_unpacks(tmp_path: Path) -> None:
     """Real nvcc builds of two codec candidates; a failed one is recorded, not raised; the archive
     carries the same files and index; a foreign index is a clear error naming the file."""
-    from kvgen.build import load_spec_source
+    from kvgen.build.pipeline import load_spec_source
     from kvgen.cli import discover_toolchains
     from kvgen.tuning.candidates import Request, build_candidates, pack_bundle, read_bundle, read_index, unpack_bundle
 

@@ -1,4 +1,4 @@
-"""Kernel wheels (kvgen.wheel, ``kvgen wheel``): contents, RECORD hashes, metadata and version lock,
+"""Kernel wheels (kvgen.artifacts.wheel, ``kvgen wheel``): contents, RECORD hashes, metadata and version lock,
 reproducibility, the split by arch family, the size guard, and a real install with pip that the
 runtime then finds through its entry point.
 """
@@ -18,11 +18,19 @@ from pathlib import Path
 import pytest
 
 from kvgen import __version__
-from kvgen.cache import file_sha256
+from kvgen.artifacts.manifest import RegistryError, manifest_path, parse_manifest, write_manifest
+from kvgen.artifacts.wheel import (
+    ENTRY_POINT_GROUP,
+    WHEEL_TAG,
+    WheelError,
+    build_wheel,
+    build_wheels,
+    group_by_wheel,
+    registry_archs,
+    wheel_filename,
+)
 from kvgen.cli import main
-from kvgen.registry import RegistryError, manifest_path, parse_manifest, write_manifest
-from kvgen.wheel import (ENTRY_POINT_GROUP, WHEEL_TAG, WheelError, build_wheel, build_wheels, group_by_wheel,
-                         registry_archs, wheel_filename)
+from kvgen.files import file_sha256
 
 from .test_runtime_registry import REAL_FAMILY, ROOT, fake_registry, real_registry
 
@@ -201,7 +209,7 @@ def test_tampered_score_library_is_refused(tmp_path: Path) -> None:
 
 
 def test_resolved_score_library_needs_the_op_and_the_file(tmp_path: Path) -> None:
-    from kvgen.runtime.registry import RuntimeRegistry
+    from kvgen.runtime.lookup import RuntimeRegistry
 
     registry = fake_registry(tmp_path / "reg", "sm_90a", ["fam"])
     _add_score_library(registry, "sm_90a", "fam")

@@ -10,11 +10,10 @@ from pathlib import Path
 
 import torch
 
-from kvgen.reference.triattention import (TriGeometry, eviction_round, is_due, save_calibration,
-                                          synthetic_calibration)
-from kvgen.runtime.triattention import GenerationStep, TriAttentionManager
-from kvgen.spec import FamilySpec
-from kvgen.spec_tri import rope_scaling, tri_geometry
+from kvgen.lower.triattention import rope_scaling, tri_geometry
+from kvgen.reference.triattention import TriGeometry, eviction_round, is_due, save_calibration, synthetic_calibration
+from kvgen.runtime.eviction import GenerationStep, TriAttentionManager
+from kvgen.spec.schema import FamilySpec
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 

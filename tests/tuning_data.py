@@ -11,7 +11,7 @@ import json
 import math
 from pathlib import Path
 
-from kvgen.spec import load_spec
+from kvgen.spec.schema import load_spec
 from kvgen.tuning.space import BUCKETS, config_id, configurations
 
 from .conftest import SPECS_DIR

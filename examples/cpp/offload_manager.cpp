@@ -1,7 +1,7 @@
 // A C++ KV-cache manager using a kvgen family library through its C ABI alone: no torch, no
 // kvgen Python, no compiler at run time. Build (any C++17 compiler; CUDA only at run time):
 //
-//   g++ -std=c++17 -I kvgen/csrc examples/cpp/offload_manager.cpp -ldl -o offload_manager
+//   g++ -std=c++17 -I kvgen/kernels/include examples/cpp/offload_manager.cpp -ldl -o offload_manager
 //   ./offload_manager build/registry/sm_90a/libkvgen_qwen3_8b.so 36 2
 //
 // Arguments: the library, the family's layer count and its buffers per layer (quantized buffers

@@ -5,7 +5,7 @@
 // plan key: 8e1a122dde14f80563ae26d49e9665b6583cc520f41f4aea476818d76c04abb4
 //
 // Cold-page codec of family deepseek-v3-lossless-rope (COLD_PAGE_FORMAT.md, version 1).
-// This file only describes the family; the kernels are kvgen/csrc/codec_kernels.cuh.
+// This file only describes the family; the kernels are kvgen/kernels/cuda/codec_kernels.cuh.
 //
 // Layer record: 13312 bytes (13312 before padding), hot dtype bf16, layout HND.
 // Launch: 256 threads per CTA, one CTA per (page pair, layer), the record staged in shared memory;

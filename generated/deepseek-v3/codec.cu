@@ -5,7 +5,7 @@
 // plan key: 26f0f8ea27fdca350ce6e17e65f0eea9b5ef067214f3e7fc485d42f09297a672
 //
 // Cold-page codec of family deepseek-v3 (COLD_PAGE_FORMAT.md, version 1).
-// This file only describes the family; the kernels are kvgen/csrc/codec_kernels.cuh.
+// This file only describes the family; the kernels are kvgen/kernels/cuda/codec_kernels.cuh.
 //
 // Layer record: 20736 bytes (20736 before padding), hot dtype bf16, layout HND.
 // Launch: 256 threads per CTA, one CTA per (page pair, layer), the record staged in shared memory;

@@ -5,7 +5,7 @@
 // plan key: 67f39457c122e7ad2fa180b24b2bb4f1e2de474a22c117ab7f84dc8e9d5328a0
 //
 // Cold-page codec of family deepseek-v4-csa (COLD_PAGE_FORMAT.md, version 1).
-// This file only describes the family; the kernels are kvgen/csrc/codec_kernels.cuh.
+// This file only describes the family; the kernels are kvgen/kernels/cuda/codec_kernels.cuh.
 //
 // Layer record: 10368 bytes (10368 before padding), hot dtype bf16, layout HND.
 // Launch: 256 threads per CTA, one CTA per (page pair, layer), the record staged in shared memory;

@@ -5,7 +5,7 @@
 // plan key: 80afff458c84277c23cb779a9be05fefe7fca4508504dbf8b835ad5d408c52d4
 //
 // Cold-page codec of family falcon-7b (COLD_PAGE_FORMAT.md, version 1).
-// This file only describes the family; the kernels are kvgen/csrc/codec_kernels.cuh.
+// This file only describes the family; the kernels are kvgen/kernels/cuda/codec_kernels.cuh.
 //
 // Layer record: 4608 bytes (4608 before padding), hot dtype bf16, layout NHD.
 // Launch: 256 threads per CTA, one CTA per (page pair, layer), the record staged in shared memory;

@@ -5,14 +5,14 @@
 # plan key: 76f9a852ae9827d162e297480bf88895475dfcff39d74480ba0f26b586b29d39
 """Move-source packer of family falcon-7b (TRIATTENTION.md §6), in Triton.
 
-The family's constants bound to ``kvgen.triton_pack.TritonPacker`` (the kernels live there).
+The family's constants bound to ``kvgen.kernels.triton.pack.TritonPacker`` (the kernels live there).
 ``pack_moves`` mirrors ``kvgen.reference.triattention.pack_moves`` and returns exactly its ``Moves``
 as ``(src, dst, offsets)``.
 """
 
 from __future__ import annotations
 
-from kvgen.triton_pack import MODES, MOVE_FILL, TritonPacker  # noqa: F401 - part of this module's API
+from kvgen.kernels.triton.pack import MODES, MOVE_FILL, TritonPacker  # noqa: F401 - part of this module's API
 
 FAMILY = "falcon-7b"
 NUM_LAYERS = 32

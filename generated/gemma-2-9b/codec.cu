@@ -5,7 +5,7 @@
 // plan key: fccc1524babb5fbd68a8124b3cb0835d6ef76cb84d6bed7054cfa44666bb4f70
 //
 // Cold-page codec of family gemma-2-9b (COLD_PAGE_FORMAT.md, version 1).
-// This file only describes the family; the kernels are kvgen/csrc/codec_kernels.cuh.
+// This file only describes the family; the kernels are kvgen/kernels/cuda/codec_kernels.cuh.
 //
 // Layer record: 73728 bytes (73728 before padding), hot dtype bf16, layout HND.
 // Launch: 256 threads per CTA, one CTA per (page pair, layer), the record staged in shared memory;

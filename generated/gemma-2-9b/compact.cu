@@ -5,7 +5,7 @@
 // plan key: f0d9c0a49627af17c2b923698f3c4ba41308614677c04fcdbb8fc003b520a6bd
 //
 // TriAttention compaction of family gemma-2-9b (TRIATTENTION.md §7, C ABI kvgen_compact.h).
-// This file only describes the family; the kernel is kvgen/csrc/compact_kernels.cuh.
+// This file only describes the family; the kernel is kvgen/kernels/cuda/compact_kernels.cuh.
 //
 // Pages: HND [kv_heads][tokens_per_block][head_dim] = [8][32][256] of bf16 (2 bytes), 42 layers, K and V pools per layer.
 // Launch: one CTA of 128 threads per (request, KV head, layer), tiles of up to 32 moves.

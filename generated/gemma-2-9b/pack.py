@@ -5,14 +5,14 @@
 # plan key: 53160fd4910a43bc3e05ea49906f816052cd9b203628ba97f96e02dd1624e110
 """Move-source packer of family gemma-2-9b (TRIATTENTION.md §6), in Triton.
 
-The family's constants bound to ``kvgen.triton_pack.TritonPacker`` (the kernels live there).
+The family's constants bound to ``kvgen.kernels.triton.pack.TritonPacker`` (the kernels live there).
 ``pack_moves`` mirrors ``kvgen.reference.triattention.pack_moves`` and returns exactly its ``Moves``
 as ``(src, dst, offsets)``.
 """
 
 from __future__ import annotations
 
-from kvgen.triton_pack import MODES, MOVE_FILL, TritonPacker  # noqa: F401 - part of this module's API
+from kvgen.kernels.triton.pack import MODES, MOVE_FILL, TritonPacker  # noqa: F401 - part of this module's API
 
 FAMILY = "gemma-2-9b"
 NUM_LAYERS = 42

@@ -5,8 +5,8 @@
 # plan key: 690b9783f381591d88a9b7ab0576c003041409a154bfe9fcd4b0c97123beca83
 """TriAttention scorer of family gemma-2-9b (TRIATTENTION.md §3), CuTe DSL, compiled ahead of time.
 
-This file only fixes the family's constants; the kernel is ``kvgen.cute.score_kernel.TriScoreKernel``.
-``kvgen.backends.cute_aot`` imports it in a process with ``CUTE_DSL_ARCH`` set, compiles
+This file only fixes the family's constants; the kernel is ``kvgen.kernels.cute.score_kernel.TriScoreKernel``.
+``kvgen.build.cute_aot`` imports it in a process with ``CUTE_DSL_ARCH`` set, compiles
 ``make_kernel()`` for that arch with symbolic sizes and exports it to C.
 
 K rows: bf16, HND, head_dim 256, 32 tokens per page.
@@ -47,6 +47,6 @@ SCORED_LAYERS = (
 
 def make_kernel():
     """The family's kernel object (imports CUTLASS: build machine only)."""
-    from kvgen.cute.score_kernel import TriScoreKernel
+    from kvgen.kernels.cute.score_kernel import TriScoreKernel
 
     return TriScoreKernel(**GEOMETRY, **PARAMS)

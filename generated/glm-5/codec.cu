@@ -5,7 +5,7 @@
 // plan key: f43628e1de6a036d143a23fc9a27eb7dc7cdb771cd4ec741a89c02e9dbd18bda
 //
 // Cold-page codec of family glm-5 (COLD_PAGE_FORMAT.md, version 1).
-// This file only describes the family; the kernels are kvgen/csrc/codec_kernels.cuh.
+// This file only describes the family; the kernels are kvgen/kernels/cuda/codec_kernels.cuh.
 //
 // Layer record: 29184 bytes (29184 before padding), hot dtype bf16, layout HND.
 // Launch: 256 threads per CTA, one CTA per (page pair, layer), the record staged in shared memory;

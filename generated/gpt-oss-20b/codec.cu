@@ -5,7 +5,7 @@
 // plan key: 97d6440dd868c30e6f2e863c91121ec2533d20286c9a1ef3edca515d25244b05
 //
 // Cold-page codec of family gpt-oss-20b (COLD_PAGE_FORMAT.md, version 1).
-// This file only describes the family; the kernels are kvgen/csrc/codec_kernels.cuh.
+// This file only describes the family; the kernels are kvgen/kernels/cuda/codec_kernels.cuh.
 //
 // Layer record: 18432 bytes (18432 before padding), hot dtype bf16, layout HND.
 // Launch: 256 threads per CTA, one CTA per (page pair, layer), the record staged in shared memory;

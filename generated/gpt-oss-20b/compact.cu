@@ -5,7 +5,7 @@
 // plan key: 470dda8108fe4bade056cd55841ae5151e0ce7714352f03d9158a60c4b870b1d
 //
 // TriAttention compaction of family gpt-oss-20b (TRIATTENTION.md §7, C ABI kvgen_compact.h).
-// This file only describes the family; the kernel is kvgen/csrc/compact_kernels.cuh.
+// This file only describes the family; the kernel is kvgen/kernels/cuda/compact_kernels.cuh.
 //
 // Pages: HND [kv_heads][tokens_per_block][head_dim] = [8][32][64] of bf16 (2 bytes), 24 layers, K and V pools per layer.
 // Launch: one CTA of 128 threads per (request, KV head, layer), tiles of up to 32 moves.

@@ -5,8 +5,8 @@
 # plan key: b6a8a73f40ae6a2ece47a34b6e76b45e341e3d4cc990f3fd61fa7837a9c7ef30
 """TriAttention scorer of family gpt-oss-20b (TRIATTENTION.md §3), CuTe DSL, compiled ahead of time.
 
-This file only fixes the family's constants; the kernel is ``kvgen.cute.score_kernel.TriScoreKernel``.
-``kvgen.backends.cute_aot`` imports it in a process with ``CUTE_DSL_ARCH`` set, compiles
+This file only fixes the family's constants; the kernel is ``kvgen.kernels.cute.score_kernel.TriScoreKernel``.
+``kvgen.build.cute_aot`` imports it in a process with ``CUTE_DSL_ARCH`` set, compiles
 ``make_kernel()`` for that arch with symbolic sizes and exports it to C.
 
 K rows: bf16, HND, head_dim 64, 32 tokens per page.
@@ -46,6 +46,6 @@ SCORED_LAYERS = (
 
 def make_kernel():
     """The family's kernel object (imports CUTLASS: build machine only)."""
-    from kvgen.cute.score_kernel import TriScoreKernel
+    from kvgen.kernels.cute.score_kernel import TriScoreKernel
 
     return TriScoreKernel(**GEOMETRY, **PARAMS)

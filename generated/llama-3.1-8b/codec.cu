@@ -5,7 +5,7 @@
 // plan key: d47d9f09a3c34578f57c74fbdb71427cf3480172fe9f032ec02012c1dd72ba8a
 //
 // Cold-page codec of family llama-3.1-8b (COLD_PAGE_FORMAT.md, version 1).
-// This file only describes the family; the kernels are kvgen/csrc/codec_kernels.cuh.
+// This file only describes the family; the kernels are kvgen/kernels/cuda/codec_kernels.cuh.
 //
 // Layer record: 36864 bytes (36864 before padding), hot dtype bf16, layout HND.
 // Launch: 256 threads per CTA, one CTA per (page pair, layer), the record staged in shared memory;

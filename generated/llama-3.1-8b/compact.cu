@@ -5,7 +5,7 @@
 // plan key: 11f03ee2d900fdce61253db7fc758ae1cdfde6210974e196b89abe5d3e48b16d
 //
 // TriAttention compaction of family llama-3.1-8b (TRIATTENTION.md §7, C ABI kvgen_compact.h).
-// This file only describes the family; the kernel is kvgen/csrc/compact_kernels.cuh.
+// This file only describes the family; the kernel is kvgen/kernels/cuda/compact_kernels.cuh.
 //
 // Pages: HND [kv_heads][tokens_per_block][head_dim] = [8][32][128] of bf16 (2 bytes), 32 layers, K and V pools per layer.
 // Launch: one CTA of 128 threads per (request, KV head, layer), tiles of up to 32 moves.

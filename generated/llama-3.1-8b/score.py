@@ -5,8 +5,8 @@
 # plan key: 7e9a5fc6dba1da2c3300f4c95e5981a63e6c3bffe688ed4f5868c2dcc1ab731a
 """TriAttention scorer of family llama-3.1-8b (TRIATTENTION.md §3), CuTe DSL, compiled ahead of time.
 
-This file only fixes the family's constants; the kernel is ``kvgen.cute.score_kernel.TriScoreKernel``.
-``kvgen.backends.cute_aot`` imports it in a process with ``CUTE_DSL_ARCH`` set, compiles
+This file only fixes the family's constants; the kernel is ``kvgen.kernels.cute.score_kernel.TriScoreKernel``.
+``kvgen.build.cute_aot`` imports it in a process with ``CUTE_DSL_ARCH`` set, compiles
 ``make_kernel()`` for that arch with symbolic sizes and exports it to C.
 
 K rows: bf16, HND, head_dim 128, 32 tokens per page.
@@ -47,6 +47,6 @@ SCORED_LAYERS = (
 
 def make_kernel():
     """The family's kernel object (imports CUTLASS: build machine only)."""
-    from kvgen.cute.score_kernel import TriScoreKernel
+    from kvgen.kernels.cute.score_kernel import TriScoreKernel
 
     return TriScoreKernel(**GEOMETRY, **PARAMS)

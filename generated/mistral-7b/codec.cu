@@ -5,7 +5,7 @@
 // plan key: 871a5a2f80904d3a7a7426f6144f900cdc0ba6543b0b730a4f8024e10e7d0004
 //
 // Cold-page codec of family mistral-7b (COLD_PAGE_FORMAT.md, version 1).
-// This file only describes the family; the kernels are kvgen/csrc/codec_kernels.cuh.
+// This file only describes the family; the kernels are kvgen/kernels/cuda/codec_kernels.cuh.
 //
 // Layer record: 18432 bytes (18432 before padding), hot dtype fp16, layout NHD.
 // Launch: 256 threads per CTA, one CTA per (page pair, layer), the record staged in shared memory;

@@ -5,7 +5,7 @@
 // plan key: 49a27d7bcec2e33baf1dd3270502c391f45d25e794c78699dea2201abe11bc15
 //
 // Cold-page codec of family qwen3-8b-fp8 (COLD_PAGE_FORMAT.md, version 1).
-// This file only describes the family; the kernels are kvgen/csrc/codec_kernels.cuh.
+// This file only describes the family; the kernels are kvgen/kernels/cuda/codec_kernels.cuh.
 //
 // Layer record: 36864 bytes (36864 before padding), hot dtype fp8_e4m3, layout HND.
 // Launch: 256 threads per CTA, one CTA per (page pair, layer), the record staged in shared memory;

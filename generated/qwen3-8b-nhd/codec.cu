@@ -5,7 +5,7 @@
 // plan key: 1bf89f32701dcc24f66ddebbb15501d57e4bced528c18d1004870a586eab1c22
 //
 // Cold-page codec of family qwen3-8b-nhd (COLD_PAGE_FORMAT.md, version 1).
-// This file only describes the family; the kernels are kvgen/csrc/codec_kernels.cuh.
+// This file only describes the family; the kernels are kvgen/kernels/cuda/codec_kernels.cuh.
 //
 // Layer record: 36864 bytes (36864 before padding), hot dtype bf16, layout NHD.
 // Launch: 256 threads per CTA, one CTA per (page pair, layer), the record staged in shared memory;

@@ -5,7 +5,7 @@
 // plan key: 4831b7e65eafb79ec5e43de91b63e1da709fb6b27b230d472640dccee1a89b1c
 //
 // TriAttention compaction of family qwen3-8b-nhd (TRIATTENTION.md §7, C ABI kvgen_compact.h).
-// This file only describes the family; the kernel is kvgen/csrc/compact_kernels.cuh.
+// This file only describes the family; the kernel is kvgen/kernels/cuda/compact_kernels.cuh.
 //
 // Pages: NHD [tokens_per_block][kv_heads][head_dim] = [32][8][128] of bf16 (2 bytes), 36 layers, K and V pools per layer.
 // Launch: one CTA of 128 threads per (request, KV head, layer), tiles of up to 32 moves.

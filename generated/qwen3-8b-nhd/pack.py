@@ -5,14 +5,14 @@
 # plan key: 4036b7a5f3492a26eb5ab72a592a8eddfa77c5b6d56dc756e44f61eb383eff41
 """Move-source packer of family qwen3-8b-nhd (TRIATTENTION.md §6), in Triton.
 
-The family's constants bound to ``kvgen.triton_pack.TritonPacker`` (the kernels live there).
+The family's constants bound to ``kvgen.kernels.triton.pack.TritonPacker`` (the kernels live there).
 ``pack_moves`` mirrors ``kvgen.reference.triattention.pack_moves`` and returns exactly its ``Moves``
 as ``(src, dst, offsets)``.
 """
 
 from __future__ import annotations
 
-from kvgen.triton_pack import MODES, MOVE_FILL, TritonPacker  # noqa: F401 - part of this module's API
+from kvgen.kernels.triton.pack import MODES, MOVE_FILL, TritonPacker  # noqa: F401 - part of this module's API
 
 FAMILY = "qwen3-8b-nhd"
 NUM_LAYERS = 36

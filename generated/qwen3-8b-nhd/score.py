@@ -5,8 +5,8 @@
 # plan key: cb57017ce1b682e971bb7fa610f97dd4a86a0cd07fad163f822ecabf91229227
 """TriAttention scorer of family qwen3-8b-nhd (TRIATTENTION.md §3), CuTe DSL, compiled ahead of time.
 
-This file only fixes the family's constants; the kernel is ``kvgen.cute.score_kernel.TriScoreKernel``.
-``kvgen.backends.cute_aot`` imports it in a process with ``CUTE_DSL_ARCH`` set, compiles
+This file only fixes the family's constants; the kernel is ``kvgen.kernels.cute.score_kernel.TriScoreKernel``.
+``kvgen.build.cute_aot`` imports it in a process with ``CUTE_DSL_ARCH`` set, compiles
 ``make_kernel()`` for that arch with symbolic sizes and exports it to C.
 
 K rows: bf16, NHD, head_dim 128, 32 tokens per page.
@@ -48,6 +48,6 @@ SCORED_LAYERS = (
 
 def make_kernel():
     """The family's kernel object (imports CUTLASS: build machine only)."""
-    from kvgen.cute.score_kernel import TriScoreKernel
+    from kvgen.kernels.cute.score_kernel import TriScoreKernel
 
     return TriScoreKernel(**GEOMETRY, **PARAMS)

@@ -5,7 +5,7 @@
 // plan key: 52aafa6de995e2927acbfcac44fa2d390585eb6f10789ad571fe802a1ba17074
 //
 // Cold-page codec of family qwen3-8b (COLD_PAGE_FORMAT.md, version 1).
-// This file only describes the family; the kernels are kvgen/csrc/codec_kernels.cuh.
+// This file only describes the family; the kernels are kvgen/kernels/cuda/codec_kernels.cuh.
 //
 // Layer record: 36864 bytes (36864 before padding), hot dtype bf16, layout HND.
 // Launch: 256 threads per CTA, one CTA per (page pair, layer), the record staged in shared memory;

@@ -5,7 +5,7 @@
 // plan key: 3da248e6bd5d9f5e2d0bd0d9c22f6d28f90915c0c6adb7534ecb69cd3dc581d7
 //
 // TriAttention compaction of family qwen3-8b (TRIATTENTION.md §7, C ABI kvgen_compact.h).
-// This file only describes the family; the kernel is kvgen/csrc/compact_kernels.cuh.
+// This file only describes the family; the kernel is kvgen/kernels/cuda/compact_kernels.cuh.
 //
 // Pages: HND [kv_heads][tokens_per_block][head_dim] = [8][32][128] of bf16 (2 bytes), 36 layers, K and V pools per layer.
 // Launch: one CTA of 128 threads per (request, KV head, layer), tiles of up to 32 moves.

@@ -5,14 +5,14 @@
 # plan key: d0a8d763a8e9ed0ed1762af2f7ac7be0382647bea7b9216af12f72ac7a600533
 """Move-source packer of family qwen3-8b (TRIATTENTION.md §6), in Triton.
 
-The family's constants bound to ``kvgen.triton_pack.TritonPacker`` (the kernels live there).
+The family's constants bound to ``kvgen.kernels.triton.pack.TritonPacker`` (the kernels live there).
 ``pack_moves`` mirrors ``kvgen.reference.triattention.pack_moves`` and returns exactly its ``Moves``
 as ``(src, dst, offsets)``.
 """
 
 from __future__ import annotations
 
-from kvgen.triton_pack import MODES, MOVE_FILL, TritonPacker  # noqa: F401 - part of this module's API
+from kvgen.kernels.triton.pack import MODES, MOVE_FILL, TritonPacker  # noqa: F401 - part of this module's API
 
 FAMILY = "qwen3-8b"
 NUM_LAYERS = 36

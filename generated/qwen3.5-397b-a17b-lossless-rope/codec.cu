@@ -5,7 +5,7 @@
 // plan key: 8eb59b1da37ac462ed34d1a44b2528626aa263a42ab54815edd0ea98f2c73545
 //
 // Cold-page codec of family qwen3.5-397b-a17b-lossless-rope (COLD_PAGE_FORMAT.md, version 1).
-// This file only describes the family; the kernels are kvgen/csrc/codec_kernels.cuh.
+// This file only describes the family; the kernels are kvgen/kernels/cuda/codec_kernels.cuh.
 //
 // Layer record: 24320 bytes (24320 before padding), hot dtype bf16, layout HND.
 // Launch: 256 threads per CTA, one CTA per (page pair, layer), the record staged in shared memory;

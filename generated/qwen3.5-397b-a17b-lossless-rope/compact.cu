@@ -5,7 +5,7 @@
 // plan key: eb1e8132a31611c4643e7b488d783f316d8cbc46107a540c401543b3c830ad92
 //
 // TriAttention compaction of family qwen3.5-397b-a17b-lossless-rope (TRIATTENTION.md §7, C ABI kvgen_compact.h).
-// This file only describes the family; the kernel is kvgen/csrc/compact_kernels.cuh.
+// This file only describes the family; the kernel is kvgen/kernels/cuda/compact_kernels.cuh.
 //
 // Pages: HND [kv_heads][tokens_per_block][head_dim] = [2][32][256] of bf16 (2 bytes), 15 layers, K and V pools per layer.
 // Launch: one CTA of 128 threads per (request, KV head, layer), tiles of up to 32 moves.

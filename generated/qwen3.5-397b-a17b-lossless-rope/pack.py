@@ -5,14 +5,14 @@
 # plan key: 6ee129f1a735d870636aea9898186ea66e28abc8ddfb2366f86ba3d95a2510e7
 """Move-source packer of family qwen3.5-397b-a17b-lossless-rope (TRIATTENTION.md §6), in Triton.
 
-The family's constants bound to ``kvgen.triton_pack.TritonPacker`` (the kernels live there).
+The family's constants bound to ``kvgen.kernels.triton.pack.TritonPacker`` (the kernels live there).
 ``pack_moves`` mirrors ``kvgen.reference.triattention.pack_moves`` and returns exactly its ``Moves``
 as ``(src, dst, offsets)``.
 """
 
 from __future__ import annotations
 
-from kvgen.triton_pack import MODES, MOVE_FILL, TritonPacker  # noqa: F401 - part of this module's API
+from kvgen.kernels.triton.pack import MODES, MOVE_FILL, TritonPacker  # noqa: F401 - part of this module's API
 
 FAMILY = "qwen3.5-397b-a17b-lossless-rope"
 NUM_LAYERS = 15

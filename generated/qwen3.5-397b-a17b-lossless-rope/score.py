@@ -5,8 +5,8 @@
 # plan key: 3c3df8e3f2e7a6cb9fed17d301aba40e08c39302dcc542b502aa53c4fcb89f32
 """TriAttention scorer of family qwen3.5-397b-a17b-lossless-rope (TRIATTENTION.md §3), CuTe DSL, compiled ahead of time.
 
-This file only fixes the family's constants; the kernel is ``kvgen.cute.score_kernel.TriScoreKernel``.
-``kvgen.backends.cute_aot`` imports it in a process with ``CUTE_DSL_ARCH`` set, compiles
+This file only fixes the family's constants; the kernel is ``kvgen.kernels.cute.score_kernel.TriScoreKernel``.
+``kvgen.build.cute_aot`` imports it in a process with ``CUTE_DSL_ARCH`` set, compiles
 ``make_kernel()`` for that arch with symbolic sizes and exports it to C.
 
 K rows: bf16, HND, head_dim 256, 32 tokens per page.
@@ -46,6 +46,6 @@ SCORED_LAYERS = (
 
 def make_kernel():
     """The family's kernel object (imports CUTLASS: build machine only)."""
-    from kvgen.cute.score_kernel import TriScoreKernel
+    from kvgen.kernels.cute.score_kernel import TriScoreKernel
 
     return TriScoreKernel(**GEOMETRY, **PARAMS)

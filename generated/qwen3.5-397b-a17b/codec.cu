@@ -5,7 +5,7 @@
 // plan key: c6aa59b89519eac38f746e46cdc227a755f6a7c509bc3b88cae95273084c2800
 //
 // Cold-page codec of family qwen3.5-397b-a17b (COLD_PAGE_FORMAT.md, version 1).
-// This file only describes the family; the kernels are kvgen/csrc/codec_kernels.cuh.
+// This file only describes the family; the kernels are kvgen/kernels/cuda/codec_kernels.cuh.
 //
 // Layer record: 18432 bytes (18432 before padding), hot dtype bf16, layout HND.
 // Launch: 256 threads per CTA, one CTA per (page pair, layer), the record staged in shared memory;

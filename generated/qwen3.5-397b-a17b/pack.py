@@ -5,14 +5,14 @@
 # plan key: b1b62a57a742d04f3263785a27a9852e8035e5b314c6802cc9f924e660ca0701
 """Move-source packer of family qwen3.5-397b-a17b (TRIATTENTION.md §6), in Triton.
 
-The family's constants bound to ``kvgen.triton_pack.TritonPacker`` (the kernels live there).
+The family's constants bound to ``kvgen.kernels.triton.pack.TritonPacker`` (the kernels live there).
 ``pack_moves`` mirrors ``kvgen.reference.triattention.pack_moves`` and returns exactly its ``Moves``
 as ``(src, dst, offsets)``.
 """
 
 from __future__ import annotations
 
-from kvgen.triton_pack import MODES, MOVE_FILL, TritonPacker  # noqa: F401 - part of this module's API
+from kvgen.kernels.triton.pack import MODES, MOVE_FILL, TritonPacker  # noqa: F401 - part of this module's API
 
 FAMILY = "qwen3.5-397b-a17b"
 NUM_LAYERS = 15

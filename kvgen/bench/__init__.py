@@ -20,14 +20,14 @@ import argparse
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add ``run``, ``report`` and ``merge`` to ``parser`` (``kvgen bench``)."""
-    from .cli import add_arguments as _add
+    from kvgen.bench.cli import add_arguments as _add
 
     _add(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the sub-command ``add_arguments`` parsed; the exit status."""
-    from .cli import run as _run
+    from kvgen.bench.cli import run as _run
 
     return _run(args)
 

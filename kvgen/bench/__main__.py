@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import add_arguments, run
+from kvgen.bench import add_arguments, run
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,8 +10,8 @@ import sys
 import traceback
 from pathlib import Path
 
-from . import suite
-from .paths import ROOT
+from kvgen.bench import suite
+from kvgen.bench.paths import ROOT
 
 DEFAULT_FAMILIES = "qwen3-8b,qwen3-8b-fp8,deepseek-v3,deepseek-v4-csa"
 
@@ -87,9 +87,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         print(f"error: kvgen bench run needs a CUDA GPU: torch {torch.__version__} sees none", file=sys.stderr)
         return 2
-    from .common import NoGpu
-    from .paths import set_specs_dir
-    from .suite import BENCHMARKS, Options, run_suite
+    from kvgen.bench.common import NoGpu
+    from kvgen.bench.paths import set_specs_dir
+    from kvgen.bench.suite import BENCHMARKS, Options, run_suite
 
     only = tuple(_csv(args.only))
     unknown = [name for name in only if name not in BENCHMARKS]
@@ -126,7 +126,7 @@ def _report(directory: Path, tuning: Path | None) -> int:
         print(f"report skipped: matplotlib is not installed here; elsewhere run: "
               f"python -m kvgen.bench report {directory}", flush=True)
         return 0
-    from .report import write_report
+    from kvgen.bench.report import write_report
 
     try:
         path = write_report(directory, tuning)
@@ -151,8 +151,8 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_merge(args: argparse.Namespace) -> int:
-    from .report import merge_recorded
-    from .suite import RESULT, write_json
+    from kvgen.bench.report import merge_recorded
+    from kvgen.bench.suite import RESULT, write_json
 
     try:
         doc = merge_recorded(args.src)

@@ -23,14 +23,22 @@ from pathlib import Path
 
 import torch
 
-from kvgen.bench.common import (ROOT, environment, measure_ceilings, registry_artifact, require_cuda, spec_path,
-                                time_ms, write_result)
-from kvgen.layout import family_layout
+from kvgen.artifacts.manifest import RegistryError
+from kvgen.bench.common import (
+    ROOT,
+    environment,
+    measure_ceilings,
+    registry_artifact,
+    require_cuda,
+    spec_path,
+    time_ms,
+    write_result,
+)
+from kvgen.lower.layout import family_layout
 from kvgen.reference import encode_records
 from kvgen.reference.codec import HOT_TORCH_DTYPES
-from kvgen.registry import RegistryError
 from kvgen.runtime import ColdPageCodec, FamilyLibrary, LibraryError
-from kvgen.spec import load_spec
+from kvgen.spec.schema import load_spec
 
 DEFAULT_FAMILIES = "qwen3-8b,qwen3-8b-fp8,deepseek-v3,deepseek-v4-csa"
 

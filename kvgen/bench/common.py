@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from .paths import PACKAGE_ROOT, ROOT, project_root, set_specs_dir, spec_path, specs_dir  # noqa: F401
+from kvgen.bench.paths import PACKAGE_ROOT, ROOT, project_root, set_specs_dir, spec_path, specs_dir  # noqa: F401
 
 
 class NoGpu(RuntimeError):
@@ -152,7 +152,7 @@ def _driver() -> str:
 def registry_artifact(family: str, registry: Path, arch: str) -> Path:
     """The verified library file of ``family`` in ``registry`` for ``arch`` (a clear error naming
     the build command when it is not there)."""
-    from kvgen.registry import manifest_path, read_manifest, verify_artifact
+    from kvgen.artifacts.manifest import manifest_path, read_manifest, verify_artifact
 
     path = manifest_path(registry, arch)
     manifest = read_manifest(path, verify=False)

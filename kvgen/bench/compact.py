@@ -59,11 +59,22 @@ def _register_bare_kvgen_packages() -> None:
 
 _register_bare_kvgen_packages()
 
-from kvgen.bench.common import (ROOT, environment, l2_bytes, measure_ceilings, registry_artifact,  # noqa: E402
-                                require_cuda, rotation_sets, summary, time_ms, time_rotated, write_result)
+from kvgen.artifacts.manifest import RegistryError  # noqa: E402
+from kvgen.bench.common import (  # noqa: E402
+    ROOT,
+    environment,
+    l2_bytes,
+    measure_ceilings,
+    registry_artifact,
+    require_cuda,
+    rotation_sets,
+    summary,
+    time_ms,
+    time_rotated,
+    write_result,
+)
 from kvgen.reference.triattention import TriGeometry, compact_paged  # noqa: E402
 from kvgen.reference.triattention import pack_moves as oracle_pack_moves  # noqa: E402
-from kvgen.registry import RegistryError  # noqa: E402
 from kvgen.runtime.compact import CompactLibrary, Compactor  # noqa: E402
 from kvgen.runtime.library import LibraryError  # noqa: E402
 from kvgen.runtime.pack import MovePacker, pack_module_path  # noqa: E402

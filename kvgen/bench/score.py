@@ -35,13 +35,12 @@ from pathlib import Path
 
 import torch
 
-from kvgen.bench.common import (ROOT, environment, measure_ceilings, require_cuda, spec_path, time_ms,
-                                write_result)
+from kvgen.bench.common import ROOT, environment, measure_ceilings, require_cuda, spec_path, time_ms, write_result
+from kvgen.lower.triattention import rope_scaling, tri_geometry
 from kvgen.reference.triattention import mean_phase_table, save_calibration, score_paged, synthetic_calibration
+from kvgen.runtime.eviction import TriAttentionManager, generated_backends
 from kvgen.runtime.score import TORCH_DTYPES, ScoreLibrary, score_library_path
-from kvgen.runtime.triattention import TriAttentionManager, generated_backends
-from kvgen.spec import load_spec
-from kvgen.spec_tri import rope_scaling, tri_geometry
+from kvgen.spec.schema import load_spec
 
 PROMPT = 1024
 VARIANTS = [("qwen3-8b", 32), ("qwen3-8b", 1), ("gpt-oss-20b", 32), ("gemma-2-9b", 32), ("qwen3.5-397b-a17b", 32)]

@@ -38,8 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from .paths import ROOT
-from .report import codec_size
+from kvgen.bench.paths import ROOT
+from kvgen.bench.report import codec_size
 
 SCHEMA = 1
 BENCHMARKS = ("codec", "compact", "score")
@@ -93,20 +93,20 @@ def release() -> None:
 
 
 def _run_codec(ceilings: dict, o: Options) -> dict:
-    from . import codec
+    from kvgen.bench import codec
 
     return codec.run(ceilings, list(o.families), o.hot_gib, o.registry, o.arch, o.peers, o.default_registry)
 
 
 def _run_compact(ceilings: dict, o: Options) -> dict:
-    from . import compact
+    from kvgen.bench import compact
 
     return compact.run(ceilings, o.compact_family, list(o.batches), o.mode, o.registry, o.arch, o.generated,
                        o.default_registry)
 
 
 def _run_score(ceilings: dict, o: Options) -> dict:
-    from . import score
+    from kvgen.bench import score
 
     return score.run(ceilings, o.width, o.score_batch, o.registry, list(o.score_variants), o.arch, o.peers,
                      o.round, o.default_registry, o.generated)
@@ -119,7 +119,7 @@ RUNNERS: dict[str, Callable[[dict, Options], dict]] = {"codec": _run_codec, "com
 def run_suite(o: Options) -> dict:
     """Measure, write ``o.out / bench.json`` after every step, return the document. Raises
     ``NoGpu`` (before touching anything) without a CUDA device."""
-    from .common import environment, measure_ceilings, require_cuda
+    from kvgen.bench.common import environment, measure_ceilings, require_cuda
 
     require_cuda()
     import torch
@@ -165,9 +165,9 @@ Params = Callable[[str, str], dict]   # (family, op) -> the op's params in one r
 
 
 def manifest_params(registry: Path, arch: str) -> Params:
-    """The per-op ``params`` of ``<registry>/<arch>/manifest.json`` (``kvgen.registry.OpEntry``);
+    """The per-op ``params`` of ``<registry>/<arch>/manifest.json`` (``kvgen.artifacts.manifest.OpEntry``);
     {} where the manifest, the family or the op is missing."""
-    from kvgen.registry import RegistryError, manifest_path, parse_manifest
+    from kvgen.artifacts.manifest import RegistryError, manifest_path, parse_manifest
 
     try:
         manifest = parse_manifest(manifest_path(registry, arch))

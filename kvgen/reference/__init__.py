@@ -4,8 +4,8 @@ Every kernel kvgen generates is tested against these functions (bytes for the co
 compaction; a stated tolerance for scores).
 """
 
-from . import nvfp4
-from .codec import (decode_layer, decode_page, decode_record, decode_records, encode_layer, encode_page,
+from kvgen.reference import nvfp4
+from kvgen.reference.codec import (decode_layer, decode_page, decode_record, decode_records, encode_layer, encode_page,
                     encode_record, encode_records)
 
 __all__ = [

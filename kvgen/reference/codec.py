@@ -12,9 +12,9 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from ..layout import BufferSchema, LayerRecord, Lifecycle, family_layout
-from ..spec import FamilySpec
-from . import nvfp4
+from kvgen.lower.layout import BufferSchema, LayerRecord, Lifecycle, family_layout
+from kvgen.reference import nvfp4
+from kvgen.spec.schema import FamilySpec
 
 HOT_TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8_e4m3": torch.float8_e4m3fn}
 

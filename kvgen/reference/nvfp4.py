@@ -2,7 +2,7 @@
 
 This module is the executable form of ``COLD_PAGE_FORMAT.md`` section 3 ("Arithmetic").
 Every generated kernel (CUDA, Triton, CuTe DSL, on any GPU) must reproduce its bytes bit for bit,
-and ``kvgen/csrc/nvfp4.cuh`` is tested against it.  It is written for readability, not speed:
+and ``kvgen/kernels/cuda/nvfp4.cuh`` is tested against it.  It is written for readability, not speed:
 plain PyTorch on CPU or CUDA tensors, each step one binary32 operation.
 
 Why the code looks the way it does:

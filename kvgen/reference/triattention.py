@@ -32,9 +32,17 @@ from dataclasses import dataclass
 
 import torch
 
-from .triattention_calib import (Calibration, CalibrationError, load_calibration, rope_freq_scale_sq,
-                                 rope_omega, save_calibration, synthetic_calibration, synthetic_queries,
-                                 yarn_attention_factor)
+from kvgen.reference.triattention_calib import (
+    Calibration,
+    CalibrationError,
+    load_calibration,
+    rope_freq_scale_sq,
+    rope_omega,
+    save_calibration,
+    synthetic_calibration,
+    synthetic_queries,
+    yarn_attention_factor,
+)
 
 __all__ = [
     "MODES", "MOVE_FILL", "OFFSETS", "Calibration", "CalibrationError", "GeometryError", "Moves",

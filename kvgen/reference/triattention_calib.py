@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from .triattention import TriGeometry
+    from kvgen.reference.triattention import TriGeometry
 
 ROPE_SCALING_TYPES = ("default", "linear", "llama3", "yarn")
 

@@ -2,11 +2,11 @@
 with torch tensors. Importing this package creates no files, needs no compiler and no build-time
 dependency (pydantic): registries carry the layouts the runtime needs."""
 
-from .codec import ColdPageCodec, pool_descriptors
-from .compact import CompactLibrary, Compactor
-from .library import FamilyLibrary, LibraryError
-from .pack import MovePacker, PackModuleError, load_pack_module, pack_module_path
-from .registry import (RegistryLayout, RegistrySource, Resolved, RuntimeRegistry, check_spec, codec_from_registry,
+from kvgen.runtime.codec import ColdPageCodec, pool_descriptors
+from kvgen.runtime.compact import CompactLibrary, Compactor
+from kvgen.runtime.library import FamilyLibrary, LibraryError
+from kvgen.runtime.pack import MovePacker, PackModuleError, load_pack_module, pack_module_path
+from kvgen.runtime.lookup import (RegistryLayout, RegistrySource, Resolved, RuntimeRegistry, check_spec, codec_from_registry,
                        installed_sources, register_codec)
 
 __all__ = [

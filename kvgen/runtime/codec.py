@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .library import FamilyLibrary, LibraryError, PoolDesc
+from kvgen.runtime.library import FamilyLibrary, LibraryError, PoolDesc
 
 if TYPE_CHECKING:  # the layout module needs the spec (pydantic); the runtime only reads attributes
-    from ..layout import FamilyLayout
+    from kvgen.lower.layout import FamilyLayout
 
 INDEX_LOCATIONS = {"host": 0, "device": 1}
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from .library import LibraryError, load_typed
+from kvgen.runtime.library import LibraryError, load_typed
 
 COMPACT_ABI_VERSION = 1
 LAYOUTS = ("HND", "NHD")  # kvgen_page_layout

@@ -1,7 +1,7 @@
 """ctypes bindings of a TriAttention score library (``kvgen/csrc/kvgen_score.h``), torch in, no CUTLASS.
 
 ``ScoreLibrary(path)`` loads ``lib<kvgen_family>_score.so`` (as published by
-``kvgen.backends.cute_aot`` into ``<registry>/<arch>/``, with its ``.json`` sidecar), checks the ABI
+``kvgen.build.cute_aot`` into ``<registry>/<arch>/``, with its ``.json`` sidecar), checks the ABI
 version, the family and, when the sidecar is there, the sha256; ``check_geometry`` compares the
 kernel's compile-time geometry with a family's ``TriGeometry``; ``score`` launches it on torch
 tensors after checking their shapes, dtypes, devices and contiguity.
@@ -17,8 +17,8 @@ from typing import Sequence
 
 import torch
 
-from ..reference.triattention import TriGeometry
-from .library import LibraryError, load_typed
+from kvgen.reference.triattention import TriGeometry
+from kvgen.runtime.library import LibraryError, load_typed
 
 ABI_VERSION = 1
 PAIRINGS = ("half", "interleaved")
@@ -147,6 +147,6 @@ def _check(name: str, tensor: torch.Tensor, dtype: torch.dtype, shape: Sequence[
 
 
 def score_library_path(registry_dir: str | Path, arch: str, family: str) -> Path:
-    """Where ``kvgen.backends.cute_aot`` publishes a family's score library (same rule)."""
+    """Where ``kvgen.build.cute_aot`` publishes a family's score library (same rule)."""
     symbol = "kvgen_" + "".join(ch if ch.isalnum() else "_" for ch in family)
     return Path(registry_dir) / arch / f"lib{symbol}_score.so"

@@ -19,12 +19,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
-from .. import __version__
-from ..backends.nvcc import Toolchain, toolchain_for
-from ..build import CSRC_DIR, BuildJob, SpecSource, _run_job
-from ..plan import Op, plans_for, score_plan
-from ..render import render_family
-from .space import config_id
+from kvgen import __version__
+from kvgen.build.nvcc import Toolchain, toolchain_for
+from kvgen.build.pipeline import BuildJob, SpecSource, _run_job
+from kvgen.kernels import KERNELS_DIR
+from kvgen.lower.plan import Op, plans_for, score_plan
+from kvgen.render.source import render_family
+from kvgen.tuning.space import config_id
 
 BUNDLE_INDEX = "bundle.json"
 BUNDLE_SCHEMA = 1
@@ -58,7 +59,7 @@ def _build_family_library(request: Request, arch: str, toolchain: Toolchain, cac
     spec = request.source.spec
     rendered = render_family(spec, params={request.op: request.params})
     plans = tuple(plans_for(spec, {request.op: request.params}))
-    outcome, _ = _run_job(BuildJob(request.source, arch, toolchain, plans, rendered), cache_dir, CSRC_DIR, ())
+    outcome, _ = _run_job(BuildJob(request.source, arch, toolchain, plans, rendered), cache_dir, KERNELS_DIR, ())
     return outcome.status, outcome.artifact, outcome.key, outcome.error
 
 
@@ -88,7 +89,7 @@ def build_candidates(requests: Sequence[Request], arch: str, out_dir: Path, cach
                 candidates.append(_publish(out_dir, request, arch, status, artifact, key, error))
                 done(candidates[-1])
     if score_requests:
-        from ..backends.cute_aot import build_score_candidates, find_cute_toolchain
+        from kvgen.build.cute_aot import build_score_candidates, find_cute_toolchain
 
         cute = find_cute_toolchain()
         versions["cutlass_dsl"] = dict(cute.dsl_versions).get("nvidia-cutlass-dsl", "")

@@ -20,11 +20,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..bench.paths import spec_path
-from ..plan import default_params
-from ..spec import load_spec
-from .space import canonical, config_id, configurations
-from .study import RecordedEvaluator, run_bucket
+from kvgen.bench.paths import spec_path
+from kvgen.lower.plan import default_params
+from kvgen.spec.schema import load_spec
+from kvgen.tuning.space import canonical, config_id, configurations
+from kvgen.tuning.study import RecordedEvaluator, run_bucket
 
 BUDGET_SHARE = 0.25
 WITHIN = 0.03

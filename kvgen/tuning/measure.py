@@ -32,9 +32,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from .candidates import Candidate, read_bundle, read_index, unpack_bundle
-from ..bench.paths import spec_path
-from .space import BUCKETS, parse_config
+from kvgen.bench.paths import spec_path
+from kvgen.tuning.candidates import Candidate, read_bundle, read_index, unpack_bundle
+from kvgen.tuning.space import BUCKETS, parse_config
 
 DEFAULT_REPS = 20
 WORKER_SILENCE_S = 180        # a worker that writes nothing for this long is hung: killed, "timeout"
@@ -83,14 +83,14 @@ class _Bench:
     @staticmethod
     def copies(touched_bytes: int) -> int:
         """Input copies to rotate over so that the timed calls touch >= 3x the L2."""
-        from ..bench.common import rotation_sets
+        from kvgen.bench.common import rotation_sets
 
         return rotation_sets(touched_bytes)
 
     @staticmethod
     def timed(calls: list[Callable[[], Any]], reps: int) -> dict[str, float]:
         """Median and quantiles (ms) of ``reps`` CUDA-event-timed calls, rotating over ``calls``."""
-        from ..bench.common import summary, time_rotated
+        from kvgen.bench.common import summary, time_rotated
 
         return summary(time_rotated(calls, reps))
 
@@ -102,8 +102,8 @@ class CodecBench(_Bench):
     def __init__(self, family: str, buckets: Iterable[Any], seed: int):
         import torch
 
-        from ..layout import family_layout
-        from ..spec import load_spec
+        from kvgen.lower.layout import family_layout
+        from kvgen.spec.schema import load_spec
 
         self.spec = load_spec(spec_path(family))
         self.layout = family_layout(self.spec)
@@ -130,7 +130,7 @@ class CodecBench(_Bench):
         """Hot pages with an outlier channel (what KV caches look like), side buffers random."""
         import torch
 
-        from ..reference.codec import HOT_TORCH_DTYPES
+        from kvgen.reference.codec import HOT_TORCH_DTYPES
 
         dtype = HOT_TORCH_DTYPES[self.spec.dtype]
         pools = []
@@ -148,8 +148,8 @@ class CodecBench(_Bench):
         return pools
 
     def _codec(self, library, pools):
-        from ..runtime import ColdPageCodec
-        from ..runtime.library import LibraryError
+        from kvgen.runtime import ColdPageCodec
+        from kvgen.runtime.library import LibraryError
 
         try:
             return ColdPageCodec(library, self.layout, pools)
@@ -160,7 +160,7 @@ class CodecBench(_Bench):
         """Encoded bytes and decoded pages byte-identical to the oracle on 6 fresh pages."""
         import torch
 
-        from ..reference import decode_records, encode_records
+        from kvgen.reference import decode_records, encode_records
 
         pools = self._pools(6, torch.Generator(device="cuda").manual_seed(seed))
         codec = self._codec(library, pools)
@@ -211,7 +211,7 @@ class ScoreBench(_Bench):
     def __init__(self, family: str, buckets: Iterable[Any], seed: int):
         import torch
 
-        from ..bench.score import Cache
+        from kvgen.bench.score import Cache
 
         torch.manual_seed(seed)
         self.family = family
@@ -228,7 +228,7 @@ class ScoreBench(_Bench):
             self.sizes[b.name] = {"batch": b.size["batch"], "width": b.size["width"], "rotation": len(sets)}
 
     def _library(self, path: Path):
-        from ..runtime.score import ScoreLibrary
+        from kvgen.runtime.score import ScoreLibrary
 
         try:
             return ScoreLibrary(path, family=self.family, verify=False)
@@ -240,8 +240,8 @@ class ScoreBench(_Bench):
         (float32 accumulation over <= 128 frequencies is ~1e-6 relative; a wrong index is O(1))."""
         import torch
 
-        from ..bench.score import Cache
-        from ..reference.triattention import score_paged
+        from kvgen.bench.score import Cache
+        from kvgen.reference.triattention import score_paged
 
         torch.manual_seed(seed)
         library = self._library(path)
@@ -272,8 +272,8 @@ class CompactBench(_Bench):
     PROMPT, MAX_TAIL = 512, 31
 
     def __init__(self, family: str, buckets: Iterable[Any], seed: int):
-        from ..spec import load_spec
-        from ..spec_tri import tri_geometry
+        from kvgen.lower.triattention import tri_geometry
+        from kvgen.spec.schema import load_spec
 
         self.spec = load_spec(spec_path(family))
         self.geometry = tri_geometry(self.spec)
@@ -311,7 +311,7 @@ class CompactBench(_Bench):
     def _moves(self, batch: int, decode: int, budget: int, seed: int):
         import torch
 
-        from ..reference.triattention import Moves, pack_moves
+        from kvgen.reference.triattention import Moves, pack_moves
 
         g = self.geometry
         gen = torch.Generator().manual_seed(seed)
@@ -329,7 +329,7 @@ class CompactBench(_Bench):
     def _pools(self, pages: int, fill: bool, seed: int = 0):
         import torch
 
-        from ..runtime.score import TORCH_DTYPES
+        from kvgen.runtime.score import TORCH_DTYPES
 
         g = self.geometry
         shape = ((pages, g.kv_heads, g.tokens_per_block, g.head_dim) if g.layout == "HND"
@@ -345,7 +345,7 @@ class CompactBench(_Bench):
         return pools
 
     def _compactor(self, path: Path, pools):
-        from ..runtime.compact import CompactLibrary, Compactor
+        from kvgen.runtime.compact import CompactLibrary, Compactor
 
         try:
             return Compactor(CompactLibrary(path), *pools)
@@ -356,7 +356,7 @@ class CompactBench(_Bench):
         """Pools byte-identical to the oracle's compact_paged after one compaction of 2 fresh requests."""
         import torch
 
-        from ..reference.triattention import compact_paged
+        from kvgen.reference.triattention import compact_paged
 
         _, decode, budget = self._size({"batch": 2, "decode": 300, "budget": 100})
         moves, table, pages = self._moves(2, decode, budget, seed)
@@ -400,8 +400,8 @@ def _launch(fn: Callable[[], Any]) -> None:
 
 def _library_for(op: str, path: Path):
     if op == "codec":
-        from ..runtime import FamilyLibrary
-        from ..runtime.library import LibraryError
+        from kvgen.runtime import FamilyLibrary
+        from kvgen.runtime.library import LibraryError
 
         try:
             return FamilyLibrary(path)
@@ -449,11 +449,11 @@ def measure_candidate(bench, bundle: Path, c: Candidate, buckets, reps: int, see
 
 
 def environment() -> dict[str, str]:
-    """What a tuned configuration is valid for (compared by ``kvgen.tuning.configs``)."""
+    """What a tuned configuration is valid for (compared by ``kvgen.lower.tuned``)."""
     import torch
 
-    from .. import __version__
-    from ..bench.common import environment as bench_environment
+    from kvgen import __version__
+    from kvgen.bench.common import environment as bench_environment
 
     env = bench_environment()
     return {"gpu": env["gpu"], "compute_capability": env["compute_capability"], "driver": env["driver"],

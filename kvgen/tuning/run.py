@@ -21,10 +21,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ..plan import Op, default_params
-from .configs import build_choice, write_op
-from .space import BUCKETS, TUNED_OPS, canonical, config_id, configurations, ops_for, parse_config
-from .study import STRATEGIES, BucketResult, Measurement, RecordedEvaluator, run_bucket
+from kvgen.lower.plan import Op, default_params
+from kvgen.lower.tuned import build_choice, write_op
+from kvgen.tuning.space import BUCKETS, TUNED_OPS, canonical, config_id, configurations, ops_for, parse_config
+from kvgen.tuning.study import STRATEGIES, BucketResult, Measurement, RecordedEvaluator, run_bucket
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -56,7 +56,7 @@ def default_storage(cache_dir: Path) -> str:
 
 
 def requests_for(sources, ops: list[Op] | None) -> list:
-    from .candidates import Request
+    from kvgen.tuning.candidates import Request
 
     return [Request(s, op, params) for s in sources for op in (ops or ops_for(s.spec)) if op in ops_for(s.spec)
             for params in configurations(op, s.spec)]
@@ -84,8 +84,8 @@ class LiveEvaluator:
     def __call__(self, family: str, op: Op, arch: str, bucket: str, params) -> Measurement:
         found = self._recorded(family, op, bucket, params)
         if found.status == "missing":
-            from .candidates import Request, build_candidates
-            from .measure import measure_bundle
+            from kvgen.tuning.candidates import Request, build_candidates
+            from kvgen.tuning.measure import measure_bundle
 
             build_candidates([Request(self.sources[family], op, dict(params))], arch, self.bundle, self.cache_dir,
                              toolchains=self.toolchains, jobs=1)
@@ -204,7 +204,7 @@ def _ms(value: float) -> str:
 def _build_only(args, sources, ops, console, cache_dir: Path, toolchains) -> int:
     from rich.progress import Progress
 
-    from .candidates import build_candidates, pack_bundle
+    from kvgen.tuning.candidates import build_candidates, pack_bundle
 
     requests = requests_for(sources, ops)
     with Progress(console=console, transient=True) as bar:

@@ -1,4 +1,4 @@
-"""What the tuner searches: per op, the declared tunables (``kvgen.plan.TUNABLES``), the
+"""What the tuner searches: per op, the declared tunables (``kvgen.lower.plan.TUNABLES``), the
 configurations that compile to the same kernel folded onto one, and the size buckets it tunes for.
 
 Canonical configurations: the score kernel clamps ``lanes`` to what divides the chunks of a row and
@@ -14,9 +14,9 @@ import math
 from dataclasses import dataclass
 from typing import Mapping
 
-from ..cute.geometry import effective_lanes, row_chunks
-from ..plan import TUNABLES, Op, default_params, score_geometry
-from ..spec import FamilySpec
+from kvgen.kernels.cute.geometry import effective_lanes, row_chunks
+from kvgen.lower.plan import TUNABLES, Op, default_params, score_geometry
+from kvgen.spec.schema import FamilySpec
 
 TUNED_OPS: tuple[Op, ...] = ("codec", "compact", "score")
 
@@ -31,7 +31,7 @@ class Bucket:
 
 
 # Buckets per op. The build compiles one configuration per (family, op, arch); it is the one with the
-# best geometric-mean speed-up over these buckets (kvgen.tuning.configs.build_choice).
+# best geometric-mean speed-up over these buckets (kvgen.lower.tuned.build_choice).
 BUCKETS: dict[Op, tuple[Bucket, ...]] = {
     "codec": (
         Bucket("small", {"hot_mib": 8, "cold": "device"}, "one returning request: few pages, latency-bound"),

@@ -35,10 +35,10 @@ from typing import Any, Callable, Mapping, Protocol
 import optuna
 from optuna.trial import TrialState
 
-from ..plan import TUNABLES, Op, default_params
-from ..spec import FamilySpec
-from .measure import read_records
-from .space import canonical, config_id, configurations, parse_config
+from kvgen.lower.plan import TUNABLES, Op, default_params
+from kvgen.spec.schema import FamilySpec
+from kvgen.tuning.measure import read_records
+from kvgen.tuning.space import canonical, config_id, configurations, parse_config
 
 STRATEGIES = ("tpe", "random", "grid")
 WORKER = f"{socket.gethostname()}:{os.getpid()}"

@@ -1,4 +1,4 @@
-// Driver for kvgen/csrc/compact_kernels.cuh: runs the kernel's walk (walk_moves, cta_task,
+// Driver for kvgen/kernels/cuda/compact_kernels.cuh: runs the kernel's walk (walk_moves, cta_task,
 // request_range, resolve_move, row_offset) on the CPU over host memory, so
 // tests/test_compact_cpu.py can compare the compacted pools byte for byte with the oracle's
 // compact_paged.  Every "thread" of a phase runs in turn; the concurrent phase (loads of tile k+1,
@@ -22,7 +22,7 @@
 #include <set>
 #include <vector>
 
-#include "kvgen/csrc/compact_kernels.cuh"
+#include "kvgen/kernels/cuda/compact_kernels.cuh"
 
 namespace kc = kvgen::compact;
 

@@ -1,4 +1,4 @@
-// Driver for kvgen/csrc/nvfp4.cuh: runs the header's __host__ __device__ arithmetic on the CPU
+// Driver for kvgen/kernels/cuda/nvfp4.cuh: runs the header's __host__ __device__ arithmetic on the CPU
 // (and, optionally, on a GPU) so tests/test_nvfp4_block.py can compare it bit for bit with the
 // oracle kvgen/reference/nvfp4.py.
 //
@@ -32,7 +32,7 @@
 #include <cstring>
 #include <vector>
 
-#include "kvgen/csrc/nvfp4.cuh"
+#include "kvgen/kernels/cuda/nvfp4.cuh"
 
 namespace kn = kvgen::nvfp4;
 

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from kvgen.layout import family_layout
-from kvgen.registry import manifest_path, read_manifest, verify_artifact
-from kvgen.spec import load_spec
+from kvgen.artifacts.manifest import manifest_path, read_manifest, verify_artifact
+from kvgen.lower.layout import family_layout
+from kvgen.spec.schema import load_spec
 
 from ..conftest import ROOT, SPECS_DIR
 

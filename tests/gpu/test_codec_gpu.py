@@ -14,7 +14,7 @@ import zlib
 import pytest
 import torch
 
-from kvgen.layout import FamilyLayout
+from kvgen.lower.layout import FamilyLayout
 from kvgen.reference import decode_records, encode_records
 from kvgen.reference.codec import HOT_TORCH_DTYPES
 from kvgen.runtime import ColdPageCodec, FamilyLibrary

@@ -26,8 +26,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from kvgen.artifacts.manifest import RegistryError, manifest_path, read_manifest
+from kvgen.kernels import INCLUDE_DIRS
 from kvgen.reference.triattention import MODES, Moves, check_moves, compact_paged, pack_moves
-from kvgen.registry import RegistryError, manifest_path, read_manifest
 from kvgen.runtime.compact import CompactLibrary, Compactor
 from kvgen.runtime.pack import MovePacker, pack_module_path
 from tests.move_cases import Batch, geometry, random_batch, random_page_table
@@ -139,7 +140,7 @@ SYNTHETIC = {
 
 
 def _render_synthetic(name: str, geometry_: dict) -> str:
-    """compact.cu.j2 with the context kvgen.render gives it (that module needs the spec, so pydantic)."""
+    """compact.cu.j2 with the context kvgen.render.source gives it (that module needs the spec, so pydantic)."""
     import jinja2
 
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(ROOT / "kvgen" / "templates")),
@@ -153,7 +154,7 @@ def _render_synthetic(name: str, geometry_: dict) -> str:
 
 @pytest.fixture(scope="module")
 def synthetic_libraries(tmp_path_factory) -> dict[str, CompactLibrary]:
-    from kvgen.backends.nvcc import compile_shared_library, probe_toolchain
+    from kvgen.build.nvcc import compile_shared_library, probe_toolchain
 
     nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
     if not Path(nvcc).is_file():
@@ -165,7 +166,7 @@ def synthetic_libraries(tmp_path_factory) -> dict[str, CompactLibrary]:
         source = work / f"{name}.cu"
         source.write_text(_render_synthetic(name, geometry_))
         out = work / f"lib{name}.so"
-        compile_shared_library([source], "sm_90a", [ROOT / "kvgen" / "csrc"], out, toolchain)
+        compile_shared_library([source], "sm_90a", list(INCLUDE_DIRS), out, toolchain)
         libraries[name] = CompactLibrary(out)
     return libraries
 

@@ -24,10 +24,10 @@ import pytest
 import torch
 
 from kvgen import demo
-from kvgen.layout import family_layout
+from kvgen.artifacts.manifest import manifest_path, read_manifest
+from kvgen.lower.layout import family_layout
 from kvgen.reference import decode_records, encode_records
-from kvgen.registry import manifest_path, read_manifest
-from kvgen.spec import load_spec
+from kvgen.spec.schema import load_spec
 
 from ..conftest import SPECS_DIR
 from .conftest import ARCH, REGISTRY

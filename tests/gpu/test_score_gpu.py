@@ -1,6 +1,6 @@
 """The generated TriAttention score kernels on the GPU against the oracle (TRIATTENTION.md §3-§7).
 
-Libraries: ``<registry>/sm_90a/lib<kvgen_family>_score.so`` (``kvgen.backends.cute_aot``, built on
+Libraries: ``<registry>/sm_90a/lib<kvgen_family>_score.so`` (``kvgen.build.cute_aot``, built on
 the CPU machine, carried here; ``KVGEN_SCORE_REGISTRY`` points at a registry of variants with other
 tunable parameters, e.g. ``build/registry-score-l4t4``); nothing here imports CUTLASS.
 
@@ -38,13 +38,21 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvgen.reference.triattention import (MODES, aggregate, gather_token_rows, load_calibration, mean_phase_rows,
-                                          score_paged, select_keep as oracle_select_keep, split_pairs, zscore)
+from kvgen.lower.triattention import calibration_defaults, tri_geometry
+from kvgen.reference.triattention import (
+    MODES,
+    aggregate,
+    gather_token_rows,
+    load_calibration,
+    mean_phase_rows,
+    score_paged,
+    split_pairs,
+    zscore,
+)
+from kvgen.reference.triattention import select_keep as oracle_select_keep
+from kvgen.runtime.eviction import TriAttentionManager, aggregate_layers, generated_backends, select_keep, zscore_layers
 from kvgen.runtime.score import ScoreLibrary, score_library_path
-from kvgen.runtime.triattention import (TriAttentionManager, aggregate_layers, generated_backends, select_keep,
-                                        zscore_layers)
-from kvgen.spec import load_spec
-from kvgen.spec_tri import calibration_defaults, tri_geometry
+from kvgen.spec.schema import load_spec
 
 from ..conftest import ROOT, SPECS_DIR
 from ..tri_sim import DecodeSim, run_against_oracle, save_synthetic_calibration, small_spec
@@ -65,7 +73,7 @@ def score_library(family: str) -> ScoreLibrary:
     path = score_library_path(SCORE_REGISTRY, ARCH, family)
     if not path.is_file():
         pytest.skip(f"{path} missing; build it on the CPU machine: python -c \"from pathlib import Path; "
-                    f"from kvgen.spec import load_spec; from kvgen.backends.cute_aot import build_score_library; "
+                    f"from kvgen.spec.schema import load_spec; from kvgen.build.cute_aot import build_score_library; "
                     f"build_score_library(load_spec('specs/{family}.yaml'), '{ARCH}', Path('.kvgen-cache'))\"")
     return ScoreLibrary(path, family=family)
 

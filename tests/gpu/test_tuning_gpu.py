@@ -13,14 +13,15 @@ from pathlib import Path
 
 import pytest
 
-from kvgen.build import BuildJob, _run_job, load_spec_source
-from kvgen.plan import f32_literal, plans_for
-from kvgen.render import render
+from kvgen.build.pipeline import BuildJob, _run_job, load_spec_source
+from kvgen.kernels import KERNELS_DIR
+from kvgen.lower.plan import f32_literal, plans_for
+from kvgen.render.source import render
 from kvgen.tuning.candidates import Candidate, Request, build_candidates, read_bundle, write_index
 from kvgen.tuning.measure import measure_bundle, read_records
 from kvgen.tuning.space import BUCKETS
 
-from ..conftest import ROOT, SPECS_DIR
+from ..conftest import SPECS_DIR
 
 pytestmark = pytest.mark.gpu
 
@@ -29,7 +30,7 @@ FAMILY = "qwen3-8b"
 
 @pytest.fixture(scope="module")
 def toolchains():
-    from kvgen.backends.nvcc import ToolchainError
+    from kvgen.build.nvcc import ToolchainError
     from kvgen.cli import discover_toolchains
 
     try:
@@ -41,7 +42,7 @@ def toolchains():
 def _wrong_library(tmp: Path, toolchains) -> Path:
     """The family's library with the key buffer's global encode scale doubled: same name, ABI and
     layout, different bytes: only the oracle comparison can tell."""
-    from kvgen.backends.nvcc import toolchain_for
+    from kvgen.build.nvcc import toolchain_for
 
     source = load_spec_source(SPECS_DIR / f"{FAMILY}.yaml")
     plans = plans_for(source.spec)
@@ -52,7 +53,7 @@ def _wrong_library(tmp: Path, toolchains) -> Path:
     rendered = {f"{FAMILY}/codec.cu": render(bad), **{f"{FAMILY}/{p.template[:-3]}": render(p)
                                                       for p in plans[1:] if p.template.endswith(".cu.j2")}}
     job = BuildJob(source, "sm_90a", toolchain_for("sm_90a", toolchains), (bad, *plans[1:]), rendered)
-    outcome, _ = _run_job(job, tmp / "cache", ROOT / "kvgen" / "csrc", ())
+    outcome, _ = _run_job(job, tmp / "cache", KERNELS_DIR, ())
     assert outcome.status != "failed", outcome.error
     return outcome.artifact
 

@@ -10,7 +10,7 @@ and once into pinned host memory with device index arrays (the library's two lau
 custom ops captured in one CUDA graph and replayed; compaction of a three-request batch whose
 moves cross pages. The all-family codec grid is test_codec_gpu.py's job; the point here is the
 packaging, so the helpers below are this file's own (no build-side fixtures).
-Imports go through kvgen.runtime.registry, not kvgen.runtime, so they also work where
+Imports go through kvgen.runtime.lookup, not kvgen.runtime, so they also work where
 tests/gpu/conftest.py registers the kvgen packages bare (no pydantic).
 """
 
@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from kvgen import __version__
-from kvgen.runtime.registry import RuntimeRegistry, codec_from_registry, register_codec, register_ops
+from kvgen.runtime.lookup import RuntimeRegistry, codec_from_registry, register_codec, register_ops
 
 from ..conftest import SPECS_DIR
 
@@ -50,8 +50,8 @@ def oracle():
     """(spec, layout, reference codec module); the spec side needs pydantic."""
     try:
         from kvgen import reference
-        from kvgen.layout import family_layout
-        from kvgen.spec import load_spec
+        from kvgen.lower.layout import family_layout
+        from kvgen.spec.schema import load_spec
     except ImportError as exc:
         pytest.skip(f"the codec oracle needs the spec (pydantic): {exc}")
     spec = load_spec(SPECS_DIR / f"{FAMILY}.yaml")

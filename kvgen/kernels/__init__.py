@@ -1,0 +1,18 @@
+"""Hand-written device code, by language; the generated sources instantiate it.
+
+- ``include/``: the public C ABI headers (``kvgen_codec.h``, ``kvgen_compact.h``, ``kvgen_score.h``)
+  that an engine includes;
+- ``cuda/``: the codec and compaction kernels and their host wrappers (``__host__ __device__``
+  arithmetic, so the CPU tests run it);
+- ``cute/``: the TriAttention score kernel (CuTe DSL) and its C shim;
+- ``triton/``: the move packer kernels.
+"""
+
+from pathlib import Path
+
+KERNELS_DIR = Path(__file__).resolve().parent
+INCLUDE_DIR = KERNELS_DIR / "include"
+CUDA_DIR = KERNELS_DIR / "cuda"
+CUTE_DIR = KERNELS_DIR / "cute"
+# Every nvcc compile of a generated source sees both: the ABI headers and the kernels.
+INCLUDE_DIRS = (INCLUDE_DIR, CUDA_DIR)

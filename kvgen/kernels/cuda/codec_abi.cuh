@@ -1,0 +1,54 @@
+// kvgen/kernels/cuda/codec_abi.cuh -- the extern "C" functions of kvgen_codec.h for one family.
+//
+// Included exactly once, at the end of a generated codec.cu, after it has defined
+//   kvgen::family::CodecT   (kvgen::codec::Codec<Layer, threads, in_flight>)
+//   kvgen::family::kTables  (kvgen::codec::FamilyTables)
+#pragma once
+
+#include "codec_host.cuh"
+
+struct kvgen_codec {
+  kvgen::family::CodecT* impl;
+};
+
+extern "C" {
+
+int kvgen_abi_version(void) { return KVGEN_ABI_VERSION; }
+
+const char* kvgen_family_name(void) { return kvgen::family::kTables.name; }
+
+const char* kvgen_last_error(void) { return kvgen::last_error().c_str(); }
+
+kvgen_codec* kvgen_codec_configure(const kvgen_pool_desc* descs, int64_t num_descs, kvgen_index_location location) {
+  kvgen::family::CodecT* impl = kvgen::family::CodecT::configure(kvgen::family::kTables, descs, num_descs, location);
+  return impl ? new kvgen_codec{impl} : nullptr;
+}
+
+void kvgen_codec_destroy(kvgen_codec* codec) {
+  if (codec) delete codec->impl;
+  delete codec;
+}
+
+int kvgen_codec_num_lifecycles(const kvgen_codec* codec) { return codec->impl->num_lifecycles(); }
+
+int64_t kvgen_codec_query_cold_page_bytes(const kvgen_codec* codec, int lifecycle) {
+  return codec->impl->cold_page_bytes(lifecycle);
+}
+
+int kvgen_codec_get_batching_layer_group_id(const kvgen_codec*, int lifecycle) { return lifecycle; }
+
+kvgen_index_location kvgen_codec_query_page_index_location(const kvgen_codec* codec, int) {
+  return codec->impl->location();
+}
+
+int kvgen_codec_encode(kvgen_codec* codec, int lifecycle, void* cold_base, const kvgen_page_pair* pairs,
+                       int64_t num_pairs, void* stream) {
+  return codec->impl->encode(lifecycle, cold_base, pairs, num_pairs, static_cast<cudaStream_t>(stream));
+}
+
+int kvgen_codec_decode(kvgen_codec* codec, int lifecycle, const void* cold_base, const kvgen_page_pair* pairs,
+                       int64_t num_pairs, void* stream) {
+  return codec->impl->decode(lifecycle, cold_base, pairs, num_pairs, static_cast<cudaStream_t>(stream));
+}
+
+}  // extern "C"

@@ -1,0 +1,177 @@
+// kvgen/kernels/cuda/codec_host.cuh -- host side of the C ABI in kvgen_codec.h, generic over a family.
+//
+// A generated codec.cu defines the family's Layer type and lifecycle tables, then expands
+// KVGEN_DEFINE_CODEC_ABI(...) once.  Nothing here synchronizes: configure allocates and fills the
+// per-lifecycle descriptor tables (init time); encode/decode only launch.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <string>
+#include <vector>
+
+#include "codec_kernels.cuh"
+#include "kvgen_codec.h"
+#include "last_error.cuh"
+
+namespace kvgen {
+namespace codec {
+
+using kvgen::fail;
+
+inline bool cuda_ok(cudaError_t status, const char* what) {
+  if (status == cudaSuccess) return true;
+  return fail(std::string(what) + ": " + cudaGetErrorString(status));
+}
+
+// Family facts the generated file provides as constexpr tables.
+struct FamilyTables {
+  const char* name;
+  int num_layers;
+  int parts_per_layer;                 // quantized buffers then side buffers
+  const int* part_align;               // required base/stride alignment per part
+  int num_lifecycles;
+  const int* lifecycle_begin;          // lifecycle i owns lifecycle_layers[begin[i] .. begin[i+1])
+  const int* lifecycle_layers;
+  int record_bytes;
+};
+
+template <class L, int kThreads, int kInFlight>
+class Codec {
+ public:
+  static Codec* configure(const FamilyTables& f, const kvgen_pool_desc* descs, int64_t num_descs,
+                          kvgen_index_location location) {
+    const int64_t expected = (int64_t)f.num_layers * f.parts_per_layer;
+    if (descs == nullptr || num_descs != expected) {
+      fail(std::string(f.name) + ": expected " + std::to_string(expected) + " pool descriptors (" +
+           std::to_string(f.num_layers) + " layers x " + std::to_string(f.parts_per_layer) +
+           " buffers), got " + std::to_string(num_descs));
+      return nullptr;
+    }
+    for (int64_t i = 0; i < num_descs; ++i) {
+      const int align = f.part_align[i % f.parts_per_layer];
+      if ((uintptr_t)descs[i].base % align || descs[i].page_stride_bytes % align) {
+        fail(std::string(f.name) + ": descriptor " + std::to_string(i) + " (layer " +
+             std::to_string(i / f.parts_per_layer) + ", buffer " + std::to_string(i % f.parts_per_layer) +
+             ") base/stride not " + std::to_string(align) + "-byte aligned");
+        return nullptr;
+      }
+    }
+    if (!set_shared_memory()) return nullptr;
+    Codec* codec = new Codec(f, location);
+    if (!codec->upload(descs)) {
+      delete codec;
+      return nullptr;
+    }
+    return codec;
+  }
+
+  ~Codec() {
+    for (PoolDesc* table : tables_) cudaFree(table);
+  }
+
+  int num_lifecycles() const { return f_.num_lifecycles; }
+  kvgen_index_location location() const { return location_; }
+
+  int64_t cold_page_bytes(int lifecycle) const {
+    if (lifecycle < 0 || lifecycle >= f_.num_lifecycles) return 0;
+    return (int64_t)layers_in(lifecycle) * L::kRecordBytes;
+  }
+
+  bool encode(int lifecycle, void* cold, const kvgen_page_pair* pairs, int64_t n, cudaStream_t stream) {
+    return launch<true>(lifecycle, cold, pairs, n, stream);
+  }
+  bool decode(int lifecycle, const void* cold, const kvgen_page_pair* pairs, int64_t n, cudaStream_t stream) {
+    return launch<false>(lifecycle, const_cast<void*>(cold), pairs, n, stream);
+  }
+
+ private:
+  Codec(const FamilyTables& f, kvgen_index_location location) : f_(f), location_(location) {}
+
+  int layers_in(int lifecycle) const {
+    return f_.lifecycle_begin[lifecycle + 1] - f_.lifecycle_begin[lifecycle];
+  }
+
+  // Records above 48 KiB need an explicit opt-in; records larger than the GPU allows fail here.
+  static bool set_shared_memory() {
+    const int bytes = L::kRecordBytes;
+    return cuda_ok(cudaFuncSetAttribute(encode_kernel<L, kThreads, kInFlight, false>,
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize, bytes), "encode smem") &&
+           cuda_ok(cudaFuncSetAttribute(encode_kernel<L, kThreads, kInFlight, true>,
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize, bytes), "encode smem") &&
+           cuda_ok(cudaFuncSetAttribute(decode_kernel<L, kThreads, kInFlight, false>,
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize, bytes), "decode smem") &&
+           cuda_ok(cudaFuncSetAttribute(decode_kernel<L, kThreads, kInFlight, true>,
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize, bytes), "decode smem");
+  }
+
+  // One device table per lifecycle: [layer position][part] descriptors.
+  bool upload(const kvgen_pool_desc* descs) {
+    for (int lc = 0; lc < f_.num_lifecycles; ++lc) {
+      std::vector<PoolDesc> host;
+      for (int i = f_.lifecycle_begin[lc]; i < f_.lifecycle_begin[lc + 1]; ++i) {
+        const int layer = f_.lifecycle_layers[i];
+        for (int p = 0; p < f_.parts_per_layer; ++p) {
+          const kvgen_pool_desc& d = descs[(int64_t)layer * f_.parts_per_layer + p];
+          host.push_back(PoolDesc{static_cast<uint8_t*>(d.base), d.page_stride_bytes});
+        }
+      }
+      PoolDesc* table = nullptr;
+      const size_t bytes = host.size() * sizeof(PoolDesc);
+      if (!cuda_ok(cudaMalloc(&table, bytes), "cudaMalloc descriptor table")) return false;
+      tables_.push_back(table);
+      if (!cuda_ok(cudaMemcpy(table, host.data(), bytes, cudaMemcpyHostToDevice), "upload descriptors")) {
+        return false;
+      }
+    }
+    return true;
+  }
+
+  template <bool kEncode>
+  bool launch(int lifecycle, void* cold, const kvgen_page_pair* pairs, int64_t n, cudaStream_t stream) {
+    if (lifecycle < 0 || lifecycle >= f_.num_lifecycles) {
+      return fail(std::string(f_.name) + ": no lifecycle " + std::to_string(lifecycle));
+    }
+    if (n < 0 || (n > 0 && (pairs == nullptr || cold == nullptr))) return fail("null cold base or pairs");
+    if ((uintptr_t)cold % 16) return fail("cold base must be 16-byte aligned");
+    if (n == 0) return true;
+    const int64_t page_bytes = cold_page_bytes(lifecycle);
+    const int layers = layers_in(lifecycle);
+    const PoolDesc* table = tables_[lifecycle];
+    const PagePair* device_pairs = reinterpret_cast<const PagePair*>(pairs);
+    PairBatch batch;
+    if (location_ == KVGEN_INDEX_DEVICE) {
+      for (int64_t first = 0; first < n; first += kMaxGridX) {
+        const int64_t count = n - first < kMaxGridX ? n - first : kMaxGridX;
+        enqueue<kEncode, true>(table, cold, page_bytes, batch, device_pairs + first, dim3(count, layers), stream);
+      }
+    } else {
+      for (int64_t first = 0; first < n; first += kPairsPerLaunch) {
+        const int count = (int)(n - first < kPairsPerLaunch ? n - first : kPairsPerLaunch);
+        memcpy(batch.pairs, pairs + first, count * sizeof(PagePair));
+        enqueue<kEncode, false>(table, cold, page_bytes, batch, nullptr, dim3(count, layers), stream);
+      }
+    }
+    return cuda_ok(cudaGetLastError(), kEncode ? "encode launch" : "decode launch");
+  }
+
+  template <bool kEncode, bool kDevicePairs>
+  static void enqueue(const PoolDesc* table, void* cold, int64_t page_bytes, const PairBatch& batch,
+                      const PagePair* pairs, dim3 grid, cudaStream_t stream) {
+    if constexpr (kEncode) {
+      encode_kernel<L, kThreads, kInFlight, kDevicePairs><<<grid, kThreads, L::kRecordBytes, stream>>>(
+          table, static_cast<uint8_t*>(cold), page_bytes, batch, pairs);
+    } else {
+      decode_kernel<L, kThreads, kInFlight, kDevicePairs><<<grid, kThreads, L::kRecordBytes, stream>>>(
+          table, static_cast<const uint8_t*>(cold), page_bytes, batch, pairs);
+    }
+  }
+
+  static constexpr int64_t kMaxGridX = 0x7FFFFFFF;
+  FamilyTables f_;
+  kvgen_index_location location_;
+  std::vector<PoolDesc*> tables_;
+};
+
+}  // namespace codec
+}  // namespace kvgen

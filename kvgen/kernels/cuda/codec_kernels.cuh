@@ -1,0 +1,405 @@
+// kvgen/kernels/cuda/codec_kernels.cuh -- the cold-page codec kernels, generic over a family's geometry.
+//
+// Generated files (generated/<family>/codec.cu) describe one family as compile-time structs
+// (buffer spans, region offsets, G/Q) and instantiate these kernels; the logic lives here, once.
+// Contract: COLD_PAGE_FORMAT.md.  One CTA handles one (layer, page pair):
+//
+//   encode: hot page --(16-element blocks, one per thread per step)--> layer record in shared
+//           memory --(16-byte vector stores)--> cold slot (device memory or mapped pinned host;
+//           with pinned host slots the store *is* the transfer, in full 16-byte writes).
+//   decode: cold slot --(16-byte vector loads)--> shared memory --> hot page.
+//
+// Staging the record in shared memory turns the record's many small, unaligned regions (scales,
+// residuals, lossless bytes) into one linear, aligned stream to or from the cold slot.
+#pragma once
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "nvfp4.cuh"
+
+namespace kvgen {
+namespace codec {
+
+// Pool descriptor of one (layer, buffer): hot page p lives at base + p * page_stride.
+struct PoolDesc {
+  uint8_t* base;
+  int64_t page_stride;
+};
+
+// One page-index pair (C ABI layout: int32 dst at offset 0, int32 src at offset 4).
+struct PagePair {
+  int32_t dst;
+  int32_t src;
+};
+
+// Host index arrays travel by value in the launch (valid only during the host call), up to
+// kPairsPerLaunch pairs; device index arrays are read through a pointer.
+constexpr int kPairsPerLaunch = 256;
+struct PairBatch {
+  PagePair pairs[kPairsPerLaunch];
+};
+
+// ---------------------------------------------------------------------------------------------
+// Hot dtypes: two elements at a time, with the packed hardware conversions where they are exact
+// ---------------------------------------------------------------------------------------------
+// widen2: the two elements in the low bits of `bits` (element 0 lowest) as binary32, exactly.
+// narrow2: two binary32 values rounded to the hot dtype (the contract's single rounding), packed
+// the same way.  The packed cvt instructions round to nearest even, overflow to +-Inf and write
+// the canonical NaN, exactly like the per-element functions of nvfp4.cuh (which the tests pin).
+
+struct HotBF16 {
+  static constexpr int kBytes = 2;
+  static __device__ __forceinline__ float2 widen2(uint32_t bits) {
+    return make_float2(__uint_as_float(bits << 16), __uint_as_float(bits & 0xFFFF0000u));
+  }
+  static __device__ __forceinline__ uint32_t narrow2(float a, float b) {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+    return *reinterpret_cast<const uint32_t*>(&h);
+  }
+};
+
+struct HotFP16 {
+  static constexpr int kBytes = 2;
+  static __device__ __forceinline__ float2 widen2(uint32_t bits) {
+    return __half22float2(*reinterpret_cast<const __half2*>(&bits));
+  }
+  static __device__ __forceinline__ uint32_t narrow2(float a, float b) {
+    const __half2 h = __floats2half2_rn(a, b);
+    return *reinterpret_cast<const uint32_t*>(&h);
+  }
+};
+
+struct HotFP8E4M3 {
+  static constexpr int kBytes = 1;
+  // E4M3 -> f16 is exact (every E4M3 value, subnormals included, is an f16), and one cvt does two.
+  static __device__ __forceinline__ float2 widen2(uint32_t bits) {
+    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(bits & 0xFFFFu), __NV_E4M3);
+    return __half22float2(*reinterpret_cast<const __half2*>(&h));
+  }
+  // cvt.rn.satfinite.e4m3x2.f32: nearest even, saturating at +-448, NaN -> 0x7F, two at a time.
+  // Decoded values are finite (a valid record never holds a NaN scale), so nvfp4.cuh's Inf clamp
+  // is not needed here.
+  static __device__ __forceinline__ uint32_t narrow2(float a, float b) {
+    return __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
+  }
+};
+
+// 16 hot elements are 1 or 2 uint4 vectors, i.e. 4 or 8 32-bit words.
+template <class Hot>
+struct HotBlock {
+  static constexpr int kWords = 4 * Hot::kBytes;
+  static constexpr int kPairsPerWord = 2 / Hot::kBytes;  // bf16/fp16: one pair; fp8: two
+  uint32_t w[kWords];
+
+  __device__ __forceinline__ void load(const uint8_t* __restrict__ p) {
+#pragma unroll
+    for (int i = 0; i < kWords / 4; ++i) {
+      const uint4 v = __ldg(reinterpret_cast<const uint4*>(p) + i);
+      w[4 * i] = v.x;
+      w[4 * i + 1] = v.y;
+      w[4 * i + 2] = v.z;
+      w[4 * i + 3] = v.w;
+    }
+  }
+  __device__ __forceinline__ void store(uint8_t* p) const {
+#pragma unroll
+    for (int i = 0; i < kWords / 4; ++i) {
+      reinterpret_cast<uint4*>(p)[i] = make_uint4(w[4 * i], w[4 * i + 1], w[4 * i + 2], w[4 * i + 3]);
+    }
+  }
+  __device__ __forceinline__ void widen(float (&x)[16]) const {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const uint32_t word = w[i / kPairsPerWord];
+      const float2 v = Hot::widen2(word >> (16 * (i % kPairsPerWord)));
+      x[2 * i] = v.x;
+      x[2 * i + 1] = v.y;
+    }
+  }
+  __device__ __forceinline__ void narrow(const float (&y)[16]) {
+#pragma unroll
+    for (int i = 0; i < kWords; ++i) w[i] = 0;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      w[i / kPairsPerWord] |= Hot::narrow2(y[2 * i], y[2 * i + 1]) << (16 * (i % kPairsPerWord));
+    }
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
+// Byte moves whose alignment is known at compile time
+// ---------------------------------------------------------------------------------------------
+
+// Largest power of two <= 16 dividing x (16 for x == 0).
+__host__ __device__ constexpr int align_of(long long x) {
+  return x % 16 == 0 ? 16 : x % 8 == 0 ? 8 : x % 4 == 0 ? 4 : x % 2 == 0 ? 2 : 1;
+}
+__host__ __device__ constexpr int min_align(int a, int b) { return a < b ? a : b; }
+
+template <int kAlign> struct Word;
+template <> struct Word<1> { using T = uint8_t; };
+template <> struct Word<2> { using T = uint16_t; };
+template <> struct Word<4> { using T = uint32_t; };
+template <> struct Word<8> { using T = uint2; };
+template <> struct Word<16> { using T = uint4; };
+
+// Copy kBytes bytes, every thread of the CTA striding over kAlign-byte words.
+template <int kBytes, int kAlign>
+__device__ __forceinline__ void cta_copy(uint8_t* __restrict__ dst, const uint8_t* __restrict__ src) {
+  using T = typename Word<kAlign>::T;
+  static_assert(kBytes % kAlign == 0, "copy size must be a multiple of its alignment");
+  for (int i = threadIdx.x; i < kBytes / kAlign; i += blockDim.x) {
+    reinterpret_cast<T*>(dst)[i] = reinterpret_cast<const T*>(src)[i];
+  }
+}
+
+// 8 packed bytes of one block, to shared memory at an offset aligned to kAlign.
+template <int kAlign>
+__device__ __forceinline__ void put8(uint8_t* p, const nvfp4::Block& b) {
+  if constexpr (kAlign >= 8) {
+    *reinterpret_cast<uint2*>(p) = make_uint2(b.packed[0], b.packed[1]);
+  } else if constexpr (kAlign >= 4) {
+    reinterpret_cast<uint32_t*>(p)[0] = b.packed[0];
+    reinterpret_cast<uint32_t*>(p)[1] = b.packed[1];
+  } else {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) p[i] = (uint8_t)(b.packed[i / 4] >> (8 * (i % 4)));
+  }
+}
+
+template <int kAlign>
+__device__ __forceinline__ nvfp4::Block get8(const uint8_t* p, uint8_t scale) {
+  nvfp4::Block b;
+  if constexpr (kAlign >= 8) {
+    const uint2 w = *reinterpret_cast<const uint2*>(p);
+    b.packed[0] = w.x;
+    b.packed[1] = w.y;
+  } else if constexpr (kAlign >= 4) {
+    b.packed[0] = reinterpret_cast<const uint32_t*>(p)[0];
+    b.packed[1] = reinterpret_cast<const uint32_t*>(p)[1];
+  } else {
+    b.packed[0] = b.packed[1] = 0;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) b.packed[i / 4] |= (uint32_t)p[i] << (8 * (i % 4));
+  }
+  b.scale = scale;
+  return b;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Record parts.  B (generated) provides:
+//   kIndex, kRows, kRowDim, kPrefix, kQ, kSuffix, kR, kResStart,
+//   kData, kScales, kResidual, kResidualScales, kLossless (record offsets), kG, kQdec.
+// ---------------------------------------------------------------------------------------------
+
+template <class B, class Hot>
+struct Quantized {
+  static constexpr int kIndex = B::kIndex;
+  static constexpr int kBlocksPerRow = B::kQ / 16;
+  static constexpr int kBlocks = B::kRows * kBlocksPerRow;
+  static constexpr int kRowBytes = B::kRowDim * Hot::kBytes;
+  static constexpr int kResFirst = B::kResStart / 16;
+  static constexpr int kResBlocksPerRow = B::kR / 16;
+  static constexpr int kLosslessRowBytes = (B::kPrefix + B::kSuffix) * Hot::kBytes;
+  static constexpr int kPrefixBytes = B::kPrefix * Hot::kBytes;
+  static constexpr int kSuffixStart = (B::kRowDim - B::kSuffix) * Hot::kBytes;
+  static constexpr int kLosslessAlign = align_of(B::kLossless);
+  static_assert(B::kQ % 16 == 0 && B::kR % 16 == 0 && B::kPrefix % 16 == 0, "spans are multiples of 16");
+
+  // Work is split in two index spaces, plain blocks and 2FP4 blocks, each walked by the whole CTA:
+  // a warp then runs one path only (a 2FP4 block costs three plain ones), instead of diverging
+  // whenever a row's RoPE blocks fall into it.
+  static constexpr int kPlainPerRow = kBlocksPerRow - kResBlocksPerRow;
+
+  // Row and block-in-row of the i-th plain block (the 2FP4 run is contiguous inside the row).
+  static __device__ __forceinline__ int2 plain_block(int i) {
+    const int row = i / kPlainPerRow;
+    const int k = i % kPlainPerRow;
+    return make_int2(row, k < kResFirst ? k : k + kResBlocksPerRow);
+  }
+
+  static __device__ __forceinline__ const uint8_t* hot_block(const uint8_t* page, int row, int blk) {
+    return page + row * kRowBytes + (B::kPrefix + blk * 16) * Hot::kBytes;
+  }
+
+  static __device__ __forceinline__ void encode(uint8_t* rec, const uint8_t* __restrict__ page) {
+    for (int i = threadIdx.x; i < B::kRows * kPlainPerRow; i += blockDim.x) {
+      const int2 at = plain_block(i);
+      const int t = at.x * kBlocksPerRow + at.y;
+      float x[16];
+      HotBlock<Hot> hot;
+      hot.load(hot_block(page, at.x, at.y));
+      hot.widen(x);
+      const nvfp4::Block main = nvfp4::encode_block(x, B::kG, B::kQdec);
+      put8<8>(rec + B::kData + t * 8, main);  // region offsets of packed data are multiples of 8
+      rec[B::kScales + t] = main.scale;
+    }
+    if constexpr (kResBlocksPerRow > 0) {
+      for (int r = threadIdx.x; r < B::kRows * kResBlocksPerRow; r += blockDim.x) {
+        const int row = r / kResBlocksPerRow;
+        const int blk = kResFirst + r % kResBlocksPerRow;
+        const int t = row * kBlocksPerRow + blk;
+        float x[16];
+        HotBlock<Hot> hot;
+        hot.load(hot_block(page, row, blk));
+        hot.widen(x);
+        const nvfp4::Block2FP4 both = nvfp4::encode_block_2fp4(x, B::kG, B::kQdec);
+        put8<8>(rec + B::kData + t * 8, both.main);
+        rec[B::kScales + t] = both.main.scale;
+        put8<align_of(B::kResidual)>(rec + B::kResidual + r * 8, both.residual);
+        rec[B::kResidualScales + r] = both.residual.scale;
+      }
+    }
+    if constexpr (kLosslessRowBytes > 0) save_lossless(rec, page);
+  }
+
+  static __device__ __forceinline__ void decode(const uint8_t* rec, uint8_t* __restrict__ page) {
+    for (int i = threadIdx.x; i < B::kRows * kPlainPerRow; i += blockDim.x) {
+      const int2 at = plain_block(i);
+      const int t = at.x * kBlocksPerRow + at.y;
+      float y[16];
+      nvfp4::decode_block(get8<8>(rec + B::kData + t * 8, rec[B::kScales + t]), B::kQdec, y);
+      HotBlock<Hot> hot;
+      hot.narrow(y);
+      hot.store(const_cast<uint8_t*>(hot_block(page, at.x, at.y)));
+    }
+    if constexpr (kResBlocksPerRow > 0) {
+      for (int r = threadIdx.x; r < B::kRows * kResBlocksPerRow; r += blockDim.x) {
+        const int row = r / kResBlocksPerRow;
+        const int blk = kResFirst + r % kResBlocksPerRow;
+        const int t = row * kBlocksPerRow + blk;
+        nvfp4::Block2FP4 both;
+        both.main = get8<8>(rec + B::kData + t * 8, rec[B::kScales + t]);
+        both.residual = get8<align_of(B::kResidual)>(rec + B::kResidual + r * 8, rec[B::kResidualScales + r]);
+        float y[16];
+        nvfp4::decode_block_2fp4(both, B::kQdec, y);
+        HotBlock<Hot> hot;
+        hot.narrow(y);
+        hot.store(const_cast<uint8_t*>(hot_block(page, row, blk)));
+      }
+    }
+    if constexpr (kLosslessRowBytes > 0) restore_lossless(rec, page);
+  }
+
+  // Lossless bytes of every row: prefix then suffix, in kLosslessAlign-byte words.  Rows and
+  // spans are multiples of 16 elements, so only the record offset limits the word size.
+  using LosslessWord = typename Word<kLosslessAlign>::T;
+  static constexpr int kLosslessWordsPerRow = kLosslessRowBytes / kLosslessAlign;
+
+  // Byte offsets (in the record's lossless region, in the hot page) of lossless word i.
+  static __device__ __forceinline__ int2 lossless_word(int i) {
+    const int row = i / kLosslessWordsPerRow;
+    const int byte = (i % kLosslessWordsPerRow) * kLosslessAlign;
+    const int hot_byte = byte < kPrefixBytes ? byte : kSuffixStart + (byte - kPrefixBytes);
+    return make_int2(row * kLosslessRowBytes + byte, row * kRowBytes + hot_byte);
+  }
+
+  static __device__ __forceinline__ void save_lossless(uint8_t* rec, const uint8_t* __restrict__ page) {
+    for (int i = threadIdx.x; i < B::kRows * kLosslessWordsPerRow; i += blockDim.x) {
+      const int2 at = lossless_word(i);
+      *reinterpret_cast<LosslessWord*>(rec + B::kLossless + at.x) =
+          *reinterpret_cast<const LosslessWord*>(page + at.y);
+    }
+  }
+
+  static __device__ __forceinline__ void restore_lossless(const uint8_t* rec, uint8_t* __restrict__ page) {
+    for (int i = threadIdx.x; i < B::kRows * kLosslessWordsPerRow; i += blockDim.x) {
+      const int2 at = lossless_word(i);
+      *reinterpret_cast<LosslessWord*>(page + at.y) =
+          *reinterpret_cast<const LosslessWord*>(rec + B::kLossless + at.x);
+    }
+  }
+};
+
+// A side buffer: S provides kIndex, kBytes (per page), kOffset (in the record).
+template <class S>
+struct Side {
+  static constexpr int kIndex = S::kIndex;
+  static constexpr int kAlign = min_align(align_of(S::kOffset), align_of(S::kBytes));
+
+  static __device__ __forceinline__ void encode(uint8_t* rec, const uint8_t* __restrict__ page) {
+    cta_copy<S::kBytes, kAlign>(rec + S::kOffset, page);
+  }
+  static __device__ __forceinline__ void decode(const uint8_t* rec, uint8_t* __restrict__ page) {
+    cta_copy<S::kBytes, kAlign>(page, rec + S::kOffset);
+  }
+};
+
+// One layer record: its parts in record order, its size and where the zero padding starts.
+template <int kRecordBytes_, int kUnpadded_, class... Parts>
+struct Layer {
+  static constexpr int kRecordBytes = kRecordBytes_;
+  static constexpr int kUnpadded = kUnpadded_;
+  static constexpr int kNumParts = sizeof...(Parts);
+  static_assert(kRecordBytes % 16 == 0, "records are padded to 16 bytes");
+
+  static __device__ __forceinline__ void encode(uint8_t* rec, const PoolDesc* pools, int64_t page) {
+    (Parts::encode(rec, pools[Parts::kIndex].base + page * pools[Parts::kIndex].page_stride), ...);
+    for (int i = kUnpadded + threadIdx.x; i < kRecordBytes; i += blockDim.x) rec[i] = 0;
+  }
+  static __device__ __forceinline__ void decode(const uint8_t* rec, const PoolDesc* pools, int64_t page) {
+    (Parts::decode(rec, pools[Parts::kIndex].base + page * pools[Parts::kIndex].page_stride), ...);
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
+// Kernels: grid (pairs, layers of the lifecycle); blockIdx.y picks the layer's descriptors.
+// ---------------------------------------------------------------------------------------------
+
+// The whole record between the cold slot and shared memory, in 16-byte words, each thread
+// issuing kInFlight loads before its stores: over PCIe (mapped pinned slots) a load takes
+// microseconds, so several outstanding loads per thread are what keeps the bus busy (a tunable:
+// more in flight hides more latency but holds more registers).
+template <int kBytes, int kThreads, int kInFlight>
+__device__ __forceinline__ void copy_record(uint8_t* __restrict__ dst, const uint8_t* __restrict__ src) {
+  constexpr int kWords = kBytes / 16;
+  const uint4* in = reinterpret_cast<const uint4*>(src);
+  uint4* out = reinterpret_cast<uint4*>(dst);
+  for (int base = threadIdx.x; base < kWords; base += kThreads * kInFlight) {
+    uint4 v[kInFlight];
+#pragma unroll
+    for (int k = 0; k < kInFlight; ++k) {
+      if (base + k * kThreads < kWords) v[k] = in[base + k * kThreads];
+    }
+#pragma unroll
+    for (int k = 0; k < kInFlight; ++k) {
+      if (base + k * kThreads < kWords) out[base + k * kThreads] = v[k];
+    }
+  }
+}
+
+template <bool kDevicePairs>
+__device__ __forceinline__ PagePair pair_at(const PairBatch& batch, const PagePair* pairs, int64_t i) {
+  if constexpr (kDevicePairs) return pairs[i];
+  else return batch.pairs[i];
+}
+
+template <class L, int kThreads, int kInFlight, bool kDevicePairs>
+__global__ void __launch_bounds__(kThreads)
+encode_kernel(const PoolDesc* __restrict__ pools, uint8_t* cold, int64_t cold_page_bytes, PairBatch batch,
+              const PagePair* __restrict__ pairs) {
+  extern __shared__ uint4 smem[];
+  uint8_t* rec = reinterpret_cast<uint8_t*>(smem);
+  const PagePair pair = pair_at<kDevicePairs>(batch, pairs, blockIdx.x);
+  L::encode(rec, pools + blockIdx.y * L::kNumParts, pair.src);
+  __syncthreads();
+  uint8_t* slot = cold + pair.dst * cold_page_bytes + (int64_t)blockIdx.y * L::kRecordBytes;
+  copy_record<L::kRecordBytes, kThreads, kInFlight>(slot, rec);
+}
+
+template <class L, int kThreads, int kInFlight, bool kDevicePairs>
+__global__ void __launch_bounds__(kThreads)
+decode_kernel(const PoolDesc* __restrict__ pools, const uint8_t* cold, int64_t cold_page_bytes, PairBatch batch,
+              const PagePair* __restrict__ pairs) {
+  extern __shared__ uint4 smem[];
+  uint8_t* rec = reinterpret_cast<uint8_t*>(smem);
+  const PagePair pair = pair_at<kDevicePairs>(batch, pairs, blockIdx.x);
+  const uint8_t* slot = cold + pair.src * cold_page_bytes + (int64_t)blockIdx.y * L::kRecordBytes;
+  copy_record<L::kRecordBytes, kThreads, kInFlight>(rec, slot);
+  __syncthreads();
+  L::decode(rec, pools + blockIdx.y * L::kNumParts, pair.dst);
+}
+
+}  // namespace codec
+}  // namespace kvgen

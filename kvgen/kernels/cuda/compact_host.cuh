@@ -1,0 +1,69 @@
+// kvgen/kernels/cuda/compact_host.cuh -- host side of kvgen_compact.h, generic over a family.
+//
+// Checks the arguments it can check without touching device memory, then launches
+// compact_kernel once per group of kLayersPerLaunch layers.  Nothing here allocates or
+// synchronizes, so a call can be captured in a CUDA graph.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "compact_kernels.cuh"
+#include "kvgen_compact.h"
+#include "last_error.cuh"
+
+namespace kvgen {
+namespace compact {
+
+using kvgen::fail;
+
+// The generated file's description of the family (F::info()), checked against the call.
+inline int check_pools(const kvgen_compact_info& f, const kvgen_compact_pool* pools, int num_layers) {
+  if (num_layers != f.num_layers) {
+    return fail("expected " + std::to_string(f.num_layers) + " layer pools, got " + std::to_string(num_layers));
+  }
+  if (pools == nullptr) return fail("null pool array");
+  for (int layer = 0; layer < num_layers; ++layer) {
+    const kvgen_compact_pool& p = pools[layer];
+    if (p.k_base == nullptr || p.v_base == nullptr) return fail("layer " + std::to_string(layer) + ": null pool base");
+    if ((uintptr_t)p.k_base % 16 || (uintptr_t)p.v_base % 16 || p.k_page_stride_bytes % 16 ||
+        p.v_page_stride_bytes % 16) {
+      return fail("layer " + std::to_string(layer) + ": pool bases and page strides must be 16-byte aligned");
+    }
+  }
+  return 1;
+}
+
+template <class F>
+int launch(const kvgen_compact_pool* pools, int num_layers, const int32_t* page_table, int64_t page_table_stride,
+           int max_requests, const int32_t* src, const int32_t* dst, const int32_t* offsets,
+           int64_t moves_per_head, cudaStream_t stream) {
+  const kvgen_compact_info f = F::info();
+  if (!check_pools(f, pools, num_layers)) return 0;
+  if (max_requests < 0 || moves_per_head < 0 || page_table_stride < 0) {
+    return fail("max_requests, moves_per_head and page_table_stride must be >= 0");
+  }
+  if (max_requests == 0 || moves_per_head == 0) return 1;  // nothing can move
+  if (!page_table || !src || !dst || !offsets) return fail("null page table, src, dst or offsets");
+  if (f.kv_heads > 65535) return fail("kv_heads above the grid's y limit");
+  for (int first = 0; first < num_layers; first += kLayersPerLaunch) {
+    const int count = num_layers - first < kLayersPerLaunch ? num_layers - first : kLayersPerLaunch;
+    LaunchPools batch{};
+    batch.first_layer = first;
+    for (int i = 0; i < count; ++i) {
+      const kvgen_compact_pool& p = pools[first + i];
+      batch.layers[i] = LayerPools{static_cast<uint8_t*>(p.k_base), p.k_page_stride_bytes,
+                                   static_cast<uint8_t*>(p.v_base), p.v_page_stride_bytes};
+    }
+    const dim3 grid((unsigned)max_requests, (unsigned)f.kv_heads, (unsigned)count);
+    compact_kernel<F><<<grid, F::kThreads, 0, stream>>>(batch, page_table, page_table_stride, src, dst, offsets,
+                                                        moves_per_head);
+  }
+  const cudaError_t status = cudaGetLastError();
+  if (status != cudaSuccess) return fail(std::string("compact launch: ") + cudaGetErrorString(status));
+  return 1;
+}
+
+}  // namespace compact
+}  // namespace kvgen

@@ -1,0 +1,332 @@
+// kvgen/kernels/cuda/compact_kernels.cuh -- TriAttention physical compaction (TRIATTENTION.md §7), generic
+// over a family's page geometry.
+//
+// A generated compact.cu describes one family (layout, heads, row bytes, tokens per block) and the
+// launch shape (threads, tile); the logic lives here, once.  One CTA owns one (layer, KV head,
+// request) and walks that request's moves in ascending order, copying the K and the V row of token
+// src(m) to token dst(m) through the page table, 16 bytes per access.
+//
+// The walk (walk_moves) is written once and run two ways: on the GPU, one call per thread with
+// __syncthreads() as the barrier; on the host (tests/csrc/compact_host_check.cu), every "thread"
+// of a phase in turn, so the CPU tests check the same addressing and the same order of memory
+// operations against the oracle's compact_paged.
+//
+// Why the tile order is safe.  Per (layer, head, request) the packer guarantees (§6): sources
+// strictly increase and dst(m) <= src(m).  Hence for m < m': dst(m) <= src(m) < src(m').
+//   (a) A source is never written before it is read: the only moves that can write token src(m')
+//       are moves m'' with dst(m'') = src(m'), and dst(m'') <= src(m'') forces src(m'') >= src(m'),
+//       i.e. m'' >= m' (m'' = m' is an identity move, skipped).  So every move that overwrites a
+//       source comes *after* the move reading it.
+//   (b) Inside a tile a later move may overwrite an earlier move's source (src = [5, 6],
+//       dst = [4, 5]: move 1 writes token 5, move 0 reads it).  So a tile's stores wait at a
+//       barrier until every thread has loaded the whole tile.
+//   (c) Across tiles, the loads of tile k+1 may run concurrently with the stores of tile k: by
+//       (a) tile k's stores only hit sources of moves <= k's last move, never tile k+1's.
+// One barrier per tile therefore suffices:  barrier | load(k+1) || store(k) | resolve(k+2).
+// Different (layer, head, request) never share bytes (different rows or pages), and K and V are
+// different pools, so CTAs need no coordination.
+#pragma once
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+#include <string.h>
+
+namespace kvgen {
+namespace compact {
+
+// ---------------------------------------------------------------------------------------------
+// Page geometry: token -> page -> byte offset
+// ---------------------------------------------------------------------------------------------
+
+enum Layout : int { kHND = 0, kNHD = 1 };
+
+// One layer pool's page: HND [kv_heads][tokens_per_block][row], NHD [tokens_per_block][kv_heads][row],
+// row = head_dim elements of elem_bytes (row_bytes, a multiple of 16: head_dim % 16 == 0 by spec).
+struct Geometry {
+  int layout;
+  int kv_heads;
+  int tokens_per_block;
+  int row_bytes;
+
+  __host__ __device__ constexpr int row_vectors() const { return row_bytes / 16; }
+
+  // Row index of (head, slot) inside a page, in units of row_bytes.
+  __host__ __device__ constexpr int row_in_page(int head, int slot) const {
+    return layout == kHND ? head * tokens_per_block + slot : slot * kv_heads + head;
+  }
+};
+
+// K and V pool of one layer: page p of K starts at k + p * k_page_stride (bytes); same for V.
+// Same memory layout as kvgen_compact_pool in kvgen_compact.h.
+struct LayerPools {
+  uint8_t* k;
+  int64_t k_page_stride;
+  uint8_t* v;
+  int64_t v_page_stride;
+};
+
+// A move with its tokens resolved to (page, row in page).  src_page < 0: nothing to copy (the
+// packer's -1 fill, or an identity move, which would copy a row onto itself).
+struct ResolvedMove {
+  int32_t src_page;
+  int32_t src_row;
+  int32_t dst_page;
+  int32_t dst_row;
+};
+
+__host__ __device__ inline ResolvedMove resolve_move(const Geometry& g, const int32_t* table_row, int head,
+                                                     int32_t src, int32_t dst) {
+  if (src < 0 || src == dst) return ResolvedMove{-1, 0, -1, 0};
+  const int tpb = g.tokens_per_block;
+  return ResolvedMove{table_row[src / tpb], g.row_in_page(head, src % tpb),
+                      table_row[dst / tpb], g.row_in_page(head, dst % tpb)};
+}
+
+// Byte offset of (page, row) from a pool's base.  64-bit: pools exceed 2 GiB.
+__host__ __device__ inline int64_t row_offset(const Geometry& g, int64_t page_stride, int32_t page, int32_t row) {
+  return (int64_t)page * page_stride + (int64_t)row * g.row_bytes;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Moves of one (layer, head, request)
+// ---------------------------------------------------------------------------------------------
+
+// Request r owns slots [offsets[r], offsets[r+1]) of every (layer, head) row of N slots.  Clamped
+// to the row so a bad offsets array cannot make the kernel read outside src/dst.
+struct RequestRange {
+  int64_t begin;
+  int count;
+};
+
+__host__ __device__ inline RequestRange request_range(const int32_t* offsets, int request, int64_t moves_per_head) {
+  int64_t begin = offsets[request];
+  int64_t end = offsets[request + 1];
+  begin = begin < 0 ? 0 : (begin > moves_per_head ? moves_per_head : begin);
+  end = end > moves_per_head ? moves_per_head : end;
+  return RequestRange{begin, end > begin ? (int)(end - begin) : 0};
+}
+
+// Everything one CTA needs: its request's slice of the (layer, head) move rows and its pools.
+struct CtaTask {
+  const int32_t* src;        // src[(layer * kv_heads + head) * N + begin]
+  const int32_t* dst;
+  int count;                 // moves of the request
+  const int32_t* table_row;  // page table row of the request
+  int head;
+  LayerPools pools;
+};
+
+// The task of the CTA (request, head, layer) whose request owns `range`; src/dst rows are
+// [layer][head][moves_per_head].
+__host__ __device__ inline CtaTask cta_task(const Geometry& g, const LayerPools& pools, const int32_t* page_table,
+                                            int64_t page_table_stride, const int32_t* src, const int32_t* dst,
+                                            int64_t moves_per_head, RequestRange range, int request, int head,
+                                            int layer) {
+  const int64_t row = ((int64_t)layer * g.kv_heads + head) * moves_per_head + range.begin;
+  return CtaTask{src + row, dst + row, range.count, page_table + (int64_t)request * page_table_stride, head, pools};
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tiles: which 16-byte vectors a thread copies
+// ---------------------------------------------------------------------------------------------
+
+// A thread holds at most this many 16-byte vectors of one tile (64 registers); two tiles are
+// live at once (the one being stored and the one being loaded).
+constexpr int kMaxVectorsPerThread = 16;
+
+// Moves per tile: the tunable tile_tokens, reduced when long rows would need more than
+// kMaxVectorsPerThread vectors per thread (then the kernel would spill), and to one move per
+// thread (each thread resolves at most one move of a tile).  At least one move.
+__host__ __device__ constexpr int tile_moves(int threads, int tile_tokens, int row_vectors) {
+  const int spill_cap = kMaxVectorsPerThread * threads / (2 * row_vectors);
+  const int cap = spill_cap < threads ? spill_cap : threads;
+  return cap < 1 ? 1 : (tile_tokens < cap ? tile_tokens : cap);
+}
+
+// Vectors one thread copies per tile (K and V rows of every move, spread over the threads).
+__host__ __device__ constexpr int vectors_per_thread(int threads, int tile, int row_vectors) {
+  return (tile * 2 * row_vectors + threads - 1) / threads;
+}
+
+// Vector i of a tile: move i / (2V), pool (i / V) % 2 (0 = K, 1 = V), vector i % V of that row.
+// Consecutive threads take consecutive vectors, so a warp reads whole rows (coalesced).
+struct TileVector {
+  int move;
+  int pool;
+  int vec;
+};
+
+__host__ __device__ inline TileVector tile_vector(int i, int row_vectors) {
+  return TileVector{i / (2 * row_vectors), (i / row_vectors) & 1, i % row_vectors};
+}
+
+// The two register buffers of one thread: the tile being stored and the tile being loaded.
+template <int kPer>
+struct TileRegs {
+  uint4 cur[kPer];
+  uint4 next[kPer];
+
+  __host__ __device__ void advance() {
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) cur[j] = next[j];
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
+// The walk, shared by the kernel and the host check
+// ---------------------------------------------------------------------------------------------
+
+// Exec supplies how a phase runs and how bytes move:
+//   each_thread(f)          f(t) for this thread (GPU) or for every t in turn (host)
+//   overlap(load, store)    the concurrent phase: load(t) and store(t), in an order of Exec's choice
+//   barrier()               __syncthreads() (GPU) or nothing (host: phases are already sequential)
+//   regs(t)                 TileRegs of thread t
+//   moves(buffer)           ResolvedMove[tile] in shared memory, buffer 0..2
+//   load16(p) / store16(p, v)
+// Exec's functions are __device__ on the GPU and __host__ on the host, hence the
+// nv_exec_check_disable on every function that calls them.
+template <int kThreads, int kPer, class Exec>
+struct Walk {
+  Exec& ex;
+  const Geometry& g;
+  const CtaTask& task;
+  int tile;
+
+  // Threads 0 .. tile-1 resolve one move each of tile k through the page table.
+#pragma nv_exec_check_disable
+  __host__ __device__ void resolve(int t, int k) const {
+    if (t >= tile) return;
+    const int m = k * tile + t;
+    ResolvedMove rm{-1, 0, -1, 0};
+    if (m < task.count) rm = resolve_move(g, task.table_row, task.head, task.src[m], task.dst[m]);
+    ex.moves(k % 3)[t] = rm;
+  }
+
+  // Address of vector i of tile k, or nullptr when the vector's move copies nothing.
+#pragma nv_exec_check_disable
+  __host__ __device__ uint8_t* address(int i, int k, bool source) const {
+    if (i >= tile * 2 * g.row_vectors()) return nullptr;
+    const TileVector tv = tile_vector(i, g.row_vectors());
+    const ResolvedMove rm = ex.moves(k % 3)[tv.move];
+    if (rm.src_page < 0) return nullptr;  // fill, identity, or past the request's last move
+    uint8_t* base = tv.pool == 0 ? task.pools.k : task.pools.v;
+    const int64_t stride = tv.pool == 0 ? task.pools.k_page_stride : task.pools.v_page_stride;
+    const int64_t offset = source ? row_offset(g, stride, rm.src_page, rm.src_row)
+                                  : row_offset(g, stride, rm.dst_page, rm.dst_row);
+    return base + offset + 16 * tv.vec;
+  }
+
+#pragma nv_exec_check_disable
+  __host__ __device__ void load(int t, int k) const {
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      const uint8_t* p = address(t + j * kThreads, k, true);
+      if (p) ex.regs(t).next[j] = ex.load16(p);
+    }
+  }
+
+#pragma nv_exec_check_disable
+  __host__ __device__ void store(int t, int k) const {
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      uint8_t* p = address(t + j * kThreads, k, false);
+      if (p) ex.store16(p, ex.regs(t).cur[j]);
+    }
+  }
+
+#pragma nv_exec_check_disable
+  __host__ __device__ void advance(int t) const { ex.regs(t).advance(); }
+};
+
+// One CTA's moves, tile after tile. Per tile k:  barrier | load(k+1) || store(k) | resolve(k+2).
+// Resolving tile k+2 (two dependent loads: the move, then its page) after issuing tile k+1's loads
+// overlaps the two latencies instead of adding them.  Move addresses are triple-buffered: resolve
+// writes buffer (k+2) % 3 after barrier k, when every thread is done with tile k-1's buffer, and
+// tiles k and k+1 (read in this phase) use the other two.
+#pragma nv_exec_check_disable
+template <int kThreads, int kPer, class Exec>
+__host__ __device__ inline void walk_moves(Exec& ex, const Geometry& g, const CtaTask& task, int tile) {
+  const int tiles = (task.count + tile - 1) / tile;
+  if (tiles == 0) return;
+  const Walk<kThreads, kPer, Exec> w{ex, g, task, tile};
+  ex.each_thread([&](int t) {
+    w.resolve(t, 0);
+    if (tiles > 1) w.resolve(t, 1);
+  });
+  ex.barrier();
+  ex.each_thread([&](int t) {
+    w.load(t, 0);
+    w.advance(t);
+  });
+  for (int k = 0; k < tiles; ++k) {
+    const bool more = k + 1 < tiles;
+    ex.barrier();  // tile k loaded by every thread (b); tile k+1 resolved
+    ex.overlap([&](int t) { if (more) w.load(t, k + 1); },  // (c): disjoint from tile k's stores
+               [&](int t) { w.store(t, k); });
+    if (k + 2 < tiles) ex.each_thread([&](int t) { w.resolve(t, k + 2); });
+    if (more) ex.each_thread([&](int t) { w.advance(t); });
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The kernel
+// ---------------------------------------------------------------------------------------------
+
+// Pool descriptors travel by value in the launch (read during the host call only, so a captured
+// CUDA graph keeps them); a launch covers up to kLayersPerLaunch layers (2 KiB of parameters).
+constexpr int kLayersPerLaunch = 64;
+struct LaunchPools {
+  LayerPools layers[kLayersPerLaunch];
+  int first_layer;
+};
+
+// Exec of one GPU thread (see walk_moves).
+template <int kPer, int kTile>
+struct ThreadExec {
+  ResolvedMove (*tiles)[kTile];  // [3][kTile] in shared memory
+  TileRegs<kPer> r;
+
+  template <class F>
+  __device__ __forceinline__ void each_thread(F f) { f((int)threadIdx.x); }
+  template <class L, class S>
+  __device__ __forceinline__ void overlap(L load, S store) {
+    load((int)threadIdx.x);
+    store((int)threadIdx.x);
+  }
+  __device__ __forceinline__ void barrier() { __syncthreads(); }
+  __device__ __forceinline__ TileRegs<kPer>& regs(int) { return r; }
+  __device__ __forceinline__ ResolvedMove* moves(int buffer) { return tiles[buffer]; }
+  // L2-only loads: the pools are written by this kernel, so the non-coherent path is off limits.
+  __device__ __forceinline__ uint4 load16(const uint8_t* p) { return __ldcg(reinterpret_cast<const uint4*>(p)); }
+  // Streaming stores: a moved row is not read again by this kernel.
+  __device__ __forceinline__ void store16(uint8_t* p, uint4 v) { __stcs(reinterpret_cast<uint4*>(p), v); }
+};
+
+// F (generated) provides: static geometry(), kThreads, kTileTokens.
+// Grid: x = request, y = KV head, z = layer within this launch's LaunchPools.
+template <class F>
+__global__ void __launch_bounds__(F::kThreads)
+    compact_kernel(LaunchPools pools, const int32_t* __restrict__ page_table, int64_t page_table_stride,
+                   const int32_t* __restrict__ src, const int32_t* __restrict__ dst,
+                   const int32_t* __restrict__ offsets, int64_t moves_per_head) {
+  constexpr Geometry g = F::geometry();
+  constexpr int kTile = tile_moves(F::kThreads, F::kTileTokens, g.row_vectors());
+  constexpr int kPer = vectors_per_thread(F::kThreads, kTile, g.row_vectors());
+  static_assert(g.row_bytes % 16 == 0, "rows are copied in 16-byte vectors");
+  static_assert(kPer <= 2 * kMaxVectorsPerThread, "rows too long for the register tiles");
+
+  const int request = blockIdx.x;
+  const int head = blockIdx.y;
+  const int layer = pools.first_layer + (int)blockIdx.z;
+  const RequestRange range = request_range(offsets, request, moves_per_head);
+  if (range.count == 0) return;  // uniform over the CTA: padded or inactive request
+
+  const CtaTask task = cta_task(g, pools.layers[blockIdx.z], page_table, page_table_stride, src, dst, moves_per_head,
+                                range, request, head, layer);
+  __shared__ ResolvedMove tiles[3][kTile];
+  ThreadExec<kPer, kTile> ex{tiles, {}};
+  walk_moves<F::kThreads, kPer>(ex, g, task, kTile);
+}
+
+}  // namespace compact
+}  // namespace kvgen

@@ -1,0 +1,489 @@
+// kvgen/kernels/cuda/nvfp4.cuh -- NVFP4 block arithmetic for kvgen's generated CUDA kernels.
+//
+// The contract is COLD_PAGE_FORMAT.md section 3, and the executable reference is
+// kvgen/reference/nvfp4.py: every function here must give the oracle's bits, on the host and on
+// every GPU (tests/test_nvfp4_block.py compiles tests/csrc/nvfp4_host_check.cu with this header
+// and compares bit for bit).
+//
+// Two implementations, chosen at compile time, must write identical bytes:
+//
+//   * software path (KVGEN_NVFP4_HW_PATH == 0): integer / compare arithmetic only; exact on any
+//     target, used on the host, on sm_90a and on plain sm_100 (no arch suffix).
+//   * hardware path (KVGEN_NVFP4_HW_PATH == 1): device code for an architecture- or
+//     family-specific Blackwell-generation target (sm_100a/f, sm_103a/f, sm_107a/f, sm_110a/f,
+//     sm_120a/f, sm_121a/f): one `cvt.rn.satfinite.e2m1x2.f32` per two codes and one
+//     `cvt.rn.satfinite.e4m3x2.f32` for the scale.  The operands are sanitised first so that
+//     the cvt only ever sees finite values it rounds exactly like the contract (no NaN, no Inf,
+//     nothing that would round to -0); see e2m1_cvt_operand() and e4m3_cvt_operand().
+//     Decoding and the final rounding to bf16/fp16/fp8 make no decision that differs between
+//     targets, so both paths share that code (cuda_bf16/fp16/fp8.h conversions).  The same
+//     hardware-path code runs on the host with the instruction replaced by NVIDIA's own host
+//     model of it (cuda_fp4.h / cuda_fp8.h), which is how the tests check it without a GPU.
+//
+// Rules honoured everywhere:
+//   * every float operation rounds to binary32 on its own, with subnormals kept, whatever the
+//     compiler flags: device code writes the PTX `mul.rn.f32` / `add.rn.f32` / `sub.rn.f32` /
+//     `div.rn.f32` itself.  (The __fmul_rn-style intrinsics are never contracted into an FMA,
+//     but nvcc 13 *does* give them `.ftz` under -ftz=true or --use_fast_math; inline PTX is
+//     immune to -fmad, -ftz, -prec-div and --use_fast_math.)  Host code stores each result
+//     through a volatile so no host compiler can fuse it or keep extra precision.  (Do not build
+//     host code that calls this with -ffast-math: gcc then sets FTZ/DAZ for the whole process.)
+//   * the remaining logic is integer work on bit patterns, or compares against thresholds
+//     >= 0.25 (a flushed subnormal compares the same), so it cannot be changed by FTZ either.
+//   * the reciprocal is the correctly rounded division div.rn.f32 of 1 by x, never rcp.approx.
+//
+// Usage: include in a .cu file compiled by nvcc (device or host code).  Everything lives in
+// namespace kvgen::nvfp4.  Define KVGEN_NVFP4_FORCE_SOFTWARE before including to force the
+// software path (for A/B testing on a Blackwell GPU).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp4.h>
+#include <cuda_fp8.h>
+#include <stdint.h>
+#if !defined(__CUDA_ARCH__)
+#include <string.h>
+#endif
+
+// ---------------------------------------------------------------------------------------------
+// Path selection
+// ---------------------------------------------------------------------------------------------
+// nvcc 13 defines, in the device pass only:
+//   __CUDA_ARCH__                 e.g. 1000 for every sm_100 flavour;
+//   __CUDA_ARCH_SPECIFIC__        only for "a" targets (sm_100a -> 1000, also sm_90a -> 900);
+//   __CUDA_ARCH_FAMILY_SPECIFIC__ for "a" and "f" targets (sm_100a and sm_100f -> 1000,
+//                                 sm_103a/f -> 1030, sm_110 -> 1100, sm_120 -> 1200, ...; also
+//                                 sm_90a -> 900).
+//   __CUDA_ARCH_FEAT_SM100_ALL    only for sm_100a (one macro per "a" target), so it is useless
+//                                 for the "f" targets and we do not use it.
+// `cvt ... .e2m1x2` exists only on family/arch-specific targets of compute capability >= 10.0
+// (ptxas refuses it for plain sm_100 and for sm_90a), which is exactly "family-specific macro
+// >= 1000".  The upper bound 1300 is the one NVIDIA's own cuda_fp8.h uses for the same
+// instruction: an unknown future family falls back to the exact software path.
+#if defined(KVGEN_NVFP4_FORCE_SOFTWARE)
+#define KVGEN_NVFP4_HW_PATH 0
+#elif defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FAMILY_SPECIFIC__) && \
+    (__CUDA_ARCH_FAMILY_SPECIFIC__ >= 1000) && (__CUDA_ARCH_FAMILY_SPECIFIC__ < 1300)
+#define KVGEN_NVFP4_HW_PATH 1
+#else
+#define KVGEN_NVFP4_HW_PATH 0
+#endif
+
+// Local to this header (undefined at its end) so it cannot clash with other kvgen headers.
+#define KVGEN_NVFP4_HD __host__ __device__ __forceinline__
+
+namespace kvgen {
+namespace nvfp4 {
+
+enum class Path { Software = 0, Hardware = 1 };
+// The path this compilation pass uses (the host pass is always Software).
+constexpr Path kPath = KVGEN_NVFP4_HW_PATH ? Path::Hardware : Path::Software;
+
+// fl32(1/6) = 0x3E2AAAAB.
+constexpr float kSixth = 0x1.555556p-3f;
+constexpr float kE4M3Max = 448.0f;
+constexpr uint8_t kE4M3NaN = 0x7F;
+// Canonical NaNs of the final rounding (what NVIDIA's cvt writes; the oracle uses the same).
+constexpr uint16_t kBF16NaN = 0x7FFF;
+constexpr uint16_t kFP16NaN = 0x7FFF;
+
+// ---------------------------------------------------------------------------------------------
+// Bits and single-rounding binary32 operations
+// ---------------------------------------------------------------------------------------------
+
+KVGEN_NVFP4_HD uint32_t f32_bits(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(f);
+#else
+  uint32_t u;
+  memcpy(&u, &f, sizeof u);
+  return u;
+#endif
+}
+
+KVGEN_NVFP4_HD float bits_f32(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float f;
+  memcpy(&f, &u, sizeof f);
+  return f;
+#endif
+}
+
+// Bit tests instead of isnan/isfinite: they survive fast-math flags on either compiler.
+KVGEN_NVFP4_HD bool is_nan(float f) { return (f32_bits(f) & 0x7FFFFFFFu) > 0x7F800000u; }
+KVGEN_NVFP4_HD bool is_finite(float f) { return (f32_bits(f) & 0x7FFFFFFFu) < 0x7F800000u; }
+KVGEN_NVFP4_HD float abs_f32(float f) { return bits_f32(f32_bits(f) & 0x7FFFFFFFu); }
+
+// One IEEE binary32 operation, rounded to nearest even, subnormals kept.  Device: the PTX
+// instruction itself without .ftz (see the header comment for why not __fmul_rn & co.); the asm
+// is not volatile, so the compiler may still CSE or schedule it, but never fuse or flush it.
+// Host: the __f*_rn intrinsics are device-only; a volatile store forces the result to be
+// rounded to binary32 on its own (no FMA contraction, no excess precision).
+KVGEN_NVFP4_HD float mul_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  float r;
+  asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+#else
+  volatile float r = a * b;
+  return r;
+#endif
+}
+
+KVGEN_NVFP4_HD float add_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  float r;
+  asm("add.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+#else
+  volatile float r = a + b;
+  return r;
+#endif
+}
+
+KVGEN_NVFP4_HD float sub_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  float r;
+  asm("sub.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+#else
+  volatile float r = a - b;
+  return r;
+#endif
+}
+
+// Correctly rounded IEEE division (what __fdiv_rn is without -ftz=true).
+KVGEN_NVFP4_HD float div_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  float r;
+  asm("div.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+#else
+  volatile float r = a / b;
+  return r;
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------
+// E4M3 (OCP E4M3FN: bias 7, max 448, 0x7F/0xFF NaN)
+// ---------------------------------------------------------------------------------------------
+
+// Exact value of an E4M3 byte.  Any byte is accepted (decoders must not fault on bytes the
+// encoder never writes); 0x7F/0xFF give NaN.
+KVGEN_NVFP4_HD float e4m3_to_f32(uint32_t b) {
+  const uint32_t sign = (b & 0x80u) << 24;
+  const uint32_t exp = (b >> 3) & 0xFu;
+  const uint32_t man = b & 7u;
+  uint32_t mag;
+  if ((b & 0x7Fu) == 0x7Fu) {
+    mag = 0x7FFFFFFFu;
+  } else if (exp == 0) {
+    mag = f32_bits(mul_rn((float)man, 0x1p-9f));  // subnormal: man * 2^-9, exact
+  } else {
+    mag = ((exp + (127u - 7u)) << 23) | (man << 20);  // rebias the exponent, widen the mantissa
+  }
+  return bits_f32(sign | mag);
+}
+
+// Software rounding of any float to E4M3: nearest, ties to even, saturating at +-448 (also
+// +-Inf), NaN -> 0x7F, sign kept (a negative value that rounds to zero gives 0x80).
+KVGEN_NVFP4_HD uint32_t e4m3_from_f32_sw(float f) {
+  const uint32_t u = f32_bits(f);
+  const uint32_t sign = (u >> 24) & 0x80u;
+  const uint32_t a = u & 0x7FFFFFFFu;
+  if (a > 0x7F800000u) return kE4M3NaN;
+  // >= 448: saturate.  (Values in (448, 464] would round to 448 anyway; above, saturation.)
+  if (a >= 0x43E00000u) return sign | 0x7Eu;
+  if (a < 0x3C800000u) {
+    // Below 2^-6, the E4M3 subnormal range: the code is |f| * 2^9 rounded to an integer 0..8
+    // (8 is the smallest normal, 0x08).  |f| * 512 is exact; adding 2^23 rounds it to an integer
+    // with the FPU's round-to-nearest-even, and the integer is then the low mantissa bits.
+    const float t = add_rn(mul_rn(bits_f32(a), 512.0f), 8388608.0f);
+    return sign | (f32_bits(t) - 0x4B000000u);
+  }
+  // Normal range: keep 3 of the 23 mantissa bits, rounding to nearest even by adding
+  // 0x7FFFF + (lowest kept bit); a carry correctly bumps the exponent (at most up to 448).
+  const uint32_t r = a + 0x7FFFFu + ((a >> 20) & 1u);
+  return sign | ((r >> 20) - ((127u - 7u) << 3));
+}
+
+// Operand for the hardware cvt (and NVIDIA's host model of it): the cvt rounds finite values
+// exactly like the contract; clamping to +-448 first means we never depend on how it treats Inf.
+KVGEN_NVFP4_HD float e4m3_cvt_operand(float f) {
+  const uint32_t u = f32_bits(f);
+  if ((u & 0x7FFFFFFFu) > 0x43E00000u) return bits_f32((u & 0x80000000u) | 0x43E00000u);
+  return f;
+}
+
+// Raw `cvt.rn.satfinite.e4m3x2.f32` of one value: the PTX instruction in device code (sm_89+),
+// NVIDIA's software model of the same instruction elsewhere (cuda_fp8.h does exactly that).
+KVGEN_NVFP4_HD uint32_t e4m3_cvt_raw(float f) {
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 890)
+  uint16_t r;
+  // operand a (upper byte) = 0, operand b (lower byte) = f
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(0.0f), "f"(f));
+  return r & 0xFFu;
+#else
+  return __nv_cvt_float_to_fp8(f, __NV_SATFINITE, __NV_E4M3);
+#endif
+}
+
+// Hardware-style rounding to E4M3 (same bytes as e4m3_from_f32_sw for every input).
+KVGEN_NVFP4_HD uint32_t e4m3_from_f32_hw(float f) {
+  if (is_nan(f)) return kE4M3NaN;  // the cvt would give a NaN too, but we pin the byte
+  return e4m3_cvt_raw(e4m3_cvt_operand(f));
+}
+
+template <Path P>
+KVGEN_NVFP4_HD uint32_t e4m3_from_f32_path(float f) {
+  return P == Path::Hardware ? e4m3_from_f32_hw(f) : e4m3_from_f32_sw(f);
+}
+
+// Round to E4M3 with this pass's path (for the block scale: f >= 0 there).
+KVGEN_NVFP4_HD uint32_t e4m3_from_f32(float f) { return e4m3_from_f32_path<kPath>(f); }
+
+// ---------------------------------------------------------------------------------------------
+// E2M1 (FP4 codes 0..15; magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6; bit 3 = sign)
+// ---------------------------------------------------------------------------------------------
+
+// Exact value of a nibble code (only the low 4 bits are used); code 8 is -0.0.  From code 2 up
+// the binary32 patterns step by 0x00400000 (1, 1.5, 2, 3, 4, 6); codes 0 and 1 are 0 and 0.5.
+KVGEN_NVFP4_HD float e2m1_to_f32(uint32_t code) {
+  const uint32_t c = code & 7u;
+  const uint32_t mag = c >= 2u ? 0x3F000000u + c * 0x00400000u : (c == 1u ? 0x3F000000u : 0u);
+  return bits_f32(mag | ((code & 8u) << 28));
+}
+
+// Software E2M1 rounding, in about a dozen instructions (the encoder's hot loop on sm_90):
+//   |p| <  1: the codes 0, 1, 2 are 2|p| rounded to an integer; adding 2^23 lets the FPU round to
+//             nearest even (0.25 -> 0, 0.75 -> 2 = 1.0).  fmaxf turns NaN into 0 (code 0x0).
+//   |p| >= 1: E2M1 keeps one mantissa bit; rounding the bit pattern to nearest even (add
+//             0x1FFFFF plus the kept bit) and reading exponent|bit gives the code directly
+//             (1.0 -> 2, 1.5 -> 3, 2 -> 4, 3 -> 5, 4 -> 6, 6 -> 7): code = (bits >> 22) - 252,
+//             saturated at 7 (5 -> 4.0 by ties-to-even, everything above 5, Inf included, -> 6.0).
+// A NaN fails `a >= 1` and takes the first branch.  The sign only when the magnitude is non-zero:
+// the contract has no negative zero.  Every tie lands on the even code, as the contract demands.
+KVGEN_NVFP4_HD uint32_t e2m1_magnitude_sw(float p) {
+  const float a = abs_f32(p);
+  const uint32_t small = f32_bits(add_rn(fmaxf(add_rn(a, a), 0.0f), 8388608.0f)) - 0x4B000000u;
+  const uint32_t u = f32_bits(a);
+  const uint32_t code = ((u + 0x1FFFFFu + ((u >> 22) & 1u)) >> 22) - 252u;
+  const uint32_t big = code < 7u ? code : 7u;
+  return a >= 1.0f ? big : small;
+}
+
+KVGEN_NVFP4_HD uint32_t e2m1_from_f32_sw(float p) {
+  const uint32_t mag = e2m1_magnitude_sw(p);
+  const uint32_t neg = (f32_bits(p) >> 31) & (uint32_t)(mag != 0u);
+  return mag | (neg << 3);
+}
+
+// Operand for the hardware cvt.  `cvt.rn.satfinite.e2m1x2.f32` rounds finite values exactly as
+// the contract wants, but (per NVIDIA's model of it in cuda_fp4.hpp) writes 0x7 for NaN and keeps
+// the sign of a result that rounds to zero (0x8).  So:
+//   |p| <= 0.25 or NaN -> +0   (code 0x0: the contract's NaN rule and "no negative zero");
+//   |p| >  6   or Inf  -> +-6  (code 0x7/0xF: saturate ourselves instead of via .satfinite);
+//   anything else unchanged (the cvt rounds it to nearest even, like e2m1_from_f32_sw).
+// This is the only fix-up the hardware path needs, and it is shared with the host emulation.
+KVGEN_NVFP4_HD float e2m1_cvt_operand(float p) {
+  const uint32_t u = f32_bits(p);
+  const float a = bits_f32(u & 0x7FFFFFFFu);
+  if (!(a > 0.25f)) return 0.0f;
+  if (a > 6.0f) return bits_f32((u & 0x80000000u) | 0x40C00000u);
+  return p;
+}
+
+// Raw `cvt.rn.satfinite.e2m1x2.f32` of two values: one byte, `even` in the low nibble.  PTX in
+// hardware-path device code; NVIDIA's software model of the instruction elsewhere.
+KVGEN_NVFP4_HD uint32_t e2m1x2_cvt_raw(float even, float odd) {
+#if defined(__CUDA_ARCH__) && KVGEN_NVFP4_HW_PATH
+  uint16_t r;
+  // The cvt puts operand a in the upper nibble and operand b in the lower one.
+  asm("{\n\t.reg .b8 kvgen_t;\n\t"
+      "cvt.rn.satfinite.e2m1x2.f32 kvgen_t, %1, %2;\n\t"
+      "mov.b16 %0, {kvgen_t, 0};\n\t}"
+      : "=h"(r)
+      : "f"(odd), "f"(even));
+  return r & 0xFFu;
+#else
+  return __nv_cvt_float2_to_fp4x2(make_float2(even, odd), __NV_E2M1, cudaRoundNearest);
+#endif
+}
+
+KVGEN_NVFP4_HD uint32_t e2m1x2_sw(float even, float odd) {
+  return e2m1_from_f32_sw(even) | (e2m1_from_f32_sw(odd) << 4);
+}
+
+KVGEN_NVFP4_HD uint32_t e2m1x2_hw(float even, float odd) {
+  return e2m1x2_cvt_raw(e2m1_cvt_operand(even), e2m1_cvt_operand(odd));
+}
+
+template <Path P>
+KVGEN_NVFP4_HD uint32_t e2m1x2_path(float even, float odd) {
+  return P == Path::Hardware ? e2m1x2_hw(even, odd) : e2m1x2_sw(even, odd);
+}
+
+// Two codes packed in one byte (even element in the low nibble), with this pass's path.
+KVGEN_NVFP4_HD uint32_t e2m1x2(float even, float odd) { return e2m1x2_path<kPath>(even, odd); }
+// One code.
+KVGEN_NVFP4_HD uint32_t e2m1_code(float p) { return e2m1x2(p, 0.0f) & 0xFu; }
+
+// Eight codes packed in one word (element k in nibble k), software path: magnitudes by
+// arithmetic, then the signs of the whole word at once -- a code keeps its sign bit only when its
+// magnitude is non-zero, tested per nibble with two shifts -- which saves the per-element sign
+// logic of e2m1_from_f32_sw in the encoder's hot loop (same bits).
+KVGEN_NVFP4_HD uint32_t e2m1x8_sw(const float (&p)[8]) {
+  uint32_t mags = 0;
+  uint32_t signs = 0;
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    mags += e2m1_magnitude_sw(p[k]) << (4 * k);
+    signs |= (f32_bits(p[k]) >> (28 - 4 * k)) & (8u << (4 * k));
+  }
+  const uint32_t nonzero = (mags | (mags >> 1) | (mags >> 2)) & 0x11111111u;
+  return mags | (signs & (nonzero * 8u));
+}
+
+KVGEN_NVFP4_HD uint32_t e2m1x8_hw(const float (&p)[8]) {
+  uint32_t word = 0;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) word |= e2m1x2_hw(p[2 * k], p[2 * k + 1]) << (8 * k);
+  return word;
+}
+
+template <Path P>
+KVGEN_NVFP4_HD uint32_t e2m1x8_path(const float (&p)[8]) {
+  return P == Path::Hardware ? e2m1x8_hw(p) : e2m1x8_sw(p);
+}
+
+// ---------------------------------------------------------------------------------------------
+// One block of 16 elements
+// ---------------------------------------------------------------------------------------------
+
+// packed[0] holds elements 0..7 and packed[1] elements 8..15; inside a word, element 2k sits in
+// the low nibble of byte k and element 2k+1 in its high nibble.  Stored little-endian, the two
+// words are exactly the 8 bytes of the cold page (element e in byte e/2, even e low nibble).
+struct Block {
+  uint32_t packed[2];
+  uint8_t scale;  // E4M3 byte
+};
+
+struct Block2FP4 {
+  Block main;
+  Block residual;
+};
+
+// amax over the finite elements: non-finite values (NaN fails the compare, Inf exceeds the
+// largest float) count as 0, so the running max never sees a NaN and one float max per element is
+// exact on every target (no reliance on how a host libm treats signaling NaNs in fmaxf).
+KVGEN_NVFP4_HD float finite_amax(const float (&x)[16]) {
+  float best = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    const float a = abs_f32(x[i]);
+    best = fmaxf(best, a <= 3.40282347e38f ? a : 0.0f);
+  }
+  return best;
+}
+
+template <Path P>
+KVGEN_NVFP4_HD Block encode_block_path(const float (&x)[16], float G, float Q) {
+  Block blk;
+  // s = fl(fl(amax * SIXTH) * G); S = E4M3(s).  s >= 0 (possibly +Inf), so the byte has no sign.
+  const float s = mul_rn(mul_rn(finite_amax(x), kSixth), G);
+  const uint32_t sb = e4m3_from_f32_path<P>(s);
+  blk.scale = (uint8_t)sb;
+  // m = fl(1 / fl(S * Q)).  With S == 0 this is Inf and the codes are garbage: they are masked
+  // below instead of branching, so every lane does the same work.
+  const float m = div_rn(1.0f, mul_rn(e4m3_to_f32(sb), Q));
+  const uint32_t keep = sb != 0u ? 0xFFFFFFFFu : 0u;
+#pragma unroll
+  for (int w = 0; w < 2; ++w) {
+    float p[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) p[k] = mul_rn(x[w * 8 + k], m);
+    blk.packed[w] = e2m1x8_path<P>(p) & keep;
+  }
+  return blk;
+}
+
+// Encode one block with this pass's path.
+KVGEN_NVFP4_HD Block encode_block(const float (&x)[16], float G, float Q) {
+  return encode_block_path<kPath>(x, G, Q);
+}
+
+// y_i = fl(fl(e2m1(code_i) * S) * Q), binary32, before the hot rounding.  Decoding makes no
+// rounding decision that hardware could do differently, so both paths share this code.
+KVGEN_NVFP4_HD void decode_block(const Block& blk, float Q, float (&y)[16]) {
+  const float S = e4m3_to_f32(blk.scale);
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    const uint32_t code = (blk.packed[i >> 3] >> (4 * (i & 7))) & 0xFu;
+    const float v = mul_rn(e2m1_to_f32(code), S);
+    y[i] = Q == 1.0f ? v : mul_rn(v, Q);  // x * 1 is exact: skip it when Q is the default
+  }
+}
+
+// 2FP4: main block, then the residual d_i = fl(x_i - y_i) (0 for non-finite x_i) encoded as its
+// own block with the same G and Q.
+template <Path P>
+KVGEN_NVFP4_HD Block2FP4 encode_block_2fp4_path(const float (&x)[16], float G, float Q) {
+  Block2FP4 out;
+  out.main = encode_block_path<P>(x, G, Q);
+  float y[16];
+  decode_block(out.main, Q, y);
+  float d[16];
+#pragma unroll
+  for (int i = 0; i < 16; ++i) d[i] = is_finite(x[i]) ? sub_rn(x[i], y[i]) : 0.0f;
+  out.residual = encode_block_path<P>(d, G, Q);
+  return out;
+}
+
+KVGEN_NVFP4_HD Block2FP4 encode_block_2fp4(const float (&x)[16], float G, float Q) {
+  return encode_block_2fp4_path<kPath>(x, G, Q);
+}
+
+// 2FP4 decode: fl(y_i + y'_i), binary32, before the (single) hot rounding.
+KVGEN_NVFP4_HD void decode_block_2fp4(const Block2FP4& b, float Q, float (&y)[16]) {
+  float r[16];
+  decode_block(b.main, Q, y);
+  decode_block(b.residual, Q, r);
+#pragma unroll
+  for (int i = 0; i < 16; ++i) y[i] = add_rn(y[i], r[i]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Final rounding to the hot dtype, and exact widening from it
+// ---------------------------------------------------------------------------------------------
+// __float2bfloat16_rn / __float2half_rn are IEEE round-to-nearest-even with overflow to +-Inf and
+// signed zeros, on the device (cvt.rn.bf16/f16.f32, no .ftz) and in their host code, which is
+// what the contract asks; only NaN is pinned to one canonical pattern.  For FP8 the cuda_fp8.h
+// conversion with __NV_SATFINITE rounds to nearest even and saturates; we clamp to +-448 first so
+// the result never depends on how the instruction treats Inf, and pin NaN to 0x7F.
+
+KVGEN_NVFP4_HD uint16_t round_to_bf16_bits(float y) {
+  if (is_nan(y)) return kBF16NaN;
+  return __bfloat16_as_ushort(__float2bfloat16_rn(y));
+}
+
+KVGEN_NVFP4_HD uint16_t round_to_fp16_bits(float y) {
+  if (is_nan(y)) return kFP16NaN;
+  return __half_as_ushort(__float2half_rn(y));
+}
+
+KVGEN_NVFP4_HD uint8_t round_to_fp8_e4m3_bits(float y) {
+  if (is_nan(y)) return kE4M3NaN;
+  return (uint8_t)__nv_cvt_float_to_fp8(e4m3_cvt_operand(y), __NV_SATFINITE, __NV_E4M3);
+}
+
+KVGEN_NVFP4_HD float bf16_bits_to_f32(uint16_t h) { return bits_f32((uint32_t)h << 16); }
+KVGEN_NVFP4_HD float fp16_bits_to_f32(uint16_t h) { return __half2float(__ushort_as_half(h)); }
+KVGEN_NVFP4_HD float fp8_e4m3_bits_to_f32(uint8_t b) { return e4m3_to_f32(b); }
+
+}  // namespace nvfp4
+}  // namespace kvgen
+
+#undef KVGEN_NVFP4_HD

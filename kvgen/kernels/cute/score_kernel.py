@@ -1,0 +1,298 @@
+"""TriAttention scoring kernel (TRIATTENTION.md §3), CuTe DSL.
+
+``score(ℓ, h, j) = Σ_f a_f·Re k_f + b_f·Im k_f + m_f·|k_f|`` for every decode token ``j`` in
+``[P, S)`` of every request, read straight from the paged K pool (post-RoPE keys, never
+re-rotated), with ``a = s(qr·c − qi·d)``, ``b = s(qr·d + qi·c)``, ``m = s·mlr`` built per CTA from
+the calibration (``qr, qi, mlr`` ``[layers, Hq, F]``, ``s = freq_scale_sq`` ``[F]``) and the
+request's mean-phase row (``c, d`` ``[B, F]``).
+
+Work decomposition (memory bound: every K row is read once per pass, see below):
+- grid ``(⌈W / tokens_per_cta⌉, Hkv · passes, layers · B)``; one CTA = ``token_tiles`` tiles of
+  ``threads / lanes`` tokens of one KV head of one (layer, request); ``lanes`` adjacent threads
+  share a token: lane ``l`` reads the row's 16-byte chunks ``l, l + lanes, ...`` (so one warp load
+  covers ``lanes`` adjacent chunks of each of ``32 / lanes`` rows), and a butterfly shuffle sums
+  the lanes' partial scores. ``lanes = 1``: one thread per token, the simplest form.
+- the query heads of a KV group are scored from the same K row: a thread keeps one f32
+  accumulator per query head. Groups wider than ``max_heads`` are split into ``passes`` of
+  ``heads`` query heads each (``passes = ⌈G / max_heads⌉``), one grid row per pass; K is then read
+  once per pass (from L2 after the first). Every shipped family but falcon-7b (G = 71) needs one.
+- the CTA first turns the calibration of its ``heads`` query heads into ``(a, b, m)`` in shared
+  memory (``coefficient_layout``: a lane's coefficients of one chunk contiguous, for 16-byte
+  loads; lanes in different banks; all threads of a lane read the same address: broadcast), then
+  each thread loads its chunks of the K row's rotated span in 16-byte vectors and accumulates with
+  fused multiply-adds; ``|k_f|`` uses the approximate square root (one MUFU op).
+- columns ``[S − P, W)`` of a request are written as zeros, so the output needs no memset.
+
+Inputs are raw device pointers wrapped in CuTe tensors with symbolic sizes (``compile_aot``): the
+AOT export turns each into a ``{data, dynamic_shapes, dynamic_strides}`` struct that the C shim
+(``kvgen/kernels/cute/score_abi.cpp``) fills.
+"""
+
+from __future__ import annotations
+
+import math
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64
+
+from kvgen.kernels.cute.geometry import effective_lanes, pairs_per_chunk, vector_width
+
+ELEMENT_TYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
+ELEMENT_BYTES = {"bf16": 2, "fp16": 2}
+
+
+class TriScoreKernel:
+    """One family's scorer: the geometry is compile-time, sizes (layers, B, W, pages) are not."""
+
+    def __init__(self, *, dtype: str, layout: str, head_dim: int, query_heads: int, kv_heads: int,
+                 rotary_start: int, rotary_dim: int, pairing: str, tokens_per_block: int,
+                 threads: int = 128, max_heads: int = 16, lanes: int = 1, token_tiles: int = 1):
+        if dtype not in ELEMENT_TYPES:
+            raise ValueError(f"score kernel: dtype {dtype!r}; accepted: {', '.join(ELEMENT_TYPES)} "
+                             "(fp8 K is not scored yet)")
+        if layout not in ("HND", "NHD") or pairing not in ("half", "interleaved"):
+            raise ValueError(f"score kernel: layout {layout!r} / pairing {pairing!r} not supported")
+        if query_heads % kv_heads or rotary_dim % 2 or rotary_start + rotary_dim > head_dim:
+            raise ValueError("score kernel: inconsistent geometry")
+        if lanes not in (1, 2, 4, 8) or threads % 32 or token_tiles < 1:
+            raise ValueError(f"score kernel: lanes {lanes} (1, 2, 4 or 8) / threads {threads} (multiple of 32) "
+                             f"/ token_tiles {token_tiles} (>= 1)")
+        self.dtype = dtype
+        self.element = ELEMENT_TYPES[dtype]
+        self.elem_bytes = ELEMENT_BYTES[dtype]
+        self.layout = layout
+        self.head_dim = head_dim
+        self.query_heads = query_heads
+        self.kv_heads = kv_heads
+        self.group = query_heads // kv_heads
+        self.rotary_start = rotary_start
+        self.rotary_dim = rotary_dim
+        self.freqs = rotary_dim // 2
+        self.pairing = pairing
+        self.tokens_per_block = tokens_per_block
+        self.threads = threads
+        self.passes = math.ceil(self.group / max_heads)
+        self.heads = math.ceil(self.group / self.passes)   # query heads scored per pass
+        self.vec = vector_width(rotary_start, rotary_dim, pairing, self.elem_bytes)
+        # A chunk: the frequencies one step of a thread reads (one vector of re and one of im for
+        # half pairs; one vector of interleaved pairs, two scalars if vec == 1).
+        self.pairs_per_chunk = pairs_per_chunk(self.vec, pairing)
+        self.chunks = self.freqs // self.pairs_per_chunk
+        self.lanes = lanes = effective_lanes(lanes, self.chunks)  # threads per token, chunk c -> lane c % lanes
+        self.steps = self.chunks // lanes                   # chunks per lane
+        self.tokens_per_tile = threads // lanes
+        self.token_tiles = token_tiles                      # tiles a CTA walks (amortizes its prologue)
+        self.tokens_per_cta = self.tokens_per_tile * token_tiles
+        # Shared coefficients [heads][3][pairs_per_chunk][lanes][steps]: a lane's block of one step
+        # is contiguous (vector loads); lane blocks are 4 (mod 8) words apart so the lanes of a
+        # token read different banks.
+        block = 3 * self.heads * self.pairs_per_chunk
+        self.lane_stride = block if lanes == 1 else block + (4 - block) % 8
+        # Element offsets inside one page of the pool.
+        if layout == "HND":   # [Hkv][tokens_per_block][head_dim]
+            self.head_stride = tokens_per_block * head_dim
+            self.slot_stride = head_dim
+        else:                 # NHD: [tokens_per_block][Hkv][head_dim]
+            self.head_stride = head_dim
+            self.slot_stride = kv_heads * head_dim
+
+    def coefficient_layout(self) -> cute.Layout:
+        H, ppc = self.heads, self.pairs_per_chunk
+        return cute.make_layout((H, 3, ppc, self.lanes, self.steps),
+                                stride=(1, H, 3 * H, self.lane_stride, self.lane_stride * self.lanes))
+
+    # ------------------------------------------------------------------ host side (traced)
+
+    @cute.jit
+    def __call__(self, k_ptrs: cute.Tensor, page_table: cute.Tensor, P: cute.Tensor, S: cute.Tensor,
+                 c: cute.Tensor, d: cute.Tensor, qr: cute.Tensor, qi: cute.Tensor, mlr: cute.Tensor,
+                 freq_scale_sq: cute.Tensor, scores: cute.Tensor, page_stride: Int64,
+                 stream: cuda.CUstream):
+        layers = scores.shape[0]
+        batch = scores.shape[1]
+        width = scores.shape[3]
+        tiles = (width + self.tokens_per_cta - 1) // self.tokens_per_cta
+        self.kernel(k_ptrs, page_table, P, S, c, d, qr, qi, mlr, freq_scale_sq, scores, page_stride).launch(
+            grid=[tiles, self.kv_heads * self.passes, layers * batch],
+            block=[self.threads, 1, 1],
+            stream=stream,
+        )
+
+    # ------------------------------------------------------------------ device side
+
+    @cute.kernel
+    def kernel(self, k_ptrs: cute.Tensor, page_table: cute.Tensor, P: cute.Tensor, S: cute.Tensor,
+               c: cute.Tensor, d: cute.Tensor, qr: cute.Tensor, qi: cute.Tensor, mlr: cute.Tensor,
+               freq_scale_sq: cute.Tensor, scores: cute.Tensor, page_stride: Int64):
+        tid, _, _ = cute.arch.thread_idx()
+        tile, head_pass, layer_request = cute.arch.block_idx()
+        batch = scores.shape[1]
+        width = scores.shape[3]
+        layer = layer_request // batch
+        request = layer_request - layer * batch
+        kv_head = head_pass // self.passes
+        first = (head_pass - kv_head * self.passes) * self.heads   # first group member of this pass
+
+        # (a, b, m) of this pass's query heads for this (layer, request), in shared memory.
+        smem = cutlass.memory.SmemAllocator()
+        coef = smem.allocate_tensor(Float32, self.coefficient_layout(), 16)
+        self.load_coefficients(coef, c, d, qr, qi, mlr, freq_scale_sq, tid, layer, request, kv_head, first)
+        cute.arch.sync_threads()
+
+        acc = cute.make_rmem_tensor(cute.make_layout(self.heads), Float32)
+        lane = tid % self.lanes
+        valid_width = S[request] - P[request]
+        if self.token_tiles == 1:
+            j = tile * self.tokens_per_tile + tid // self.lanes
+            self.score_token(acc, coef, k_ptrs, page_table, P, scores, page_stride, layer, request, kv_head, first,
+                             j, lane, valid_width, width)
+        else:
+            for sub in cutlass.range(self.token_tiles):
+                j = (tile * self.token_tiles + sub) * self.tokens_per_tile + tid // self.lanes
+                self.score_token(acc, coef, k_ptrs, page_table, P, scores, page_stride, layer, request, kv_head,
+                                 first, j, lane, valid_width, width)
+
+    @cute.jit
+    def score_token(self, acc: cute.Tensor, coef: cute.Tensor, k_ptrs: cute.Tensor, page_table: cute.Tensor,
+                    P: cute.Tensor, scores: cute.Tensor, page_stride: Int64, layer: Int32, request: Int32,
+                    kv_head: Int32, first: Int32, j: Int32, lane: Int32, valid_width: Int32, width: Int32):
+        """This thread's share of decode token ``j`` (column): its lane's chunks of the K row, the
+        lanes' sum, the stores (zeros past the request's width)."""
+        acc.fill(0.0)
+        if j < valid_width:
+            position = P[request] + j
+            block = position // self.tokens_per_block
+            slot = position - block * self.tokens_per_block
+            page = page_table[request, block]
+            offset = (Int64(page) * page_stride + kv_head * self.head_stride + slot * self.slot_stride
+                      + self.rotary_start)
+            span_ptr = cute.make_ptr(self.element, k_ptrs[layer] + offset * self.elem_bytes,
+                                     cute.AddressSpace.gmem, assumed_align=self.vec * self.elem_bytes)
+            span = cute.make_tensor(span_ptr, cute.make_layout(self.rotary_dim))
+            self.accumulate(acc, coef, span, lane)
+        if self.lanes > 1:
+            # Every thread takes part (the shuffles need the whole warp); lanes of a token are
+            # adjacent threads, so a butterfly over `lanes` sums the token's partial scores.
+            for h in cutlass.range_constexpr(self.heads):
+                acc[h] = cute.arch.warp_reduction_sum(acc[h], threads_in_group=self.lanes)
+        if j < width:
+            for h in cutlass.range_constexpr(self.heads):
+                self.store(scores, acc[h], layer, request, kv_head, first, h, j, lane)
+
+    @cute.jit
+    def store(self, scores: cute.Tensor, value: Float32, layer: Int32, request: Int32, kv_head: Int32,
+              first: Int32, h: cutlass.Constexpr, j: Int32, lane: Int32):
+        """Head ``h`` of the pass is written by lane ``h % lanes`` (if it is in the group)."""
+        head = kv_head * self.group + first + h
+        if self.lanes == 1:
+            if self.passes == 1:
+                scores[layer, request, head, j] = value
+            else:
+                if first + h < self.group:
+                    scores[layer, request, head, j] = value
+        else:
+            if lane == h % self.lanes and first + h < self.group:
+                scores[layer, request, head, j] = value
+
+    @cute.jit
+    def load_coefficients(self, coef: cute.Tensor, c: cute.Tensor, d: cute.Tensor, qr: cute.Tensor,
+                          qi: cute.Tensor, mlr: cute.Tensor, freq_scale_sq: cute.Tensor, tid: Int32,
+                          layer: Int32, request: Int32, kv_head: Int32, first: Int32):
+        """``(a, b, m)`` of group member ``first + h`` and frequency ``f`` at
+        ``coef[h, 0..2, e, lane, step]`` with ``f = (step·lanes + lane)·pairs_per_chunk + e`` (zeros
+        past the group)."""
+        ppc = self.pairs_per_chunk
+        for index in cutlass.range(tid, self.heads * self.freqs, self.threads):
+            h = index // self.freqs
+            f = index - h * self.freqs
+            chunk = f // ppc
+            e = f - chunk * ppc
+            step = chunk // self.lanes
+            lane = chunk - step * self.lanes
+            member = first + h
+            live = member < self.group
+            head = kv_head * self.group + cutlass.min(member, self.group - 1)
+            s = freq_scale_sq[f]
+            cf = c[request, f]
+            df = d[request, f]
+            re = qr[layer, head, f]
+            im = qi[layer, head, f]
+            zero = Float32(0.0)
+            coef[h, 0, e, lane, step] = Float32(cutlass.select_(live, s * (re * cf - im * df), zero))
+            coef[h, 1, e, lane, step] = Float32(cutlass.select_(live, s * (re * df + im * cf), zero))
+            coef[h, 2, e, lane, step] = Float32(cutlass.select_(live, s * mlr[layer, head, f], zero))
+
+    @cute.jit
+    def accumulate(self, acc: cute.Tensor, coef: cute.Tensor, span: cute.Tensor, lane: Int32):
+        """``acc[h] += Σ a·re + b·im + m·|k|`` over this lane's chunks of one K row's rotated span
+        (chunk ``step·lanes + lane``: the lanes of a token read adjacent 16-byte pieces)."""
+        vectors = max(2 * self.pairs_per_chunk // self.vec, 1)   # loads per interleaved chunk
+        for step in cutlass.range_constexpr(self.steps):
+            chunk = step * self.lanes + lane
+            if self.pairing == "half":
+                re = self.load_f32(span, chunk, 1)
+                im = self.load_f32(span, self.chunks + chunk, 1)
+                for e in cutlass.range_constexpr(self.pairs_per_chunk):
+                    self.accumulate_pair(acc, coef, e, lane, step, re[e], im[e])
+            else:
+                values = self.load_f32(span, chunk * vectors, vectors)
+                for e in cutlass.range_constexpr(self.pairs_per_chunk):
+                    self.accumulate_pair(acc, coef, e, lane, step, values[2 * e], values[2 * e + 1])
+
+    def load_f32(self, span: cute.Tensor, first_vector, count: int) -> list:
+        """``count`` consecutive ``vec``-wide pieces of the span from piece ``first_vector``
+        (possibly dynamic), as f32 scalars."""
+        values = []
+        for k in range(count):
+            piece = cute.local_tile(span, (self.vec,), (first_vector + k,))
+            loaded = piece.load().to(Float32)
+            values += [loaded[e] for e in range(self.vec)]
+        return values
+
+    def accumulate_pair(self, acc: cute.Tensor, coef: cute.Tensor, e: int, lane, step: int, re, im) -> None:
+        # sqrt.approx (one MUFU op, a few ulp) instead of the IEEE sequence (~10 instructions):
+        # F square roots per token would otherwise cost as much as a third of the FMAs.
+        magnitude = cute.math.sqrt(re * re + im * im, approx=True)
+        for h in range(self.heads):
+            acc[h] = (acc[h] + coef[h, 0, e, lane, step] * re + coef[h, 1, e, lane, step] * im
+                      + coef[h, 2, e, lane, step] * magnitude)
+
+    # ------------------------------------------------------------------ ahead-of-time compile
+
+    def fake_arguments(self) -> tuple:
+        """Fake tensors with symbolic sizes (layers L, batch B, width W, max pages MP) in the
+        argument order of ``__call__``; every tensor is compact, row-major."""
+        from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+
+        L = cute.sym_int32(symbol="L")
+        B = cute.sym_int32(symbol="B")
+        W = cute.sym_int32(symbol="W")
+        MP = cute.sym_int32(symbol="MP")
+        F, Hq = self.freqs, self.query_heads
+
+        def tensor(dtype, shape, align=4):
+            order = tuple(reversed(range(len(shape))))
+            return make_fake_compact_tensor(dtype, shape, stride_order=order, assumed_align=align,
+                                            use_32bit_stride=False)
+
+        return (
+            tensor(Int64, (L,), 8),               # k_ptrs: base address of each layer's K pool
+            tensor(Int32, (B, MP)),               # page_table
+            tensor(Int32, (B,)),                  # P
+            tensor(Int32, (B,)),                  # S
+            tensor(Float32, (B, F)),              # c
+            tensor(Float32, (B, F)),              # d
+            tensor(Float32, (L, Hq, F)),          # qr
+            tensor(Float32, (L, Hq, F)),          # qi
+            tensor(Float32, (L, Hq, F)),          # mlr
+            tensor(Float32, (F,)),                # freq_scale_sq
+            tensor(Float32, (L, B, Hq, W)),       # scores
+            Int64(0),                             # page_stride (elements)
+            make_fake_stream(),
+        )
+
+    def compile_aot(self, arch: str, keep_ptx: bool = False):
+        options = f"--gpu-arch {arch}" + (" --keep-ptx" if keep_ptx else "")
+        return cute.compile(self, *self.fake_arguments(), options=options)

@@ -1,0 +1,221 @@
+"""Kernel plans: what to generate for one (family, op), as frozen, hashable data.
+
+A plan carries the fixed geometry a template needs (from ``kvgen.lower.layout``), the tunable launch
+parameters (apart, as Triton's ``Config``), and the template that renders it. ``key()`` hashes
+every field that changes the generated code; the target arch is *not* part of a plan's source:
+one rendered source compiles for every target (arch-specific paths are ``__CUDA_ARCH__`` guards).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Literal, Mapping
+
+from kvgen.lower.layout import FamilyLayout, family_layout
+from kvgen.spec.schema import FamilySpec
+
+Op = Literal["codec", "compact", "pack", "score"]
+
+# Tunable launch parameters per op: name -> (choices, safe default). One place, read by the
+# tuner (search space), the build (defaults) and the templates (values).
+TUNABLES: dict[str, dict[str, tuple[tuple[int, ...], int]]] = {
+    "codec": {
+        "threads": ((64, 128, 256, 512), 256),
+        "in_flight": ((1, 2, 4, 8), 4),        # 16-byte record loads in flight per thread
+    },
+    "compact": {
+        "threads": ((64, 128, 256), 128),
+        "tile_tokens": ((8, 16, 32, 64), 32),
+    },
+    "pack": {
+        "block": ((64, 128, 256, 512), 256),
+    },
+    "score": {
+        "threads": ((64, 128, 256), 128),      # threads per CTA
+        "max_heads": ((4, 8, 16), 16),         # query heads accumulated per pass over K
+        # threads per token (adjacent 16-byte pieces of its row); 2 measured 2.3x faster than 1 on the
+        # H200 for head 128 and 2.0x for head 256 (results/2026-11-30-h200/bench_score-variants.json)
+        "lanes": ((1, 2, 4), 2),
+        "token_tiles": ((1, 2, 4), 1),         # token tiles per CTA (amortizes the coefficient prologue)
+    },
+}
+
+
+def default_params(op: Op) -> dict[str, int]:
+    return {name: default for name, (_, default) in TUNABLES[op].items()}
+
+
+def check_params(op: Op, params: Mapping[str, int]) -> None:
+    """Reject unknown names or values outside the declared choices (names the accepted ones)."""
+    space = TUNABLES[op]
+    for name, value in params.items():
+        if name not in space:
+            raise ValueError(f"{op}: unknown parameter {name!r}; accepted: {', '.join(space)}")
+        if value not in space[name][0]:
+            raise ValueError(f"{op}: {name}={value} is not one of {space[name][0]}")
+
+
+def _freeze(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return MappingProxyType({k: _freeze(v) for k, v in value.items()})
+    if isinstance(value, list):
+        return tuple(_freeze(v) for v in value)
+    return value
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, tuple):
+        return [_plain(v) for v in value]
+    return value
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    family: str
+    op: Op
+    template: str
+    geometry: Mapping[str, Any]
+    params: Mapping[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "geometry", _freeze(self.geometry))
+        object.__setattr__(self, "params", _freeze(self.params))
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"family": self.family, "op": self.op, "template": self.template,
+                "geometry": _plain(self.geometry), "params": _plain(self.params)}
+
+    def key(self) -> str:
+        """sha256 over everything that changes the generated source."""
+        text = json.dumps(self.as_dict(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    def symbol(self) -> str:
+        """C identifier prefix: ``kvgen_<family>`` with non-identifier characters as '_'."""
+        return "kvgen_" + "".join(c if c.isalnum() else "_" for c in self.family)
+
+    def with_params(self, params: Mapping[str, int]) -> "KernelPlan":
+        check_params(self.op, params)
+        merged = {**_plain(self.params), **params}
+        return KernelPlan(self.family, self.op, self.template, _plain(self.geometry), merged)
+
+
+# ---------------------------------------------------------------- geometry per op
+
+
+def f32_literal(value: float) -> str:
+    """C++ hex literal of ``value`` rounded to binary32: G and Q are binary32 by contract."""
+    return float(struct.unpack("<f", struct.pack("<f", value))[0]).hex() + "f"
+
+
+def copy_align(*sizes: int) -> int:
+    """Largest power of two <= 16 dividing every size (the word a byte copy can use)."""
+    align = 16
+    while any(size % align for size in sizes):
+        align //= 2
+    return align
+
+
+def codec_geometry(spec: FamilySpec, layout: FamilyLayout) -> dict[str, Any]:
+    record = layout.record
+    buffers = [
+        {"name": b.name, "rows": b.rows, "row_dim": b.row_dim, "prefix": b.prefix, "q": b.q, "suffix": b.suffix,
+         "r": b.r, "residual_start": b.residual_start, "G": f32_literal(b.G), "Q": f32_literal(b.Q),
+         "hot_bytes": b.hot_bytes, "align": 16,
+         "regions": {kind: _offset(record, b.name, kind)
+                     for kind in ("data", "scales", "residual", "residual_scales", "lossless")}}
+        for b in record.buffers
+    ]
+    sides = []
+    for s in record.sides:
+        offset = record.region(s.name, "side").offset
+        sides.append({"name": s.name, "bytes": s.bytes, "offset": offset, "align": copy_align(offset, s.bytes)})
+    return {
+        "dtype": spec.dtype,
+        "layout": spec.layout,
+        "record_bytes": record.bytes,
+        "unpadded_bytes": record.unpadded_bytes,
+        "num_layers": spec.layers,
+        "buffers": buffers,
+        "sides": sides,
+        "lifecycles": [{"layers": list(lc.layers), "window": lc.window, "cold_page_bytes": lc.cold_page_bytes}
+                       for lc in layout.lifecycles],
+    }
+
+
+def _offset(record, buffer: str, kind: str) -> int:
+    """Region offset, or 0 for a region the buffer does not have (the kernel never touches it)."""
+    try:
+        return record.region(buffer, kind).offset
+    except KeyError:
+        return 0
+
+
+def compact_geometry(spec: FamilySpec) -> dict[str, Any]:
+    return {
+        "dtype": spec.dtype,
+        "layout": spec.layout,
+        "elem_bytes": spec.elem_bytes,
+        "kv_heads": spec.kv_heads,
+        "head_dim": spec.row_dim,
+        "tokens_per_block": spec.tokens_per_block,
+        "layers": spec.layers,
+    }
+
+
+def pack_geometry(spec: FamilySpec) -> dict[str, Any]:
+    """What the move packer needs: its (layer, KV head) rows and which layers slide (window or None)."""
+    return {
+        "num_layers": spec.layers,
+        "kv_heads": spec.kv_heads,
+        "swa_window": [spec.layer_window(layer) for layer in range(spec.layers)],
+    }
+
+
+def score_geometry(spec: FamilySpec) -> dict[str, Any]:
+    from kvgen.lower.triattention import require_scorable  # refuses families TriAttention cannot serve
+
+    geometry = require_scorable(spec)
+    return {
+        "dtype": spec.dtype,
+        "layout": geometry.layout,
+        "head_dim": geometry.head_dim,
+        "query_heads": geometry.query_heads,
+        "kv_heads": geometry.kv_heads,
+        "rotary_start": geometry.rotary_start,
+        "rotary_dim": geometry.rotary_dim,
+        "pairing": geometry.pairing,
+        "tokens_per_block": geometry.tokens_per_block,
+        "num_layers": geometry.num_layers,
+        "scored_layers": list(geometry.scored_layers),
+    }
+
+
+def score_plan(spec: FamilySpec, params: Mapping[str, int] | None = None) -> KernelPlan:
+    """The CuTe DSL scorer of a TriAttention family (built by kvgen.build.cute_aot)."""
+    merged = {**default_params("score"), **(params or {})}
+    check_params("score", merged)
+    return KernelPlan(spec.name, "score", "score.py.j2", score_geometry(spec), merged)
+
+
+def plans_for(spec: FamilySpec, params: Mapping[Op, Mapping[str, int]] | None = None) -> list[KernelPlan]:
+    """Every kernel plan of a family, tuned params applied over the safe defaults."""
+    params = params or {}
+    layout = family_layout(spec)
+    plans = [KernelPlan(spec.name, "codec", "codec.cu.j2", codec_geometry(spec, layout),
+                        {**default_params("codec"), **params.get("codec", {})})]
+    if spec.triattention.enabled:
+        plans.append(KernelPlan(spec.name, "compact", "compact.cu.j2", compact_geometry(spec),
+                                {**default_params("compact"), **params.get("compact", {})}))
+        plans.append(KernelPlan(spec.name, "pack", "pack.py.j2", pack_geometry(spec),
+                                {**default_params("pack"), **params.get("pack", {})}))
+        plans.append(score_plan(spec, params.get("score")))
+    for plan in plans:
+        check_params(plan.op, plan.params)
+    return plans

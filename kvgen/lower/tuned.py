@@ -1,0 +1,199 @@
+"""Tuned configurations: written by ``kvgen tune`` into ``tuning/<arch>/<family>.json``, read by
+``kvgen build``. No optuna here (the build reads plain JSON).
+
+File (schema 1)::
+
+    {"schema": 1, "family": ..., "arch": ...,
+     "ops": {op: {"params": {...},            <- what the build compiles
+                  "default": {...},
+                  "environment": {gpu, compute_capability, driver, cuda_runtime, torch, kvgen,
+                                  toolchain: {nvcc | cutlass_dsl: version}},   <- where it was measured
+                  "buckets": {bucket: {"best": {...}, "best_ms", "default_ms", "params_ms",
+                                       "speedup", "trials", "failed", "failures", "strategy"}}}}}
+
+Each op carries its own environment: ops are tuned at different times, with different compilers.
+
+One library per (family, op, arch) serves every size, so ``params`` is the configuration with the
+best geometric-mean speed-up over the buckets (among those measured in all of them); each bucket
+also records its own winner and what the compromise costs there (``params_ms``).
+
+Validity: a file is used only when its environment matches the build's: same arch, same kvgen
+version (major.minor), the same compiler release that will compile it (nvcc for codec/compact,
+the CuTe DSL for score), and, when the build machine has a GPU, the same GPU name. Otherwise the
+safe defaults are used and one line says why. ``KVGEN_TUNING=off`` ignores every file;
+``KVGEN_TUNED_PARAMS='qwen3-8b:codec:threads=512,in_flight=2;...'`` overrides (any family/op).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from kvgen.lower.plan import TUNABLES, Op, check_params
+
+SCHEMA = 1
+OP_TOOLCHAIN = {"codec": "nvcc", "compact": "nvcc", "score": "cutlass_dsl", "pack": "triton"}
+
+
+class TuningFileError(ValueError):
+    """A tuned-config file or override that cannot be used; the message names it."""
+
+
+def tuning_path(tuning_dir: Path, arch: str, family: str) -> Path:
+    return Path(tuning_dir) / arch / f"{family}.json"
+
+
+def read_file(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise TuningFileError(f"{path}: not a readable tuned-config file ({exc})") from None
+    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+        raise TuningFileError(f"{path}: schema {data.get('schema') if isinstance(data, dict) else None!r}, "
+                              f"this kvgen reads {SCHEMA}")
+    for op, entry in data.get("ops", {}).items():
+        if op not in TUNABLES:
+            raise TuningFileError(f"{path}: unknown op {op!r}")
+        try:
+            check_params(op, entry["params"])
+        except (KeyError, ValueError, TypeError) as exc:
+            raise TuningFileError(f"{path}: ops.{op}.params: {exc}") from None
+    return data
+
+
+def write_op(tuning_dir: Path, family: str, arch: str, op: Op, entry: Mapping[str, Any],
+             environment: Mapping[str, Any]) -> Path:
+    """Set one op's entry of ``tuning/<arch>/<family>.json`` (other ops kept), atomically."""
+    path = tuning_path(tuning_dir, arch, family)
+    data = read_file(path) if path.exists() else {"schema": SCHEMA, "family": family, "arch": arch, "ops": {}}
+    data["ops"] = {**data.get("ops", {}), op: {**entry, "environment": dict(environment)}}
+    data["ops"] = dict(sorted(data["ops"].items()))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# The build's choice among the buckets
+# ---------------------------------------------------------------------------------------------
+
+
+def build_choice(per_bucket: Mapping[str, Mapping[str, float]], default: str) -> str:
+    """Config id with the best geometric-mean speed-up over the default across every bucket, among
+    configs measured in all of them (the default when nothing else is)."""
+    common = set.intersection(*(set(m) for m in per_bucket.values())) if per_bucket else set()
+    if default not in common:
+        return default
+
+    def gain(config: str) -> float:
+        return math.fsum(math.log(m[default] / m[config]) for m in per_bucket.values())
+
+    return max(sorted(common), key=gain)
+
+
+# ---------------------------------------------------------------------------------------------
+# What the build compiles
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BuildEnvironment:
+    """What the configurations will be compiled with (and on, if the build machine has a GPU)."""
+
+    kvgen: str
+    toolchains: Mapping[str, str]          # "nvcc" / "cutlass_dsl" -> version
+    gpu: str | None = None
+
+
+@dataclass
+class TunedParams:
+    """arch -> family -> op -> params, plus one line per file or override not used, or used."""
+
+    table: dict[str, dict[str, dict[Op, dict[str, int]]]] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def for_family(self, arch: str, family: str) -> dict[Op, dict[str, int]]:
+        return self.table.get(arch, {}).get(family, {})
+
+    def set(self, arch: str, family: str, op: Op, params: Mapping[str, int]) -> None:
+        self.table.setdefault(arch, {}).setdefault(family, {})[op] = dict(params)
+
+
+def _minor(version: str) -> str:
+    return ".".join(str(version).split(".")[:2])
+
+
+def mismatch(data: Mapping[str, Any], op: Op, env: BuildEnvironment) -> str:
+    """Why a file's op entry does not apply here ("" when it does)."""
+    recorded = data["ops"][op].get("environment", {})
+    if _minor(recorded.get("kvgen", "")) != _minor(env.kvgen):
+        return f"tuned with kvgen {recorded.get('kvgen')!r}, building with {env.kvgen}"
+    tool = OP_TOOLCHAIN[op]
+    want = env.toolchains.get(tool)
+    have = recorded.get("toolchain", {}).get(tool)
+    if want is not None and _minor(have or "") != _minor(want):
+        return f"{op} tuned with {tool} {have!r}, building with {want}"
+    if env.gpu and recorded.get("gpu") and recorded["gpu"] != env.gpu:
+        return f"tuned on {recorded['gpu']}, this machine has {env.gpu}"
+    return ""
+
+
+def load_tuned(tuning_dir: Path, envs: Mapping[str, BuildEnvironment], families: list[str],
+               environ: Mapping[str, str] | None = None) -> TunedParams:
+    """The tuned parameters ``kvgen build`` applies for each arch of ``envs`` (what that arch is
+    built with), with a note for each file it does not use."""
+    environ = os.environ if environ is None else environ
+    tuned = TunedParams()
+    if environ.get("KVGEN_TUNING", "").lower() in ("off", "0", "no", "false"):
+        tuned.notes.append("KVGEN_TUNING=off: building every op with its safe default parameters")
+    else:
+        for arch, env in envs.items():
+            for family in families:
+                _load_one(tuning_path(tuning_dir, arch, family), arch, family, env, tuned)
+    override = environ.get("KVGEN_TUNED_PARAMS", "")
+    if override:
+        for (family, op), params in parse_override(override).items():
+            for arch in envs:
+                tuned.set(arch, family, op, {**tuned.for_family(arch, family).get(op, {}), **params})
+        tuned.notes.append(f"KVGEN_TUNED_PARAMS overrides: {override}")
+    return tuned
+
+
+def _load_one(path: Path, arch: str, family: str, env: BuildEnvironment, tuned: TunedParams) -> None:
+    if not path.is_file():
+        return
+    try:
+        data = read_file(path)
+    except TuningFileError as exc:
+        tuned.notes.append(f"{exc}; using the safe defaults")
+        return
+    if data.get("arch") != arch or data.get("family") != family:
+        tuned.notes.append(f"{path}: is for {data.get('family')} {data.get('arch')}; using the safe defaults")
+        return
+    for op, entry in data["ops"].items():
+        why = mismatch(data, op, env)
+        if why:
+            tuned.notes.append(f"{path}: {op}: {why}; using the safe defaults")
+        else:
+            tuned.set(arch, family, op, entry["params"])
+
+
+def parse_override(text: str) -> dict[tuple[str, Op], dict[str, int]]:
+    """``family:op:name=value,name=value;...`` -> {(family, op): params}; errors name the item."""
+    out: dict[tuple[str, Op], dict[str, int]] = {}
+    for item in filter(None, (part.strip() for part in text.split(";"))):
+        try:
+            family, op, assignments = item.split(":", 2)
+            params = {k.strip(): int(v) for k, v in (a.split("=") for a in assignments.split(","))}
+            check_params(op, params)  # type: ignore[arg-type]
+        except (ValueError, KeyError) as exc:
+            raise TuningFileError(f"KVGEN_TUNED_PARAMS item {item!r}: {exc} "
+                                  "(format: family:op:name=value,name=value;...)") from None
+        out[(family, op)] = params  # type: ignore[index]
+    return out

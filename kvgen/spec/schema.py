@@ -1,0 +1,473 @@
+"""The cache-family spec language: YAML in, a frozen, validated ``FamilySpec`` out.
+
+Two layers of checking, both reported as ``file:line: key: what is wrong (what is accepted)``:
+1. shape and types (pydantic, ``extra="forbid"``: an unknown key lists the accepted ones);
+2. the rules of COLD_PAGE_FORMAT.md §5 and TRIATTENTION.md §8 (``_semantic_errors``).
+Everything a kernel needs is derived later, once, by ``kvgen.lower.plan``; this module only says what a
+valid spec is.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Annotated, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
+
+from kvgen.arch import DEFAULT_TARGETS
+from kvgen.spec.yamlsrc import KeyPath, LocatedDoc, YamlShapeError, load_located, read_text
+
+HOT_DTYPES = ("bf16", "fp16", "fp8_e4m3")
+ELEM_BYTES = {"bf16": 2, "fp16": 2, "fp8_e4m3": 1}
+MAX_DIM = 1 << 14
+MAX_COUNT = 1 << 12
+
+# Names reach C symbols and file names: lowercase words joined by '-' or '_'.
+FamilyName = Annotated[str, StringConstraints(pattern=r"^[a-z][a-z0-9]*([-_.][a-z0-9]+)*$", max_length=64)]
+BufferName = Annotated[str, StringConstraints(pattern=r"^[a-z][a-z0-9_]*$", max_length=32)]
+Dim = Annotated[int, Field(ge=1, le=MAX_DIM, strict=True)]
+Count = Annotated[int, Field(ge=1, le=MAX_COUNT, strict=True)]
+PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=False)
+
+
+class RopeScaling(_Model):
+    """HF ``rope_scaling``; only the fields the supported types use."""
+
+    type: Literal["llama3", "linear", "yarn", "dynamic"]
+    factor: PositiveFloat = 1.0
+    low_freq_factor: PositiveFloat | None = None
+    high_freq_factor: PositiveFloat | None = None
+    original_max_position_embeddings: Count | Annotated[int, Field(ge=1, le=1 << 24, strict=True)] | None = None
+    beta_fast: PositiveFloat | None = None
+    beta_slow: PositiveFloat | None = None
+    mscale: PositiveFloat | None = None
+    mscale_all_dim: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None
+
+
+class RopeSpec(_Model):
+    placement: Literal["leading", "trailing", "full", "none"]
+    rotary_dim: Dim | None = None
+    partial_rotary_factor: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] | None = None
+    pairing: Literal["half", "interleaved"] = "half"
+    theta: PositiveFloat = 10000.0
+    scaling: RopeScaling | None = None
+
+
+class GlobalScale(_Model):
+    """Encode multiplier ``G`` and decode multiplier ``Q`` (default ``1/G``)."""
+
+    G: PositiveFloat = 1.0
+    Q: PositiveFloat | None = None
+
+
+class QuantizedRange(_Model):
+    start: Annotated[int, Field(ge=0, le=MAX_DIM, strict=True)]
+    length: Dim
+
+
+class ColdPageSpec(_Model):
+    rope: Literal["quantized", "lossless", "2fp4"] = "quantized"
+    residual_width: Dim | None = None
+    quantized_range: QuantizedRange | None = None
+    scales: dict[BufferName, GlobalScale] = Field(default_factory=dict)
+
+
+class SideBuffer(_Model):
+    name: BufferName
+    bytes_per_token: Annotated[int, Field(ge=1, le=1 << 20, strict=True)]
+
+
+class SlidingWindow(_Model):
+    window: Annotated[int, Field(ge=1, le=1 << 24, strict=True)]
+    layers: Union[Literal["even", "odd", "all"], list[Annotated[int, Field(ge=0, le=MAX_COUNT, strict=True)]]]
+
+
+class MLASpec(_Model):
+    kv_lora_rank: Dim
+    qk_rope_head_dim: Dim
+
+
+class CSASpec(_Model):
+    """DeepSeek-V4 compressed-entry buffer: one entry per ``tokens_per_entry`` tokens."""
+
+    tokens_per_entry: Literal[4] = 4
+
+
+class TriAttentionSpec(_Model):
+    enabled: bool = False
+    budget: Annotated[int, Field(ge=1, le=1 << 22, strict=True)] = 2048
+    beta: Annotated[int, Field(ge=1, le=1 << 16, strict=True)] = 128
+    eviction_mode: Literal["union", "per_head", "per_layer_perhead"] = "union"
+
+
+class FamilySpec(_Model):
+    """One cache family, as written in ``specs/<name>.yaml`` (validated)."""
+
+    name: FamilyName
+    model: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9._/-]+$", max_length=128)] | None = None
+    description: Annotated[str, StringConstraints(max_length=2000)] | None = None
+    attention: Literal["mha", "gqa", "mqa", "mla", "csa"]
+    layers: Count
+    query_heads: Count
+    kv_heads: Count = 1
+    head_dim: Dim | None = None
+    tokens_per_block: Annotated[int, Field(ge=1, le=1024, strict=True)]
+    layout: Literal["HND", "NHD"] = "HND"
+    dtype: Literal["bf16", "fp16", "fp8_e4m3"]
+    rope: RopeSpec
+    cold_page: ColdPageSpec = Field(default_factory=ColdPageSpec)
+    side_buffers: list[SideBuffer] = Field(default_factory=list, max_length=8)
+    sliding_window: SlidingWindow | None = None
+    mla: MLASpec | None = None
+    csa: CSASpec | None = None
+    triattention: TriAttentionSpec = Field(default_factory=TriAttentionSpec)
+    targets: list[Literal["sm_90a", "sm_100a", "sm_100f", "sm_103a", "sm_107a"]] = Field(
+        default_factory=lambda: list(DEFAULT_TARGETS), min_length=1
+    )
+
+    @model_validator(mode="after")
+    def _no_duplicate_targets(self) -> "FamilySpec":
+        if len(set(self.targets)) != len(self.targets):
+            raise ValueError("targets lists an architecture twice")
+        return self
+
+    # ---- derived facts (cheap; kvgen.lower.plan turns them into layouts) ----
+    @property
+    def row_dim(self) -> int:
+        """Width of the quantized buffer's row: K/V head_dim, MLA latent, or the CSA entry."""
+        if self.attention == "mla" and self.mla is not None:
+            return self.mla.kv_lora_rank + self.mla.qk_rope_head_dim
+        return self.head_dim or 0
+
+    @property
+    def rotary_dim(self) -> int:
+        rope = self.rope
+        if rope.placement == "none":
+            return 0
+        if rope.placement == "full":
+            return self.row_dim
+        if self.attention == "mla" and self.mla is not None:
+            return self.mla.qk_rope_head_dim
+        if rope.rotary_dim is not None:
+            return rope.rotary_dim
+        if rope.partial_rotary_factor is not None:
+            return int(round(self.row_dim * rope.partial_rotary_factor))
+        return 0
+
+    @property
+    def elem_bytes(self) -> int:
+        return ELEM_BYTES[self.dtype]
+
+    @property
+    def swa_layers(self) -> frozenset[int]:
+        sw = self.sliding_window
+        if sw is None:
+            return frozenset()
+        if sw.layers == "all":
+            return frozenset(range(self.layers))
+        if sw.layers in ("even", "odd"):
+            parity = 0 if sw.layers == "even" else 1
+            return frozenset(i for i in range(self.layers) if i % 2 == parity)
+        return frozenset(sw.layers)
+
+    def layer_window(self, layer: int) -> int | None:
+        """Sliding window of a layer, ``None`` for full attention."""
+        if self.sliding_window is not None and layer in self.swa_layers:
+            return self.sliding_window.window
+        return None
+
+    def scale_for(self, buffer: str) -> tuple[float, float]:
+        """(G, Q) of a quantized buffer; Q defaults to 1/G."""
+        scale = self.cold_page.scales.get(buffer, GlobalScale())
+        return scale.G, scale.Q if scale.Q is not None else 1.0 / scale.G
+
+
+# ---------------------------------------------------------------- errors
+
+
+class SpecIssue(BaseModel):
+    model_config = ConfigDict(frozen=True)
+    line: int
+    key: str
+    message: str
+
+
+class SpecError(ValueError):
+    """A spec that is not valid; ``str()`` lists every issue as ``file:line: key: message``."""
+
+    def __init__(self, path: str, issues: list[SpecIssue]):
+        self.path = path
+        self.issues = issues
+        super().__init__("\n".join(f"{path}:{i.line}: {i.key}: {i.message}" for i in issues))
+
+
+def _key_text(path: KeyPath) -> str:
+    text = ""
+    for part in path:
+        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
+    return text or "(top level)"
+
+
+def _accepted_keys(model: type[BaseModel]) -> str:
+    return ", ".join(model.model_fields)
+
+
+def _model_at(path: KeyPath) -> type[BaseModel] | None:
+    """The pydantic model that owns the mapping at ``path`` (for 'accepted keys' hints)."""
+    model: type[BaseModel] | None = FamilySpec
+    for part in path:
+        if model is None or isinstance(part, int):
+            continue
+        field = model.model_fields.get(part)
+        if field is None:
+            return None
+        model = _first_model(field.annotation)
+    return model
+
+
+def _first_model(annotation) -> type[BaseModel] | None:  # noqa: ANN001 - typing objects
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in getattr(annotation, "__args__", ()) or ():
+        found = _first_model(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def _pydantic_issues(exc: ValidationError, doc: LocatedDoc) -> list[SpecIssue]:
+    issues = []
+    for err in exc.errors(include_url=False):
+        loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and ("[" in p or p.startswith("function-"))))
+        message = err["msg"]
+        if err["type"] == "extra_forbidden":
+            owner = _model_at(loc[:-1])
+            message = "unknown key" + (f"; accepted keys: {_accepted_keys(owner)}" if owner else "")
+        elif err["type"] == "string_pattern_mismatch":
+            message = f"{message} (lowercase letters and digits, words joined by '-', '_' or '.')"
+        issues.append(SpecIssue(line=doc.line_of(loc), key=_key_text(loc), message=message))
+    return _dedupe(issues)
+
+
+def _dedupe(issues: list[SpecIssue]) -> list[SpecIssue]:
+    seen: dict[tuple[int, str, str], SpecIssue] = {}
+    for issue in issues:
+        seen.setdefault((issue.line, issue.key, issue.message), issue)
+    return list(seen.values())
+
+
+# ---------------------------------------------------------------- semantic rules
+
+
+def _semantic_errors(spec: FamilySpec) -> list[tuple[KeyPath, str]]:
+    """Rules that need several fields at once; each error names the key to change."""
+    errors: list[tuple[KeyPath, str]] = []
+    errors += _attention_errors(spec)
+    if errors:
+        return errors  # later rules assume a coherent geometry
+    errors += _rope_errors(spec)
+    if errors:
+        return errors
+    errors += _cold_page_errors(spec)
+    errors += _layer_errors(spec)
+    errors += _triattention_errors(spec)
+    return errors
+
+
+def _attention_errors(spec: FamilySpec) -> list[tuple[KeyPath, str]]:
+    errors: list[tuple[KeyPath, str]] = []
+    kind = spec.attention
+    if kind == "mla":
+        if spec.mla is None:
+            return [(("attention",), "attention: mla needs an 'mla' block with kv_lora_rank and qk_rope_head_dim")]
+        if spec.head_dim is not None and spec.head_dim != spec.row_dim:
+            errors.append((("head_dim",), f"MLA latent rows are kv_lora_rank + qk_rope_head_dim = {spec.row_dim}, "
+                                          f"not {spec.head_dim}; remove head_dim or set it to {spec.row_dim}"))
+    elif spec.mla is not None:
+        errors.append((("mla",), "an 'mla' block is only accepted with attention: mla"))
+    if kind == "csa":
+        if spec.head_dim != 512:
+            errors.append((("head_dim",), "DeepSeek-V4 CSA entries are 512 wide; set head_dim: 512"))
+        if spec.tokens_per_block % 4:
+            errors.append((("tokens_per_block",), "CSA stores one compressed entry per 4 tokens; "
+                                                  "tokens_per_block must be a multiple of 4"))
+    elif spec.csa is not None:
+        errors.append((("csa",), "a 'csa' block is only accepted with attention: csa"))
+    if kind not in ("mla",) and spec.head_dim is None:
+        errors.append((("head_dim",), "head_dim is required for attention kinds other than mla"))
+    if kind in ("mla", "csa", "mqa") and spec.kv_heads != 1:
+        errors.append((("kv_heads",), f"attention: {kind} has exactly one KV head (or latent); set kv_heads: 1"))
+    if kind == "mha" and spec.kv_heads != spec.query_heads:
+        errors.append((("kv_heads",), f"mha needs kv_heads == query_heads ({spec.query_heads}); use gqa otherwise"))
+    if kind == "gqa" and (spec.kv_heads >= spec.query_heads or spec.query_heads % spec.kv_heads):
+        errors.append((("kv_heads",), f"gqa needs kv_heads < query_heads and query_heads % kv_heads == 0 "
+                                      f"(query_heads {spec.query_heads}, kv_heads {spec.kv_heads})"))
+    if spec.row_dim % 16:
+        key = ("mla", "kv_lora_rank") if kind == "mla" else ("head_dim",)
+        errors.append((key, f"row width {spec.row_dim} is not a multiple of 16 (NVFP4 scale groups are 16 wide)"))
+    return errors
+
+
+def _rope_errors(spec: FamilySpec) -> list[tuple[KeyPath, str]]:
+    rope = spec.rope
+    errors: list[tuple[KeyPath, str]] = []
+    given = [k for k in ("rotary_dim", "partial_rotary_factor") if getattr(rope, k) is not None]
+    if rope.placement in ("none", "full") and given:
+        errors.append((("rope", given[0]), f"placement {rope.placement} fixes the rotated width; remove {given[0]}"))
+    if rope.placement in ("leading", "trailing"):
+        if spec.attention == "mla":
+            if rope.placement != "trailing" or given:
+                errors.append((("rope", "placement"), "MLA RoPE is the trailing qk_rope_head_dim of the latent row; "
+                                                      "use placement: trailing without rotary_dim"))
+        elif len(given) != 1:
+            errors.append((("rope", "placement"), f"placement {rope.placement} needs exactly one of rotary_dim or "
+                                                  "partial_rotary_factor"))
+        else:
+            width = spec.row_dim * (rope.partial_rotary_factor or 0)
+            if rope.partial_rotary_factor is not None and not math.isclose(width, round(width)):
+                errors.append((("rope", "partial_rotary_factor"), f"row {spec.row_dim} × factor is not a whole width"))
+    if errors:
+        return errors
+    rotary = spec.rotary_dim
+    if rope.placement != "none" and (rotary % 2 or rotary <= 0 or rotary > spec.row_dim):
+        errors.append((("rope",), f"rotated width {rotary} must be even and in 1..{spec.row_dim}"))
+    if rope.scaling is not None and rope.scaling.type == "llama3":
+        needed = ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        missing = [k for k in needed if getattr(rope.scaling, k) is None]
+        if missing:
+            errors.append((("rope", "scaling"), f"llama3 scaling needs {', '.join(missing)}"))
+    return errors
+
+
+def _cold_page_errors(spec: FamilySpec) -> list[tuple[KeyPath, str]]:
+    """COLD_PAGE_FORMAT.md §5: one quantized run, spans in multiples of 16."""
+    cold = spec.cold_page
+    rope = spec.rope
+    errors: list[tuple[KeyPath, str]] = []
+    rotary = spec.rotary_dim
+    if cold.rope != "quantized":
+        if rope.placement == "none":
+            errors.append((("cold_page", "rope"), f"rope: {cold.rope} needs a RoPE span; this family has none "
+                                                  "(accepted: quantized)"))
+        elif rotary % 16:
+            errors.append((("cold_page", "rope"), f"the RoPE span ({rotary}) is not a multiple of 16, so it cannot "
+                                                  "be its own span; accepted: quantized"))
+        elif cold.rope == "lossless" and rope.placement == "full":
+            errors.append((("cold_page", "rope"), "RoPE covers the whole row; lossless would leave nothing to "
+                                                  "quantize (accepted: quantized, 2fp4)"))
+    if cold.residual_width is not None:
+        if cold.rope != "2fp4":
+            errors.append((("cold_page", "residual_width"), "residual_width is only accepted with rope: 2fp4"))
+        elif cold.residual_width % 16 or cold.residual_width > spec.row_dim:
+            errors.append((("cold_page", "residual_width"), f"residual_width must be a multiple of 16 and at most "
+                                                            f"the row ({spec.row_dim})"))
+    allowed = set(_quantized_buffer_names(spec))
+    for name in cold.scales:
+        if name not in allowed:
+            errors.append((("cold_page", "scales", name), f"no quantized buffer named {name!r}; "
+                                                           f"accepted: {', '.join(sorted(allowed))}"))
+    for scale_name, scale in cold.scales.items():
+        if scale.Q is not None and not math.isfinite(1.0 / scale.Q):
+            errors.append((("cold_page", "scales", scale_name, "Q"), "Q must be finite and positive"))
+    if not errors and cold.quantized_range is not None:
+        errors += _check_quantized_range(spec)
+    names = [s.name for s in spec.side_buffers]
+    for i, name in enumerate(names):
+        if name in names[:i] or name in allowed:
+            errors.append((("side_buffers", i, "name"), f"buffer name {name!r} is used twice"))
+    return errors
+
+
+def _check_quantized_range(spec: FamilySpec) -> list[tuple[KeyPath, str]]:
+    from kvgen.lower.layout import row_schema  # span arithmetic lives in one place; the spec only cross-checks it
+
+    schema = row_schema(spec, _quantized_buffer_names(spec)[0])
+    given = spec.cold_page.quantized_range
+    if given.start % 16 or given.length % 16:
+        return [(("cold_page", "quantized_range"), "start and length must be multiples of 16")]
+    if (given.start, given.length) != (schema.prefix, schema.q):
+        return [(("cold_page", "quantized_range"), f"start {given.start}, length {given.length} disagrees with the "
+                                                   f"RoPE policy, which quantizes start {schema.prefix}, "
+                                                   f"length {schema.q}")]
+    return []
+
+
+def _layer_errors(spec: FamilySpec) -> list[tuple[KeyPath, str]]:
+    sw = spec.sliding_window
+    if sw is None or not isinstance(sw.layers, list):
+        return []
+    bad = [i for i in sw.layers if i >= spec.layers]
+    if bad:
+        return [(("sliding_window", "layers"), f"layer {bad[0]} does not exist (layers 0..{spec.layers - 1})")]
+    if len(set(sw.layers)) != len(sw.layers):
+        return [(("sliding_window", "layers"), "a layer is listed twice")]
+    return []
+
+
+def _triattention_errors(spec: FamilySpec) -> list[tuple[KeyPath, str]]:
+    tri = spec.triattention
+    if not tri.enabled:
+        return []
+    key = ("triattention", "enabled")
+    if spec.attention in ("mla", "csa"):
+        return [(key, f"TriAttention cannot serve attention: {spec.attention} (one shared latent per token, no "
+                      "KV-head semantics); set enabled: false")]
+    if spec.rope.placement == "none":
+        return [(key, "TriAttention scores RoPE frequencies; this family has no RoPE")]
+    if spec.dtype == "fp8_e4m3":
+        return [(key, "TriAttention scoring reads bf16/fp16 K; fp8 hot caches are not supported by the scorer yet")]
+    if spec.sliding_window is not None and tri.budget < spec.sliding_window.window:
+        return [(("triattention", "budget"), f"budget {tri.budget} is below the sliding window "
+                                             f"{spec.sliding_window.window}; SWA layers keep the whole window")]
+    if len(spec.swa_layers) == spec.layers:
+        return [(key, "every layer is sliding-window; nothing is scored")]
+    return []
+
+
+def _quantized_buffer_names(spec: FamilySpec) -> tuple[str, ...]:
+    return {"mla": ("latent",), "csa": ("entry",)}.get(spec.attention, ("k", "v"))
+
+
+quantized_buffer_names = _quantized_buffer_names
+
+
+# ---------------------------------------------------------------- entry points
+
+
+def parse_spec(text: str, path: str = "<spec>") -> FamilySpec:
+    """Parse and validate spec text; every problem becomes one ``SpecError``."""
+    try:
+        doc = load_located(text)
+    except YamlShapeError as exc:
+        raise SpecError(path, [SpecIssue(line=exc.line, key="(file)", message=exc.message)]) from None
+    try:
+        spec = FamilySpec.model_validate(doc.data)
+    except ValidationError as exc:
+        raise SpecError(path, _pydantic_issues(exc, doc)) from None
+    problems = _semantic_errors(spec)
+    if problems:
+        issues = [SpecIssue(line=doc.line_of(key), key=_key_text(key), message=msg) for key, msg in problems]
+        raise SpecError(path, issues)
+    return spec
+
+
+def load_spec(path: str | Path) -> FamilySpec:
+    """Load ``specs/<family>.yaml``; the file name must match the spec's ``name``."""
+    path = Path(path)
+    try:
+        text = read_text(path)
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SpecError(str(path), [SpecIssue(line=1, key="(file)", message=f"cannot read: {exc}")]) from None
+    except YamlShapeError as exc:
+        raise SpecError(str(path), [SpecIssue(line=exc.line, key="(file)", message=exc.message)]) from None
+    spec = parse_spec(text, str(path))
+    if path.suffix in (".yaml", ".yml") and path.stem != spec.name:
+        line = load_located(text).line_of(("name",))
+        raise SpecError(str(path), [SpecIssue(line=line, key="name", message=f"name {spec.name!r} must match the "
+                                                                             f"file name {path.stem!r}")])
+    return spec
