@@ -1,24 +1,10 @@
 """kvgen: a compiler-style kernel generator and autotuner for KV-cache compression.
 
-``load_spec``, ``FamilySpec`` and ``SpecError`` load lazily: the run-time side (``kvgen.runtime``)
-must import on machines without the build-time dependencies (pydantic).
+The package is the pipeline, one subpackage a stage: ``spec`` (YAML -> FamilySpec), ``lower``
+(layouts, plans, tunables), ``render`` (Jinja -> sources), ``kernels`` (hand-written device code),
+``build`` (compile, cache, publish), ``artifacts`` (manifest, wheels) and ``runtime`` (load and
+run, torch + ctypes only); ``reference`` is the oracle beside it. ``measure``, ``tuning``,
+``bench`` and ``demo`` are tools on top; ``cli`` parses arguments and prints.
 """
 
-from __future__ import annotations
-
-from typing import TYPE_CHECKING, Any
-
 __version__ = "0.1.0"
-
-__all__ = ["FamilySpec", "SpecError", "__version__", "load_spec"]
-
-if TYPE_CHECKING:
-    from kvgen.spec.schema import FamilySpec, SpecError, load_spec
-
-
-def __getattr__(name: str) -> Any:
-    if name in ("FamilySpec", "SpecError", "load_spec"):
-        from kvgen import spec
-
-        return getattr(spec, name)
-    raise AttributeError(f"module 'kvgen' has no attribute {name!r}")
