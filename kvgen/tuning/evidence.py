@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvgen.bench.paths import spec_path
+from kvgen.paths import spec_path
 from kvgen.lower.plan import default_params
 from kvgen.spec.schema import load_spec
 from kvgen.tuning.space import canonical, config_id, configurations
