@@ -48,9 +48,9 @@ def clock_for(device: torch.device | str) -> Clock:
     return "cuda" if torch.device(device).type == "cuda" else "wall"
 
 
-def _synchronize() -> None:
-    # only a process that has used the GPU has work to wait for (the CPU demo never initializes CUDA)
-    if torch.cuda.is_initialized():
+def synchronize() -> None:
+    """Wait for the device, in a process that has used it (a CPU run has nothing to wait for)."""
+    if torch.cuda.is_initialized():   # the CPU demo and CPU tests never initialize CUDA
         torch.cuda.synchronize()
 
 
@@ -67,7 +67,7 @@ def time_once(fn: Callable[[], Any], clock: Clock = "cuda") -> tuple[Any, float]
         raise ValueError(f"clock: expected 'cuda' or 'wall', got {clock!r}")
     begin = time.perf_counter()
     value = fn()
-    _synchronize()
+    synchronize()
     return value, (time.perf_counter() - begin) * 1e3
 
 
@@ -89,7 +89,7 @@ def time_calls(calls: Sequence[Callable[[], Any]], reps: int = 20, warmup: int =
     for _ in range(warmup):
         calls[turn % len(calls)]()
         turn += 1
-    _synchronize()
+    synchronize()
     samples = []
     for _ in range(reps):
         samples.append(time_once(calls[turn % len(calls)], clock)[1])

@@ -24,10 +24,10 @@ import pytest
 import torch
 
 from kvgen import demo
+from kvgen.artifacts.manifest import manifest_path, read_manifest
 from kvgen.demo.codecs import open_codec, pairs_tensor
 from kvgen.demo.synthetic import CacheGeometry, KVGenerator
 from kvgen.demo.tiers import ColdTier, HotPool
-from kvgen.artifacts.manifest import manifest_path, read_manifest
 from kvgen.lower.layout import family_layout
 from kvgen.reference import decode_records, encode_records
 from kvgen.spec.schema import load_spec

@@ -42,11 +42,11 @@ class Workload(Protocol):
 
 def launch(fn: Callable[[], Any]) -> None:
     """Run once and synchronize: a failed launch is a "launch" failure (sticky errors kill the process)."""
-    import torch
+    from kvgen.measure.timing import synchronize
 
     try:
         fn()
-        torch.cuda.synchronize()
+        synchronize()
     except Failure:
         raise
     except Exception as exc:  # noqa: BLE001 - LibraryError, ValueError, RuntimeError from the call

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -15,9 +15,6 @@ from kvgen.reference import decode_records, encode_records
 from kvgen.reference.codec import HOT_TORCH_DTYPES
 from kvgen.runtime.codec import ColdPageCodec
 from kvgen.runtime.library import FamilyLibrary, LibraryError
-
-if TYPE_CHECKING:   # lowered by the tool that builds the workload; only its attributes are read here
-    from kvgen.lower.layout import FamilyLayout
 
 CHECK_PAIRS = ((5, 0), (0, 3), (2, 5), (1, 1), (4, 2), (3, 4))   # (dst, src): scattered, one identity
 OUTLIER_CHANNEL, OUTLIER_SCALE = 3, 40
@@ -40,7 +37,9 @@ class CodecWorkload:
 
     op = "codec"
 
-    def __init__(self, layout: FamilyLayout, dtype: str):
+    def __init__(self, layout: Any, dtype: str):
+        """``layout``: the family's ``kvgen.lower.layout.FamilyLayout``, lowered by the tool (measure
+        never reads a spec); ``dtype``: the hot pages' dtype name (``bf16``, ``fp8_e4m3``, ...)."""
         self.layout = layout
         self.dtype = dtype
         self.lc = layout.lifecycles[0]
