@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from kvgen import paths
 from kvgen.lower.layout import family_layout, to_json
 from kvgen.spec.schema import FamilySpec, SpecError, load_spec
 
@@ -24,11 +25,7 @@ err_console = Console(stderr=True, highlight=False)
 
 def default_specs_dir() -> Path:
     """``$KVGEN_SPECS_DIR``, else ``./specs``, else the specs shipped beside the package."""
-    env = os.environ.get("KVGEN_SPECS_DIR")
-    if env:
-        return Path(env)
-    local = Path("specs")
-    return local if local.is_dir() else Path(__file__).resolve().parent.parent / "specs"
+    return paths.specs_dir()
 
 
 def spec_files(specs_dir: Path) -> list[Path]:
@@ -129,13 +126,11 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def default_cache_dir() -> Path:
-    env = os.environ.get("KVGEN_CACHE_DIR")
-    return Path(env) if env else Path.home() / ".cache" / "kvgen"
+    return paths.cache_dir()
 
 
 def default_jobs() -> int:
-    env = os.environ.get("MAX_JOBS")
-    return int(env) if env and env.isdigit() and int(env) > 0 else (os.cpu_count() or 1)
+    return paths.max_jobs()
 
 
 def _split(values: list[str] | None) -> list[str]:
@@ -174,7 +169,7 @@ def _selected_spec_paths(args: argparse.Namespace) -> list[Path]:
 
 
 def _build_archs(args: argparse.Namespace) -> list[str] | None:
-    archs = _split(args.arch) or _split([os.environ.get("KVGEN_CUDA_ARCH_LIST", "")])
+    archs = _split(args.arch) or paths.cuda_arch_list()
     return archs or None
 
 

@@ -148,15 +148,16 @@ def test_run_bookkeeping_with_the_gpu_parts_stubbed(tmp_path, monkeypatch):
     benchmark's document as it returns it, a failing one recorded while the next still runs."""
     import torch
 
-    from kvgen.bench import common, suite
+    from kvgen.bench import suite
+    from kvgen.measure import environment, timing
 
     recorded = recorded_doc()["benchmarks"]
     ceilings = {"device_copy": {"gbps_read_plus_write": 4000.0}, "pinned": {"d2h": {"gbps": 55.0},
                                                                             "h2d": {"gbps": 55.0}}}
     measured, seen = [], []
-    monkeypatch.setattr(common, "require_cuda", lambda: None)
-    monkeypatch.setattr(common, "measure_ceilings", lambda pinned=True: measured.append(pinned) or ceilings)
-    monkeypatch.setattr(common, "environment", lambda: {"gpu": "stub", "commit": "abc1234"})
+    monkeypatch.setattr(timing, "require_cuda", lambda: None)
+    monkeypatch.setattr(timing, "measure_ceilings", lambda pinned=True: measured.append(pinned) or ceilings)
+    monkeypatch.setattr(environment, "environment", lambda: {"gpu": "stub", "commit": "abc1234"})
     monkeypatch.setattr(suite, "release", lambda: None)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (100 << 30, 141 << 30))
 

@@ -1,8 +1,8 @@
 """GPU benchmarks of kvgen's kernels, against physical ceilings measured in the same run.
 
-- ``common``: CUDA-event timing, the ceilings (device copy, pinned host each way), the run record;
 - ``codec``, ``compact``, ``score``: one benchmark each (docstrings state the method), each also
-  runnable alone: ``python -m kvgen.bench.codec`` etc.;
+  runnable alone: ``python -m kvgen.bench.codec`` etc.; their timer, ceilings, run record, inputs
+  and oracle checks are ``kvgen.measure``'s, their libraries come through the runtime lookup;
 - ``suite``: ``kvgen bench run`` -- all of them in one process, ceilings measured once, one
   ``bench.json``, tuned vs default registry;
 - ``report``: ``kvgen bench report DIR`` -- ``report.md`` and PNG plots from ``DIR/bench.json``

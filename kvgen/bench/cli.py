@@ -4,22 +4,14 @@ machine has neither rich nor matplotlib unless installed (the report is skipped 
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
 import sys
 import traceback
 from pathlib import Path
 
+from kvgen import paths
 from kvgen.bench import suite
-from kvgen.bench.paths import ROOT
 
 DEFAULT_FAMILIES = "qwen3-8b,qwen3-8b-fp8,deepseek-v3,deepseek-v4-csa"
-
-
-def _default_out() -> Path:
-    if os.environ.get("OUT"):
-        return Path(os.environ["OUT"])
-    return Path("results") / datetime.datetime.now().strftime("bench-%Y%m%d-%H%M%S")
 
 
 def _csv(value: str) -> list[str]:
@@ -34,12 +26,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=None, help="output directory (default: $OUT, else "
                                                           "results/bench-<date>)")
-    p.add_argument("--registry", type=Path, default=ROOT / "build" / "registry",
+    p.add_argument("--registry", type=Path, default=paths.registry_dir(),
                    help="registry under test (default: build/registry)")
     p.add_argument("--default-registry", type=Path, default=None,
                    help="registry built with the default parameters: time both, record tuned_vs_default")
     p.add_argument("--arch", default="sm_90a")
-    p.add_argument("--generated", type=Path, default=ROOT / "generated", help="rendered sources (Triton packers)")
+    p.add_argument("--generated", type=Path, default=paths.generated_dir(),
+                   help="rendered sources (Triton packers)")
     p.add_argument("--only", default=",".join(("codec", "compact", "score")),
                    help="comma list of codec, compact, score (default: all, in that order)")
     p.add_argument("--families", default=DEFAULT_FAMILIES, help="codec families")
@@ -53,14 +46,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="more registries holding score-library variants (default: build/registry-score-*)")
     p.add_argument("--no-peers", action="store_true", help="skip the oracle eager / torch.compile peers")
     p.add_argument("--no-round", action="store_true", help="skip the whole eviction round")
-    p.add_argument("--tuning", type=Path, default=ROOT / "tuning",
+    p.add_argument("--tuning", type=Path, default=paths.tuning_dir(),
                    help="tuning records for the report's table of tuned configurations (default: tuning/)")
     p.add_argument("--no-report", action="store_true", help="write bench.json only")
     p.set_defaults(bench_func=cmd_run)
 
     p = sub.add_parser("report", help="report.md and PNG plots from DIR/bench.json (needs matplotlib)")
     p.add_argument("dir", type=Path)
-    p.add_argument("--tuning", type=Path, default=ROOT / "tuning",
+    p.add_argument("--tuning", type=Path, default=paths.tuning_dir(),
                    help="tuning records (tuning/<arch>/<family>.json; default: tuning/)")
     p.set_defaults(bench_func=cmd_report)
 
@@ -68,7 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                      "bench_compact.json, bench_score.json) into OUT/bench.json, then report")
     p.add_argument("src", type=Path)
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--tuning", type=Path, default=ROOT / "tuning")
+    p.add_argument("--tuning", type=Path, default=paths.tuning_dir())
     p.add_argument("--no-report", action="store_true")
     p.set_defaults(bench_func=cmd_merge)
 
@@ -87,9 +80,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         print(f"error: kvgen bench run needs a CUDA GPU: torch {torch.__version__} sees none", file=sys.stderr)
         return 2
-    from kvgen.bench.common import NoGpu
-    from kvgen.bench.paths import set_specs_dir
     from kvgen.bench.suite import BENCHMARKS, Options, run_suite
+    from kvgen.measure.timing import NoGpu
 
     only = tuple(_csv(args.only))
     unknown = [name for name in only if name not in BENCHMARKS]
@@ -97,15 +89,14 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"error: --only: unknown benchmark {', '.join(unknown)} (accepted: {', '.join(BENCHMARKS)})",
               file=sys.stderr)
         return 2
-    set_specs_dir(getattr(args, "specs", None))   # kvgen --specs DIR
-    variants = args.score_variants if args.score_variants is not None else sorted(
-        (ROOT / "build").glob("registry-score-*"))
-    options = Options(out=args.out or _default_out(), registry=args.registry, arch=args.arch,
+    variants = args.score_variants if args.score_variants is not None else paths.score_variant_registries()
+    options = Options(out=paths.run_dir("bench", args.out), registry=args.registry, arch=args.arch,
                       default_registry=args.default_registry, generated=args.generated, only=only,
                       families=tuple(_csv(args.families)), hot_gib=args.hot_gib, compact_family=args.compact_family,
                       batches=tuple(int(b) for b in _csv(args.batches)), mode=args.mode, width=args.width,
                       score_batch=args.score_batch, score_variants=tuple(variants), peers=not args.no_peers,
-                      round=not args.no_round, argv=sys.argv[1:])
+                      round=not args.no_round, argv=sys.argv[1:],
+                      specs=getattr(args, "specs", None))   # kvgen --specs DIR
     try:
         doc = run_suite(options)
     except NoGpu as exc:

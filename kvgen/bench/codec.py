@@ -1,6 +1,7 @@
 """Cold-page codec throughput on the GPU against the ceilings measured in the same run.
 
-Per family (lifecycle 0, >= 1 GiB of hot pages, page sources scattered):
+Per family (lifecycle 0, >= 1 GiB of hot pages with an outlier channel, from the codec workload of
+``kvgen.measure.workloads``; page sources scattered; library from the registry through the runtime lookup):
   device encode/decode: (hot + cold bytes) / time / device copy bandwidth   (goal >= 0.85)
   pinned encode/decode: cold bytes / time / pinned bandwidth of that way     (goal >= 0.90)
   offload speed-up: hot bytes / measured pinned d2h bandwidth, over the time of encode-to-pinned
@@ -23,20 +24,14 @@ from pathlib import Path
 
 import torch
 
+from kvgen import paths
 from kvgen.artifacts.manifest import RegistryError
-from kvgen.bench.common import (
-    ROOT,
-    environment,
-    measure_ceilings,
-    registry_artifact,
-    require_cuda,
-    spec_path,
-    time_ms,
-    write_result,
-)
 from kvgen.lower.layout import family_layout
+from kvgen.measure.environment import environment, write_result
+from kvgen.measure.libraries import registry_artifact
+from kvgen.measure.timing import measure_ceilings, require_cuda, time_ms
+from kvgen.measure.workloads.codec import CodecWorkload
 from kvgen.reference import encode_records
-from kvgen.reference.codec import HOT_TORCH_DTYPES
 from kvgen.runtime import ColdPageCodec, FamilyLibrary, LibraryError
 from kvgen.spec.schema import load_spec
 
@@ -44,18 +39,7 @@ DEFAULT_FAMILIES = "qwen3-8b,qwen3-8b-fp8,deepseek-v3,deepseek-v4-csa"
 
 
 def library_for(family: str, registry: Path, arch: str) -> FamilyLibrary:
-    return FamilyLibrary(registry_artifact(family, registry, arch), family)
-
-
-def make_pools(spec, layout, pages: int) -> list[list[torch.Tensor]]:
-    dtype = HOT_TORCH_DTYPES[spec.dtype]
-    pools = []
-    for _ in range(spec.layers):
-        layer = [(torch.randn(pages, b.rows, b.row_dim, device="cuda") * 2).to(dtype) for b in layout.record.buffers]
-        layer += [torch.randint(0, 256, (pages, s.bytes), device="cuda", dtype=torch.uint8)
-                  for s in layout.record.sides]
-        pools.append(layer)
-    return pools
+    return FamilyLibrary(registry_artifact(registry, family, arch, "codec"), family)
 
 
 def oracle_encode(layout, pools, lc, src: torch.Tensor, encode_fn) -> None:
@@ -67,12 +51,12 @@ def oracle_encode(layout, pools, lc, src: torch.Tensor, encode_fn) -> None:
 
 
 def bench_family(family: str, hot_gib: float, ceilings: dict, registry: Path, arch: str, peers: bool,
-                 default_registry: Path | None = None) -> dict:
-    spec = load_spec(spec_path(family))
+                 default_registry: Path | None = None, specs: Path | None = None) -> dict:
+    spec = load_spec(paths.spec_path(family, specs))
     layout = family_layout(spec)
     lc = layout.lifecycles[0]
     pages = math.ceil(hot_gib * (1 << 30) / lc.hot_page_bytes)
-    pools = make_pools(spec, layout, pages)
+    pools = CodecWorkload(layout, spec.dtype).pools(pages, torch.Generator(device="cuda").manual_seed(0))
     codec = ColdPageCodec(library_for(family, registry, arch), layout, pools)
     perm = torch.randperm(pages, dtype=torch.int32)
     enc_pairs = torch.stack([torch.arange(pages, dtype=torch.int32), perm], dim=1)
@@ -153,12 +137,15 @@ def bench_peers(layout, pools, lc, src) -> dict:
     return peers
 
 
-def run(ceilings: dict, families: list[str], hot_gib: float = 1.2, registry: Path = ROOT / "build" / "registry",
-        arch: str = "sm_90a", peers: bool = True, default_registry: Path | None = None) -> dict:
-    """Every family against ``ceilings`` (``measure_ceilings()``, with pinned): ``{"results": [...]}``."""
+def run(ceilings: dict, families: list[str], hot_gib: float = 1.2, registry: Path | None = None,
+        arch: str = "sm_90a", peers: bool = True, default_registry: Path | None = None,
+        specs: Path | None = None) -> dict:
+    """Every family (specs from ``specs``, default ``paths.specs_dir()``) against ``ceilings``
+    (``measure_ceilings()``, with pinned): ``{"results": [...]}``."""
     results = []
     for family in families:
-        res = bench_family(family, hot_gib, ceilings, registry, arch, peers, default_registry)
+        res = bench_family(family, hot_gib, ceilings, paths.registry_dir(registry), arch, peers, default_registry,
+                           specs)
         print(family, {k: v for k, v in res.items() if isinstance(v, dict)}, flush=True)
         results.append(res)
     return {"results": results}
@@ -168,7 +155,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--families", default=DEFAULT_FAMILIES)
     parser.add_argument("--hot-gib", type=float, default=1.2)
-    parser.add_argument("--registry", type=Path, default=ROOT / "build" / "registry")
+    parser.add_argument("--registry", type=Path, default=paths.registry_dir())
     parser.add_argument("--default-registry", type=Path, default=None,
                         help="also time this registry's libraries (built with the default parameters)")
     parser.add_argument("--arch", default="sm_90a")

@@ -31,53 +31,33 @@ Needs only torch, triton and this repository (no pydantic). Writes bench_compact
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import math
 import sys
-import time
-import types
 from pathlib import Path
-from statistics import median
 
 import torch
 
-
-def _register_bare_kvgen_packages() -> None:
-    """The GPU machine may have no pydantic, which kvgen.reference's package init (the codec oracle,
-    via the spec) needs: register the packages bare so the spec-free modules used here import.
-    A no-op where pydantic exists, and for a package already imported."""
-    if importlib.util.find_spec("pydantic") is not None:
-        return
-    kvgen = Path(__file__).resolve().parent.parent
-    for name in ("kvgen.reference", "kvgen.runtime"):
-        if name in sys.modules:
-            continue
-        package = types.ModuleType(name)
-        package.__path__ = [str(kvgen.joinpath(*name.split(".")[1:]))]
-        sys.modules[name] = package
-
-
-_register_bare_kvgen_packages()
-
-from kvgen.artifacts.manifest import RegistryError  # noqa: E402
-from kvgen.bench.common import (  # noqa: E402
-    ROOT,
-    environment,
+from kvgen import paths
+from kvgen.artifacts.manifest import RegistryError
+from kvgen.measure.environment import environment, write_result
+from kvgen.measure.libraries import registry_artifact
+from kvgen.measure.timing import (
+    capture,
     l2_bytes,
     measure_ceilings,
-    registry_artifact,
     require_cuda,
     rotation_sets,
     summary,
+    time_calls,
     time_ms,
-    time_rotated,
-    write_result,
 )
-from kvgen.reference.triattention import TriGeometry, compact_paged  # noqa: E402
-from kvgen.reference.triattention import pack_moves as oracle_pack_moves  # noqa: E402
-from kvgen.runtime.compact import CompactLibrary, Compactor  # noqa: E402
-from kvgen.runtime.library import LibraryError  # noqa: E402
-from kvgen.runtime.pack import MovePacker, pack_module_path  # noqa: E402
+from kvgen.measure.workloads.compact import oracle_compaction_matches
+from kvgen.measure.workloads.pages import page_shape
+from kvgen.reference.triattention import Moves, TriGeometry
+from kvgen.reference.triattention import pack_moves as oracle_pack_moves
+from kvgen.runtime.compact import CompactLibrary, Compactor
+from kvgen.runtime.library import LibraryError
+from kvgen.runtime.pack import MovePacker, pack_module_path
 
 BUDGET = 2048
 DECODE = 4096
@@ -87,7 +67,7 @@ REPS = 20
 
 
 def library_for(family: str, registry: Path, arch: str) -> CompactLibrary:
-    return CompactLibrary(registry_artifact(family, registry, arch))
+    return CompactLibrary(registry_artifact(registry, family, arch, "compact"))
 
 
 def oracle_geometry(info: dict, packer: MovePacker) -> TriGeometry:
@@ -113,34 +93,6 @@ def batch_args(b: dict, mode: str) -> tuple:
     return b["kept"], b["P"], b["S"], b["tail"], b["active"], BUDGET, mode
 
 
-def wall_ms(fn, reps: int, warmup: int = 1) -> dict[str, float]:
-    """Eager wall time (host loops and syncs included), synchronized around each call."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        samples.append((time.perf_counter() - start) * 1e3)
-    samples.sort()
-    return {"median_ms": median(samples), "p20_ms": samples[len(samples) // 5],
-            "p80_ms": samples[(4 * len(samples)) // 5]}
-
-
-def capture(fn) -> torch.cuda.CUDAGraph:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
-
-
 # ---------------------------------------------------------------------------------------------
 # Packer
 # ---------------------------------------------------------------------------------------------
@@ -151,8 +103,8 @@ def bench_packer(packer: MovePacker, geo: TriGeometry, b: dict, mode: str, capac
     batch = b["kept"].shape[0]
     graph = capture(lambda: packer(*args, batch, capacity))
     replay = time_ms(graph.replay, reps=REPS)
-    eager = wall_ms(lambda: packer(*args, batch, capacity), reps=REPS)
-    oracle = wall_ms(lambda: oracle_pack_moves(*args, geo, batch), reps=10)
+    eager = summary(time_ms(lambda: packer(*args, batch, capacity), reps=REPS, warmup=1, clock="wall"))
+    oracle = summary(time_ms(lambda: oracle_pack_moves(*args, geo, batch), reps=10, warmup=1, clock="wall"))
     return {"triton_graph": summary(replay), "triton_eager": eager, "oracle_eager": oracle,
             "speedup_graph_vs_oracle": oracle["median_ms"] / replay["median_ms"]}
 
@@ -163,9 +115,7 @@ def bench_packer(packer: MovePacker, geo: TriGeometry, b: dict, mode: str, capac
 
 
 def pool_shape(info: dict, pages: int) -> tuple[int, ...]:
-    if info["layout"] == "HND":
-        return pages, info["kv_heads"], info["tokens_per_block"], info["head_dim"]
-    return pages, info["tokens_per_block"], info["kv_heads"], info["head_dim"]
+    return pages, *page_shape(info["layout"], info["kv_heads"], info["tokens_per_block"], info["head_dim"])
 
 
 def layer_bytes(info: dict, pages: int) -> int:
@@ -202,21 +152,6 @@ def verify_packer(src, dst, offsets, b: dict, mode: str, geo: TriGeometry) -> bo
             and torch.equal(offsets, ref.offsets) and bool((src[..., n:] == -1).all()))
 
 
-def verify(compactor: Compactor, k_pools: list, v_pools: list, table, moves: tuple, geo: TriGeometry) -> bool:
-    """One eager compaction against the oracle's compact_paged on copies of the same pools."""
-    from kvgen.reference.triattention import Moves
-
-    k_ref = [p.clone() for p in k_pools]
-    v_ref = [p.clone() for p in v_pools]
-    src, dst, offsets = moves
-    n = int(offsets[-1])
-    compact_paged(k_ref, v_ref, table, Moves(src[..., :n].contiguous(), dst[..., :n].contiguous(), offsets), geo)
-    compactor(table, *moves)
-    torch.cuda.synchronize()
-    return all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-               for a, b in zip(k_pools + v_pools, k_ref + v_ref))
-
-
 def bench_compaction(library: CompactLibrary, packer: MovePacker, geo: TriGeometry, batch: int, mode: str,
                      copy_gbps: float, default_library: CompactLibrary | None = None) -> tuple[dict, dict, int]:
     """The compaction result of one batch size, plus the batch and capacity for the packer run;
@@ -244,9 +179,9 @@ def bench_compaction(library: CompactLibrary, packer: MovePacker, geo: TriGeomet
         k_pools, v_pools = make_pools(info, pages, moved_layers, fill=(batch == 1 and i == 0))
         compactor = Compactor(library, k_pools, v_pools)
         if batch == 1 and i == 0:
-            verified = verify(compactor, k_pools, v_pools, table, (src, dst, offsets), geo)
+            verified = oracle_compaction_matches(compactor, k_pools, v_pools, table, Moves(src, dst, offsets), geo)
         graphs.append((capture(lambda c=compactor: c(table, src, dst, offsets)), compactor))
-    t = time_rotated([graph.replay for graph, _ in graphs], reps=REPS)
+    t = time_calls([graph.replay for graph, _ in graphs], reps=REPS)
     gbps = moved_bytes / t["median_ms"] / 1e6
     result = {"batch": batch, "layers_moved": moved_layers, "layers": info["num_layers"], "real_moves": real,
               "moved_bytes": moved_bytes, "rotation_sets": sets, "verified_against_oracle": verified,
@@ -271,9 +206,9 @@ def bench_default(library: CompactLibrary, graphs: list, table, moves: tuple, ge
     for i, (_, tuned) in enumerate(graphs):
         compactor = Compactor(library, *tuned._pools)
         if batch == 1 and i == 0:
-            verified = verify(compactor, *tuned._pools, table, moves, geo)
+            verified = oracle_compaction_matches(compactor, *tuned._pools, table, Moves(*moves), geo)
         default_graphs.append((capture(lambda c=compactor: c(table, *moves)), compactor))
-    t = time_rotated([graph.replay for graph, _ in default_graphs], reps=REPS)
+    t = time_calls([graph.replay for graph, _ in default_graphs], reps=REPS)
     gbps = moved_bytes / t["median_ms"] / 1e6
     del default_graphs
     return {**out, "verified_against_oracle": verified,
@@ -281,18 +216,18 @@ def bench_default(library: CompactLibrary, graphs: list, table, moves: tuple, ge
 
 
 def run(ceilings: dict, family: str = "qwen3-8b", batches: list[int] = (1, 32, 256), mode: str = "union",
-        registry: Path = ROOT / "build" / "registry", arch: str = "sm_90a", generated: Path = ROOT / "generated",
+        registry: Path | None = None, arch: str = "sm_90a", generated: Path | None = None,
         default_registry: Path | None = None) -> dict:
     """Compaction and packing at every batch size against ``ceilings["device_copy"]``:
     ``{"config": {...}, "results": [...]}``."""
-    library = library_for(family, registry, arch)
+    library = library_for(family, paths.registry_dir(registry), arch)
     default_library, default_error = None, None
     if default_registry is not None:
         try:
             default_library = library_for(family, default_registry, arch)
         except (LookupError, RegistryError, LibraryError) as exc:
             default_error = f"{type(exc).__name__}: {exc}"
-    packer = MovePacker(pack_module_path(generated, family), family)
+    packer = MovePacker(pack_module_path(paths.generated_dir(generated), family), family)
     geo = oracle_geometry(library.info, packer)
     torch.cuda.empty_cache()
     copy_gbps = ceilings["device_copy"]["gbps_read_plus_write"]
@@ -319,11 +254,11 @@ def main() -> int:
     parser.add_argument("--family", default="qwen3-8b")
     parser.add_argument("--batches", default="1,32,256")
     parser.add_argument("--mode", default="union", choices=("union", "per_head", "per_layer_perhead"))
-    parser.add_argument("--registry", type=Path, default=ROOT / "build" / "registry")
+    parser.add_argument("--registry", type=Path, default=paths.registry_dir())
     parser.add_argument("--default-registry", type=Path, default=None,
                         help="also time this registry's compaction (built with the default parameters)")
     parser.add_argument("--arch", default="sm_90a")
-    parser.add_argument("--generated", type=Path, default=ROOT / "generated")
+    parser.add_argument("--generated", type=Path, default=paths.generated_dir())
     args = parser.parse_args()
     require_cuda()
     ceilings = measure_ceilings(pinned=False)

@@ -29,88 +29,45 @@ Usage: python -m kvgen.bench.score [--width 16384] [--batch 32] [--no-peers] [--
 from __future__ import annotations
 
 import argparse
-import math
 import tempfile
 from pathlib import Path
 
 import torch
 
-from kvgen.bench.common import ROOT, environment, measure_ceilings, require_cuda, spec_path, time_ms, write_result
+from kvgen import paths
+from kvgen.artifacts.manifest import RegistryError
 from kvgen.lower.triattention import rope_scaling, tri_geometry
-from kvgen.reference.triattention import mean_phase_table, save_calibration, score_paged, synthetic_calibration
+from kvgen.measure.environment import environment, write_result
+from kvgen.measure.libraries import registry_artifact
+from kvgen.measure.timing import measure_ceilings, require_cuda, time_ms
+from kvgen.measure.workloads.score import PROMPT, ScoreCache, ScoreFamily
+from kvgen.reference.triattention import save_calibration, score_paged
 from kvgen.runtime.eviction import TriAttentionManager, generated_backends
-from kvgen.runtime.score import TORCH_DTYPES, ScoreLibrary, score_library_path
+from kvgen.runtime.score import ScoreLibrary
 from kvgen.spec.schema import load_spec
 
-PROMPT = 1024
 VARIANTS = [("qwen3-8b", 32), ("qwen3-8b", 1), ("gpt-oss-20b", 32), ("gemma-2-9b", 32), ("qwen3.5-397b-a17b", 32)]
 
 
-def page_shape(g) -> tuple[int, int, int]:
-    if g.layout == "HND":
-        return g.kv_heads, g.tokens_per_block, g.head_dim
-    return g.tokens_per_block, g.kv_heads, g.head_dim
-
-
-class Cache:
-    """K (and optionally V) pools of a family for B requests of ``PROMPT + width`` tokens, pages
-    scattered, plus everything the kernel takes."""
-
-    def __init__(self, family: str, batch: int, width: int, all_layers: bool = False, with_v: bool = False,
-                 only_layer: int | None = None):
-        self.spec = load_spec(spec_path(family))
-        g = self.geometry = tri_geometry(self.spec)
-        self.batch, self.width = batch, width
-        dtype = TORCH_DTYPES[self.spec.dtype]
-        tokens = PROMPT + width
-        per_request = math.ceil(tokens / g.tokens_per_block)
-        pages = batch * per_request
-        layers = range(g.num_layers) if all_layers else g.scored_layers
-        if only_layer is not None:
-            layers = [only_layer]
-        self.k_pools = {layer: torch.empty((pages, *page_shape(g)), dtype=dtype, device="cuda").normal_()
-                        for layer in layers}
-        self.v_pools = ({layer: torch.empty_like(self.k_pools[layer]).normal_() for layer in layers}
-                        if with_v else {})
-        self.page_table = torch.randperm(pages, device="cuda").to(torch.int32).reshape(batch, per_request)
-        self.calibration = synthetic_calibration(g, seed=0, theta=self.spec.rope.theta, scaling=rope_scaling(self.spec))
-        self.P = [PROMPT] * batch
-        self.S = [PROMPT + width] * batch
-
-    def kernel_inputs(self) -> dict:
-        g, calib = self.geometry, self.calibration
-        scored = list(g.scored_layers)
-        e_q = calib.E_q[scored].cuda()
-        qr, qi = e_q.real.float().contiguous(), e_q.imag.float().contiguous()
-        cos_rows, sin_rows = mean_phase_table(calib.omega.cuda(), PROMPT + self.width + 1)
-        L = torch.tensor(self.S, device="cuda")
-        return {
-            "k_layer_ptrs": torch.tensor([self.k_pools[layer].data_ptr() for layer in scored], dtype=torch.int64,
-                                         device="cuda"),
-            "page_stride": self.k_pools[scored[0]].stride(0),
-            "page_table": self.page_table,
-            "P": torch.tensor(self.P, dtype=torch.int32, device="cuda"),
-            "S": torch.tensor(self.S, dtype=torch.int32, device="cuda"),
-            "c": cos_rows[L].contiguous(), "d": sin_rows[L].contiguous(), "qr": qr, "qi": qi,
-            "mlr": (calib.E_q_norm[scored].cuda() - torch.hypot(qr, qi)).contiguous(),
-            "freq_scale_sq": calib.freq_scale_sq.cuda(),
-            "scores": torch.empty((len(scored), self.batch, g.query_heads, self.width), device="cuda"),
-        }
+def score_family(family: str, specs: Path | None = None):  # noqa: ANN201 - (FamilySpec, ScoreFamily)
+    """The spec of ``family`` and what the score workload needs of it."""
+    spec = load_spec(paths.spec_path(family, specs))
+    return spec, ScoreFamily(spec.name, tri_geometry(spec), spec.dtype, spec.rope.theta, rope_scaling(spec))
 
 
 def score_library(family: str, registry: Path, arch: str) -> ScoreLibrary:
-    return ScoreLibrary(score_library_path(registry, arch, family), family=family)
+    return ScoreLibrary(registry_artifact(registry, family, arch, "score"), family=family)
 
 
 def bench_score(family: str, batch: int, width: int, copy: dict, registries: list[Path], arch: str,
-                default_registry: Path | None = None) -> dict:
+                default_registry: Path | None = None, specs: Path | None = None) -> dict:
     """Every score-library variant (one per registry: tunable params differ) on the same cache; the
     first is the reference the others' scores are compared with. ``role``: "tuned" for the first,
     "default" for ``default_registry`` (appended last when not among ``registries``), else "variant"."""
     registries = list(registries)
     if default_registry is not None and default_registry not in registries:
         registries.append(default_registry)
-    cache = Cache(family, batch, width)
+    cache = ScoreCache(score_family(family, specs)[1], batch, width)
     g = cache.geometry
     inputs = cache.kernel_inputs()
     elem = cache.k_pools[g.scored_layers[0]].element_size()
@@ -120,10 +77,11 @@ def bench_score(family: str, batch: int, width: int, copy: dict, registries: lis
               "kv_heads": g.kv_heads, "score_bytes": score_bytes, "variants": []}
     reference = None
     for registry in registries:
-        path = score_library_path(registry, arch, family)
-        if not path.is_file():
+        try:
+            path = registry_artifact(registry, family, arch, "score")
+        except RegistryError as exc:
             if registry == default_registry:
-                result["default_error"] = f"{path}: no score library"
+                result["default_error"] = f"{registry}: no score library ({str(exc).splitlines()[0]})"
             continue
         if registry == default_registry:   # the comparison may fail; the measurements above stay
             try:
@@ -153,10 +111,10 @@ def bench_score(family: str, batch: int, width: int, copy: dict, registries: lis
     return result   # the cache is freed on return; the caller empties the allocator
 
 
-def bench_oracle(width: int, batch: int) -> dict:
+def bench_oracle(width: int, batch: int, specs: Path | None = None) -> dict:
     """The oracle's scoring of one layer (f32), eager and compiled."""
     layer = 0
-    cache = Cache("qwen3-8b", batch, width, only_layer=layer)
+    cache = ScoreCache(score_family("qwen3-8b", specs)[1], batch, width, only_layer=layer)
     g = cache.geometry
     calib = cache.calibration.to("cuda")
     args = (cache.k_pools[layer], cache.page_table, torch.tensor(cache.P, device="cuda"),
@@ -176,20 +134,21 @@ def bench_oracle(width: int, batch: int) -> dict:
 
 
 def bench_round(width: int, batch: int, copy: dict, registry: Path, arch: str,
-                generated: Path = ROOT / "generated") -> dict:
+                generated: Path | None = None, specs: Path | None = None) -> dict:
     family = "qwen3-8b"
-    cache = Cache(family, batch, width, all_layers=True, with_v=True)
-    g, spec = cache.geometry, cache.spec
+    spec, scoring = score_family(family, specs)
+    cache = ScoreCache(scoring, batch, width, all_layers=True, with_v=True)
+    g = cache.geometry
     k_pools = [cache.k_pools[layer] for layer in range(g.num_layers)]
     v_pools = [cache.v_pools[layer] for layer in range(g.num_layers)]
     with tempfile.TemporaryDirectory() as tmp:
         calib_path = Path(tmp) / "calib.pt"
         save_calibration(cache.calibration, calib_path)
         backends, which = {}, "oracle pack_moves + compact_paged"
-        pack = generated / family / "pack.py"
-        compact = registry / arch / "libkvgen_qwen3_8b.so"
-        if pack.is_file() and compact.is_file():
+        pack = paths.generated_dir(generated) / family / "pack.py"
+        if pack.is_file():
             try:
+                compact = registry_artifact(registry, family, arch, "compact")
                 packer, compactor = generated_backends(family, k_pools, v_pools, pack, compact)
                 backends, which = {"packer": packer, "compactor": compactor}, "generated Triton packer + CUDA compactor"
             except Exception as exc:  # noqa: BLE001 - fall back and say so in the record
@@ -227,23 +186,25 @@ def bench_round(width: int, batch: int, copy: dict, registry: Path, arch: str,
     return result
 
 
-def run(ceilings: dict, width: int = 16384, batch: int = 32, registry: Path = ROOT / "build" / "registry",
+def run(ceilings: dict, width: int = 16384, batch: int = 32, registry: Path | None = None,
         score_variants: list[Path] = (), arch: str = "sm_90a", peers: bool = True, round_: bool = True,
-        default_registry: Path | None = None, generated: Path = ROOT / "generated") -> dict:
+        default_registry: Path | None = None, generated: Path | None = None, specs: Path | None = None) -> dict:
     """Every variant, the oracle peers and one round against ``ceilings["device_copy"]``:
-    ``{"score": [...], "oracle": {...}, "round": {...}}``."""
+    ``{"score": [...], "oracle": {...}, "round": {...}}``. Defaults: ``kvgen.paths``."""
     copy = ceilings["device_copy"]
+    registry = paths.registry_dir(registry)
     record: dict = {"score": []}
     for family, variant_batch in VARIANTS:
         variant_batch = batch if variant_batch != 1 else 1
         registries = [registry, *score_variants]
-        record["score"].append(bench_score(family, variant_batch, width, copy, registries, arch, default_registry))
+        record["score"].append(bench_score(family, variant_batch, width, copy, registries, arch, default_registry,
+                                           specs))
         torch.cuda.empty_cache()
     if peers:
-        record["oracle"] = bench_oracle(width, batch)
+        record["oracle"] = bench_oracle(width, batch, specs)
         torch.cuda.empty_cache()
     if round_:
-        record["round"] = bench_round(width, batch, copy, registry, arch, generated)
+        record["round"] = bench_round(width, batch, copy, registry, arch, generated, specs)
     return record
 
 
@@ -251,9 +212,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--width", type=int, default=16384)
     parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--registry", type=Path, default=ROOT / "build" / "registry")
-    parser.add_argument("--score-variants", type=Path, nargs="*", default=sorted(
-        (ROOT / "build").glob("registry-score-*")), help="more registries holding score-library variants")
+    parser.add_argument("--registry", type=Path, default=paths.registry_dir())
+    parser.add_argument("--score-variants", type=Path, nargs="*", default=paths.score_variant_registries(),
+                        help="more registries holding score-library variants")
     parser.add_argument("--default-registry", type=Path, default=None,
                         help="also time this registry's score libraries (built with the default parameters)")
     parser.add_argument("--arch", default="sm_90a")

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from kvgen.bench.paths import ROOT
+from kvgen import paths
 from kvgen.bench.report import codec_size
 
 SCHEMA = 1
@@ -53,7 +53,7 @@ class Options:
     registry: Path
     arch: str = "sm_90a"
     default_registry: Path | None = None
-    generated: Path = field(default_factory=lambda: ROOT / "generated")
+    generated: Path = field(default_factory=paths.generated_dir)
     only: tuple[str, ...] = BENCHMARKS
     families: tuple[str, ...] = ("qwen3-8b", "qwen3-8b-fp8", "deepseek-v3", "deepseek-v4-csa")
     hot_gib: float = 1.2
@@ -66,6 +66,7 @@ class Options:
     peers: bool = True
     round: bool = True
     argv: list[str] = field(default_factory=list)
+    specs: Path | None = None   # kvgen --specs DIR (None: paths.specs_dir())
 
     def config(self) -> dict[str, Any]:
         return {"registry": str(self.registry), "default_registry": str(self.default_registry or "") or None,
@@ -95,7 +96,8 @@ def release() -> None:
 def _run_codec(ceilings: dict, o: Options) -> dict:
     from kvgen.bench import codec
 
-    return codec.run(ceilings, list(o.families), o.hot_gib, o.registry, o.arch, o.peers, o.default_registry)
+    return codec.run(ceilings, list(o.families), o.hot_gib, o.registry, o.arch, o.peers, o.default_registry,
+                     o.specs)
 
 
 def _run_compact(ceilings: dict, o: Options) -> dict:
@@ -109,7 +111,7 @@ def _run_score(ceilings: dict, o: Options) -> dict:
     from kvgen.bench import score
 
     return score.run(ceilings, o.width, o.score_batch, o.registry, list(o.score_variants), o.arch, o.peers,
-                     o.round, o.default_registry, o.generated)
+                     o.round, o.default_registry, o.generated, o.specs)
 
 
 RUNNERS: dict[str, Callable[[dict, Options], dict]] = {"codec": _run_codec, "compact": _run_compact,
@@ -119,18 +121,18 @@ RUNNERS: dict[str, Callable[[dict, Options], dict]] = {"codec": _run_codec, "com
 def run_suite(o: Options) -> dict:
     """Measure, write ``o.out / bench.json`` after every step, return the document. Raises
     ``NoGpu`` (before touching anything) without a CUDA device."""
-    from kvgen.bench.common import environment, measure_ceilings, require_cuda
+    from kvgen.measure import environment, timing
 
-    require_cuda()
+    timing.require_cuda()
     import torch
 
     o.out.mkdir(parents=True, exist_ok=True)
     path = o.out / RESULT
-    doc: dict[str, Any] = {"schema": SCHEMA, "tool": "kvgen bench", "environment": environment(),
+    doc: dict[str, Any] = {"schema": SCHEMA, "tool": "kvgen bench", "environment": environment.environment(),
                            "config": o.config(), "ceilings": {}, "benchmarks": {}, "tuned_vs_default": [],
                            "errors": {}, "seconds": {}}
     start = time.perf_counter()
-    doc["ceilings"] = ceilings = measure_ceilings(pinned=True)
+    doc["ceilings"] = ceilings = timing.measure_ceilings(pinned=True)
     doc["seconds"]["ceilings"] = time.perf_counter() - start
     copy, pinned = ceilings["device_copy"], ceilings["pinned"]
     print(f"ceilings: device copy {copy['gbps_read_plus_write']:.0f} GB/s (read + write), pinned "

@@ -89,7 +89,10 @@ class LiveEvaluator:
 
             build_candidates([Request(self.sources[family], op, dict(params))], arch, self.bundle, self.cache_dir,
                              toolchains=self.toolchains, jobs=1)
-            measure_bundle(self.bundle, self.out, families={family}, ops={op}, reps=self.reps, log=lambda _m: None)
+            source = self.sources[family]   # the worker reads the spec this candidate was built from
+            specs = source.path.parent if source.path is not None else None
+            measure_bundle(self.bundle, self.out, families={family}, ops={op}, reps=self.reps, specs=specs,
+                           log=lambda _m: None)
             if self.out.exists():
                 self.recorded = RecordedEvaluator([self.out])
             found = self._recorded(family, op, bucket, params)

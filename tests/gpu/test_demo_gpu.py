@@ -25,6 +25,9 @@ import torch
 
 from kvgen import demo
 from kvgen.artifacts.manifest import manifest_path, read_manifest
+from kvgen.demo.codecs import open_codec, pairs_tensor
+from kvgen.demo.synthetic import CacheGeometry, KVGenerator
+from kvgen.demo.tiers import ColdTier, HotPool
 from kvgen.lower.layout import family_layout
 from kvgen.reference import decode_records, encode_records
 from kvgen.spec.schema import load_spec
@@ -105,18 +108,18 @@ def test_generated_codec_round_trip_equals_the_reference(family: str) -> None:
     spec = load_spec(spec_path)
     layout = family_layout(spec)
     lc = layout.lifecycles[0]
-    geometry = demo.CacheGeometry.from_spec(spec, layout)
+    geometry = CacheGeometry.from_spec(spec, layout)
     device = torch.device("cuda")
-    hot = demo.HotPool(geometry, 8, device)
+    hot = HotPool(geometry, 8, device)
     config = demo.config_from_args(gpu_args())
-    codec, where = demo.open_codec(config, spec_path, family, layout, hot.pools)
+    codec, where = open_codec(config, spec_path, family, layout, hot.pools)
     assert where["backend"] == "generated (registry)"
     try:
         sources, slots, targets = [6, 1, 3], [2, 0, 3], [0, 7, 4]
         tokens = 3 * spec.tokens_per_block - 5
-        hot.write(sources, demo.KVGenerator(geometry, 11, device).paged(3, tokens), geometry.buffers)
-        cold = demo.ColdTier(4, lc.cold_page_bytes, pinned=True)
-        codec.encode(cold.storage, demo.pairs_tensor(slots, sources))
+        hot.write(sources, KVGenerator(geometry, 11, device).paged(3, tokens), geometry.buffers)
+        cold = ColdTier(4, lc.cold_page_bytes, pinned=True)
+        codec.encode(cold.storage, pairs_tensor(slots, sources))
         torch.cuda.synchronize()
         record_bytes = layout.record.bytes
         src = torch.tensor(sources, device=device)
@@ -127,7 +130,7 @@ def test_generated_codec_round_trip_equals_the_reference(family: str) -> None:
             got = cold.storage[slots][:, j * record_bytes:(j + 1) * record_bytes].to(device)
             assert torch.equal(got, want), f"{family} layer {layer}: encoded bytes differ from the reference"
             records.append(want)
-        codec.decode(cold.storage, demo.pairs_tensor(targets, slots))
+        codec.decode(cold.storage, pairs_tensor(targets, slots))
         torch.cuda.synchronize()
         dst = torch.tensor(targets, device=device)
         for j, layer in enumerate(lc.layers):
