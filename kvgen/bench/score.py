@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from kvgen.bench.common import ROOT, environment, measure_ceilings, require_cuda, spec_path, time_ms, write_result
-from kvgen.lower.triattention import rope_scaling, tri_geometry
+from kvgen.lower.triattention import eviction_config, rope_scaling, tri_geometry
 from kvgen.reference.triattention import mean_phase_table, save_calibration, score_paged, synthetic_calibration
 from kvgen.runtime.eviction import TriAttentionManager, generated_backends
 from kvgen.runtime.score import TORCH_DTYPES, ScoreLibrary, score_library_path
@@ -194,7 +194,8 @@ def bench_round(width: int, batch: int, copy: dict, registry: Path, arch: str,
                 backends, which = {"packer": packer, "compactor": compactor}, "generated Triton packer + CUDA compactor"
             except Exception as exc:  # noqa: BLE001 - fall back and say so in the record
                 which = f"oracle (generated backends unusable: {exc})"
-        manager = TriAttentionManager(spec, calib_path, k_pools, v_pools, score_library(family, registry, arch),
+        manager = TriAttentionManager(eviction_config(spec), calib_path, k_pools, v_pools,
+                                      score_library(family, registry, arch),
                                       budget=2048, beta=128, eviction_mode="union", max_position=PROMPT + width + 1,
                                       **backends)
     P, S, L, tail = cache.P, cache.S, cache.S, [0] * batch
