@@ -818,7 +818,6 @@ def test_pickle_needing_code_is_refused(tmp_path):
 
 
 def test_upstream_errors_name_file_and_key(tmp_path):
-    g = geometry()
     entry = {"q_mean_real": torch.zeros(6), "q_mean_imag": torch.zeros(6), "q_abs_mean": torch.ones(6)}
     msg = calibration_error(tmp_path, {"metadata": {"sampled_heads": [[2, 0]]}, "stats": {}})
     assert "metadata.sampled_heads" in msg and "layer 2" in msg

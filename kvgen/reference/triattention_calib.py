@@ -5,8 +5,8 @@ public name here. This module only needs a few attributes of ``TriGeometry`` (``
 ``query_heads``, ``rotary_dim``), so it does not import it at run time.
 
 Conventions (shared with the scorer):
-- Frequency ``f`` of a head is the complex number ``x_a + i·x_b`` of its pair of rotated
-  elements (``half``: ``a = f``, ``b = f + F``; ``interleaved``: ``a = 2f``, ``b = 2f + 1``).
+- Frequency ``f`` of a head is the complex number ``x_a + i·x_b`` of its pair ``(a, b)`` of
+  rotated elements (the pair rule: ``triattention.split_pairs``).
 - RoPE turns that number into ``(x_a + i·x_b)·e^{i·p·omega_f}`` at position ``p``.
 - Calibration is indexed by **cache layer** (the same index as the K/V pools, SWA layers
   included); rows of SWA layers are never read.
