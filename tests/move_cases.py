@@ -90,10 +90,7 @@ def random_pools(geo: TriGeometry, num_pages: int, dtype: str, seed: int) -> tup
     """Per-layer K and V pools of random bytes (any bit pattern: compaction copies bytes)."""
     g = torch.Generator().manual_seed(seed)
     elem = torch.empty((), dtype=DTYPES[dtype]).element_size()
-    if geo.layout == "HND":
-        shape = (num_pages, geo.kv_heads, geo.tokens_per_block, geo.head_dim)
-    else:
-        shape = (num_pages, geo.tokens_per_block, geo.kv_heads, geo.head_dim)
+    shape = (num_pages, *geo.page_shape)
 
     def pool() -> torch.Tensor:
         raw = torch.randint(0, 256, shape[:-1] + (geo.head_dim * elem,), dtype=torch.uint8, generator=g)

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from kvgen.lower.layout import family_layout
+from kvgen.lower.layout import family_layout, to_json
+from kvgen.lower.triattention import eviction_config
+from kvgen.reference.triattention import EvictionConfig
 from kvgen.spec.schema import load_spec, parse_spec
 
 from .conftest import SPECS_DIR
@@ -82,3 +86,25 @@ def test_deepseek_v4_csa_2fp4():
 def test_swa_families_split_lifecycles():
     layout = family_layout(load_spec(SPECS_DIR / "gemma-2-9b.yaml"))
     assert [(lc.window, lc.layers[:2]) for lc in layout.lifecycles] == [(None, (1, 3)), (4096, (0, 2))]
+
+
+@pytest.mark.parametrize("family", ["qwen3-8b", "gpt-oss-20b", "mistral-7b", "qwen3.5-397b-a17b"])
+def test_layout_json_carries_the_eviction_config(family):
+    spec = load_spec(SPECS_DIR / f"{family}.yaml")
+    data = json.loads(json.dumps(to_json(spec, family_layout(spec))))
+    assert data["triattention_refusal"] is None
+    config = EvictionConfig.from_json(data["triattention"])
+    assert config == eviction_config(spec)
+    assert (config.budget, config.beta, config.eviction_mode) == (spec.triattention.budget, spec.triattention.beta,
+                                                                   spec.triattention.eviction_mode)
+
+
+@pytest.mark.parametrize("family, reason", [
+    ("deepseek-v3", "TriAttention cannot serve attention: mla"),
+    ("deepseek-v4-csa", "TriAttention cannot serve attention: csa"),
+    ("qwen3-8b-fp8", "triattention.enabled is false"),
+])
+def test_layout_json_says_why_a_family_has_no_eviction(family, reason):
+    spec = load_spec(SPECS_DIR / f"{family}.yaml")
+    data = to_json(spec, family_layout(spec))
+    assert data["triattention"] is None and data["triattention_refusal"].startswith(reason)

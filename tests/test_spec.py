@@ -10,6 +10,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvgen.reference.triattention_family import refusal_reason
 from kvgen.spec.schema import SpecError, load_spec, parse_spec
 
 SPECS = sorted((Path(__file__).resolve().parent.parent / "specs").glob("*.yaml"))
@@ -116,6 +117,30 @@ def test_quantized_range_is_cross_checked():
     assert issues[0][1] == "cold_page.quantized_range" and "start 32, length 96" in issues[0][2]
     ok = text.replace("start: 0", "start: 32")
     assert parse_spec(ok).cold_page.quantized_range.start == 32
+
+
+@pytest.mark.parametrize("edit, reason", [
+    (("placement: full", "placement: none"), dict(rope_placement="none")),
+    (("dtype: bf16", "dtype: fp8_e4m3"), dict(dtype="fp8_e4m3")),
+    (("dtype: bf16", "dtype: bf16\nsliding_window: {window: 64, layers: all}"), dict(scored_layers=0)),
+])
+def test_triattention_refusals_are_the_oracles(edit, reason):
+    """The validator reports ``refusal_reason``'s words on triattention.enabled, with the fix."""
+    text = BASE.replace(*edit) + "triattention: {enabled: true}\n"
+    issues = errors_of(text)
+    assert issues[0][1] == "triattention.enabled"
+    assert issues[0][2] == f"{refusal_reason('gqa', **reason)}; set enabled: false"
+
+
+@pytest.mark.parametrize("rope, start", [
+    ("{placement: full}", 0),
+    ("{placement: leading, rotary_dim: 32}", 0),
+    ("{placement: trailing, rotary_dim: 32}", 96),
+    ("{placement: none}", 0),
+])
+def test_rope_start(rope, start):
+    assert parse_spec(BASE.replace("rope:\n  placement: full\n  pairing: half\n", f"rope: {rope}\n")).rope_start \
+        == start
 
 
 def test_swa_budget_must_cover_window():

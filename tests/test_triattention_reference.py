@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import pickle
 import re
@@ -64,6 +65,121 @@ def test_attention_kind_checked(overrides):
         geometry(**overrides)
     assert geometry(attention="mqa", kv_heads=1).group == 4
     assert geometry(attention="mha", kv_heads=4).group == 1
+
+
+SERVABLE = dict(attention="gqa", rope_placement="leading", scored_layers=3, enabled=True, dtype="bf16")
+
+
+@pytest.mark.parametrize("overrides, reason", [
+    (dict(attention="mla"), "TriAttention cannot serve attention: mla (one shared latent per token, no KV-head"),
+    (dict(attention="csa"), "TriAttention cannot serve attention: csa (one shared latent per token, no KV-head"),
+    (dict(rope_placement="none"), "TriAttention scores RoPE frequencies; this family has no RoPE"),
+    (dict(dtype="fp8_e4m3"), "TriAttention scoring reads bf16 or fp16 K, not fp8_e4m3 (fp8 K scoring is out of"),
+    (dict(scored_layers=0), "every layer is sliding-window; nothing is scored"),
+    (dict(enabled=False), "triattention.enabled is false; nothing to score"),
+    # the order: a disabled fp8 family reads "not enabled", a disabled MLA family "cannot serve"
+    (dict(enabled=False, dtype="fp8_e4m3"), "triattention.enabled is false"),
+    (dict(enabled=False, attention="mla"), "TriAttention cannot serve attention: mla"),
+])
+def test_refusal_reason_states_each_refusal(overrides, reason):
+    assert T.refusal_reason(**SERVABLE) is None
+    got = T.refusal_reason(**{**SERVABLE, **overrides})
+    assert got is not None and got.startswith(reason)
+
+
+def test_refusal_reason_checks_only_what_it_is_given():
+    assert T.refusal_reason("gqa") is None
+    assert T.refusal_reason("mha", dtype="fp16") is None
+    assert T.refusal_reason("gqa", dtype="fp8_e4m3") is not None
+
+
+def test_geometry_refusals_are_the_shared_ones():
+    with pytest.raises(GeometryError) as info:
+        geometry(swa_window=(4, 4))
+    assert str(info.value) == f"TriGeometry.swa_window: {T.refusal_reason('gqa', scored_layers=0)}"
+    with pytest.raises(GeometryError) as info:
+        geometry(query_heads=16, kv_heads=1, head_dim=576, rotary_start=512, rotary_dim=64, attention="csa")
+    assert str(info.value) == f"TriGeometry.attention: {T.refusal_reason('csa')}"
+
+
+@pytest.mark.parametrize("layout, shape", [("HND", (2, 4, 12)), ("NHD", (4, 2, 12))])
+def test_page_shape(layout, shape):
+    assert T.page_shape(layout, kv_heads=2, tokens_per_block=4, head_dim=12) == shape
+    assert geometry(layout=layout).page_shape == shape
+
+
+def test_page_shape_refuses_another_layout():
+    with pytest.raises(GeometryError, match="layout 'HDN'; accepted: HND, NHD"):
+        T.page_shape("HDN", 2, 4, 12)
+
+
+def test_geometry_json_round_trip():
+    g = geometry(num_layers=3, swa_window=(None, 8, None), layout="NHD", pairing="interleaved", rotary_start=4,
+                 rotary_dim=8)
+    data = json.loads(json.dumps(g.to_json()))
+    assert data["swa_window"] == [None, 8, None]
+    assert TriGeometry.from_json(data) == g
+    with pytest.raises(ValueError, match=r"here: unknown key 'rotary'; accepted: num_layers"):
+        TriGeometry.from_json({**data, "rotary": 1}, "here")
+    del data["layout"]
+    with pytest.raises(ValueError, match=r"here: missing key 'layout'"):
+        TriGeometry.from_json(data, "here")
+
+
+# ------------------------------------------------------------------------------------------------
+# EvictionConfig
+# ------------------------------------------------------------------------------------------------
+
+def config(**overrides) -> T.EvictionConfig:
+    fields = dict(family="fam", geometry=geometry(num_layers=3, swa_window=(None, 8, None)), dtype="bf16",
+                  budget=16, beta=4, eviction_mode="per_head", rope_theta=500000.0,
+                  rope_scaling={"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                "original_max_position_embeddings": 8192})
+    fields.update(overrides)
+    return T.EvictionConfig(**fields)
+
+
+@pytest.mark.parametrize("overrides", [{}, dict(rope_scaling=None, rope_theta=10000.0, eviction_mode="union")])
+def test_eviction_config_json_round_trip(overrides):
+    c = config(**overrides)
+    data = json.loads(json.dumps(c.to_json()))
+    assert T.EvictionConfig.from_json(data) == c
+    assert data["geometry"] == c.geometry.to_json()
+
+
+def test_eviction_config_keeps_its_own_scaling():
+    scaling = {"type": "linear", "factor": 2.0}
+    c = config(rope_scaling=scaling)
+    scaling["factor"] = 4.0
+    c.to_json()["rope_scaling"]["factor"] = 8.0
+    assert c.rope_scaling == {"type": "linear", "factor": 2.0}
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(dtype="fp8_e4m3"), "fam: TriAttention scoring reads bf16 or fp16 K, not fp8_e4m3"),
+    (dict(eviction_mode="max"), "fam: eviction_mode 'max'; accepted: union, per_head, per_layer_perhead"),
+    (dict(budget=4), "layer 1: budget 4 < sliding window 8"),
+    (dict(budget=0), "budget 0: expected a positive int"),
+    (dict(beta=0), "fam: beta 0: expected a positive int"),
+    (dict(rope_theta=float("nan")), "fam: rope_theta nan: expected a positive number"),
+    (dict(geometry={"num_layers": 3}), "fam: geometry must be a TriGeometry, got dict"),
+])
+def test_eviction_config_refuses(overrides, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        config(**overrides)
+
+
+def test_eviction_config_from_json_names_the_source_and_key():
+    data = config().to_json()
+    with pytest.raises(ValueError, match=r"manifest: unknown key 'omega'"):
+        T.EvictionConfig.from_json({**data, "omega": [1.0]}, "manifest")
+    with pytest.raises(ValueError, match=r"manifest: missing key 'beta'"):
+        T.EvictionConfig.from_json({k: v for k, v in data.items() if k != "beta"}, "manifest")
+    with pytest.raises(ValueError, match=r"manifest.geometry: missing key 'layout'"):
+        T.EvictionConfig.from_json({**data, "geometry": {k: v for k, v in data["geometry"].items()
+                                                          if k != "layout"}}, "manifest")
+    with pytest.raises(ValueError, match=r"manifest: expected a JSON object, got list"):
+        T.EvictionConfig.from_json([], "manifest")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -221,8 +337,7 @@ def paged_cache(g: TriGeometry, lengths: list[int], dtype=torch.float32, seed=0,
     gen = torch.Generator().manual_seed(seed)
     max_pages = max(-(-n // g.tokens_per_block) for n in lengths)
     num_pages = max_pages * len(lengths) + spare_pages
-    shape = ((num_pages, g.kv_heads, g.tokens_per_block, g.head_dim) if g.layout == "HND"
-             else (num_pages, g.tokens_per_block, g.kv_heads, g.head_dim))
+    shape = (num_pages, *g.page_shape)
 
     def pool():
         return torch.randn(shape, generator=gen).to(dtype)
@@ -307,10 +422,9 @@ def test_zscore_by_hand():
 
 def test_aggregate_modes_by_hand():
     g = geometry(num_layers=3, swa_window=(None, 8, None))
-    z = torch.zeros(1, 3, 4, 2)
+    z = torch.zeros(2, 1, 4, 2)                            # scored layers 0 and 2 only
     z[0, 0, :, 0] = torch.tensor([1.0, 2.0, 3.0, 4.0])   # layer 0, token 0
-    z[0, 2, :, 0] = torch.tensor([5.0, -1.0, 0.0, -2.0])  # layer 2, token 0
-    z[0, 1] = 100.0                                        # the SWA layer is ignored
+    z[1, 0, :, 0] = torch.tensor([5.0, -1.0, 0.0, -2.0])  # layer 2, token 0
     union = T.aggregate(z, "union", g)
     assert union.tolist() == [[[5.0, 0.0]]]
     per_head = T.aggregate(z, "per_head", g)               # mean over layers 0, 2 of group max
@@ -320,6 +434,45 @@ def test_aggregate_modes_by_hand():
     assert per_layer[0, :, 0].tolist() == [2.0, 4.0, 0.0, 0.0, 5.0, 0.0]
     with pytest.raises(ValueError, match="accepted"):
         T.aggregate(z, "max", g)
+    with pytest.raises(ValueError, match="3 layers of z-scores for 2 scored layers"):
+        T.aggregate(torch.zeros(3, 1, 4, 2), "union", g)
+
+
+def aggregate_materialized(z_layers, mode, g):
+    """§4's table over a ``[B, Lc, Hq, W]`` tensor with zero rows for the SWA layers: the oracle's
+    earlier statement, kept here to show the per-layer one gives the same bits."""
+    B, Hq, W = z_layers[0].shape
+    z = torch.zeros(B, g.num_layers, Hq, W, dtype=z_layers[0].dtype)
+    for layer, rows in zip(g.scored_layers, z_layers):
+        z[:, layer] = rows
+    scored = list(g.scored_layers)
+    grouped = z.reshape(B, g.num_layers, g.kv_heads, g.group, W).amax(dim=3)
+    if mode == "union":
+        return z[:, scored].amax(dim=(1, 2)).unsqueeze(1)
+    if mode == "per_head":
+        return grouped[:, scored].mean(dim=1)
+    out = torch.zeros_like(grouped)
+    out[:, scored] = grouped[:, scored]
+    return out.reshape(B, g.num_layers * g.kv_heads, W)
+
+
+@pytest.mark.parametrize("mode", T.MODES)
+def test_aggregate_per_layer_equals_the_materialized_table(mode):
+    """Bit for bit, with many exact ties and a request with no valid column."""
+    g = geometry(num_layers=6, query_heads=8, kv_heads=2, swa_window=(None, 8, None, 8, None, 8))
+    gen = torch.Generator().manual_seed(3)
+    width = torch.tensor([90, 0, 41, 77])
+    scores = torch.randn(len(g.scored_layers), 4, g.query_heads, 90, generator=gen).round(decimals=1)
+    valid = torch.arange(90)[None, :] < width[:, None]
+    z = [T.zscore(layer, valid[:, None, :]) for layer in scores]
+    values = T.aggregate(z, mode, g)
+    assert torch.equal(values, aggregate_materialized(z, mode, g))
+    assert torch.equal(T.aggregate(torch.stack(z), mode, g), values), "a stacked tensor is the same input"
+    P = torch.tensor([5, 12, 30, 7])
+    for budget in (1, 16, 41, 200):
+        kept = T.select_keep(values, width, budget, P)
+        assert kept.shape == (4, T.num_decision_rows(mode, g), budget)
+        assert bool((kept[1] == -1).all()), "no valid column: every slot is -1"
 
 
 def test_select_keep_ties_and_order():
@@ -665,7 +818,6 @@ def test_pickle_needing_code_is_refused(tmp_path):
 
 
 def test_upstream_errors_name_file_and_key(tmp_path):
-    g = geometry()
     entry = {"q_mean_real": torch.zeros(6), "q_mean_imag": torch.zeros(6), "q_abs_mean": torch.ones(6)}
     msg = calibration_error(tmp_path, {"metadata": {"sampled_heads": [[2, 0]]}, "stats": {}})
     assert "metadata.sampled_heads" in msg and "layer 2" in msg

@@ -23,12 +23,6 @@ def small_spec(spec: FamilySpec, layers: int) -> FamilySpec:
     return spec.model_copy(update={"layers": layers})
 
 
-def page_shape(geometry: TriGeometry) -> tuple[int, int, int]:
-    if geometry.layout == "HND":
-        return geometry.kv_heads, geometry.tokens_per_block, geometry.head_dim
-    return geometry.tokens_per_block, geometry.kv_heads, geometry.head_dim
-
-
 def write_rows(pool: torch.Tensor, geometry: TriGeometry, pages: torch.Tensor, slots: torch.Tensor,
                rows: torch.Tensor) -> None:
     """``rows`` ``[n, Hkv, D]`` into tokens (page, slot) of ``pool``."""
@@ -69,7 +63,7 @@ class DecodeSim:
         self.page_table = order[: len(self.prompts) * per_request].reshape(len(self.prompts), per_request)
         self.page_table = self.page_table.to(torch.int32).to(self.device)
         dtype = TORCH_DTYPES[self.spec.dtype]
-        shape = (num_pages, *page_shape(g))
+        shape = (num_pages, *g.page_shape)
         if self.combined:
             buffers = [self._random((num_pages, 2, *shape[1:])).to(dtype).to(self.device) for _ in range(g.num_layers)]
             self.k_pools = [buffer[:, 0] for buffer in buffers]

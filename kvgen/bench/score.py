@@ -36,7 +36,7 @@ import torch
 
 from kvgen import paths
 from kvgen.artifacts.manifest import RegistryError
-from kvgen.lower.triattention import rope_scaling, tri_geometry
+from kvgen.lower.triattention import eviction_config, rope_scaling, tri_geometry
 from kvgen.measure.environment import environment, write_result
 from kvgen.measure.libraries import registry_artifact
 from kvgen.measure.timing import measure_ceilings, require_cuda, time_ms
@@ -153,7 +153,8 @@ def bench_round(width: int, batch: int, copy: dict, registry: Path, arch: str,
                 backends, which = {"packer": packer, "compactor": compactor}, "generated Triton packer + CUDA compactor"
             except Exception as exc:  # noqa: BLE001 - fall back and say so in the record
                 which = f"oracle (generated backends unusable: {exc})"
-        manager = TriAttentionManager(spec, calib_path, k_pools, v_pools, score_library(family, registry, arch),
+        manager = TriAttentionManager(eviction_config(spec), calib_path, k_pools, v_pools,
+                                      score_library(family, registry, arch),
                                       budget=2048, beta=128, eviction_mode="union", max_position=PROMPT + width + 1,
                                       **backends)
     P, S, L, tail = cache.P, cache.S, cache.S, [0] * batch

@@ -241,7 +241,7 @@ def evict_at_budget(config: DemoConfig, spec: FamilySpec, calibration_path: Path
     from kvgen.runtime.eviction import GenerationStep, TriAttentionManager
 
     beta = spec.triattention.beta
-    manager = TriAttentionManager(spec, calibration_path, cache.k_pools, cache.v_pools, budget=budget, beta=beta,
+    manager = TriAttentionManager(spec_tri.eviction_config(spec), calibration_path, cache.k_pools, cache.v_pools, budget=budget, beta=beta,
                                   max_position=cache.prompt + cache.generated + 1, **backends)
     cache.reset()
     ids = list(range(len(cache.originals)))

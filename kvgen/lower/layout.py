@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Literal
 
+from kvgen.lower.triattention import eviction_config, eviction_refusal
 from kvgen.spec.schema import FamilySpec, quantized_buffer_names
 
 
@@ -153,11 +154,6 @@ def buffer_rows(spec: FamilySpec) -> int:
     return spec.kv_heads * spec.tokens_per_block
 
 
-def rope_start(spec: FamilySpec) -> int:
-    """Element offset of the rotated span inside the K (or latent) row."""
-    return spec.row_dim - spec.rotary_dim if spec.rope.placement == "trailing" else 0
-
-
 def row_schema(spec: FamilySpec, buffer: str) -> BufferSchema:
     """Spans of one quantized buffer's row under the spec's RoPE policy (V never carries RoPE)."""
     rotary = spec.rotary_dim if buffer != "v" else 0
@@ -239,8 +235,11 @@ def family_layout(spec: FamilySpec) -> FamilyLayout:
 
 def to_json(spec: FamilySpec, layout: FamilyLayout) -> dict:
     """The layout as plain JSON: what ``kvgen show --json`` prints and the manifest carries to the
-    runtime (which sizes cold storage from it without the spec)."""
+    runtime, which sizes cold storage from it and builds the eviction manager from its
+    ``triattention`` entry (``EvictionConfig.to_json()``), without the spec. That entry is null
+    when TriAttention cannot run for the family; ``triattention_refusal`` then says why."""
     record = layout.record
+    refusal = eviction_refusal(spec)
     return {
         "family": spec.name,
         "record_bytes": record.bytes,
@@ -253,4 +252,6 @@ def to_json(spec: FamilySpec, layout: FamilyLayout) -> dict:
              "cold_page_bytes": lc.cold_page_bytes, "hot_page_bytes": lc.hot_page_bytes}
             for lc in layout.lifecycles
         ],
+        "triattention": None if refusal else eviction_config(spec).to_json(),
+        "triattention_refusal": refusal,
     }

@@ -2,16 +2,24 @@
 
 Plain PyTorch, CPU or CUDA tensors; every generated kernel of the pipeline is compared with these
 functions: scores within a per-dtype tolerance of the float64 oracle (``dtype=torch.float64``),
-selection, move packing and compaction exactly.
+selection, move packing and compaction exactly. The GPU runtime (``kvgen.runtime.eviction``)
+normalizes, aggregates and selects with these very functions.
+
+Stated once, for the spec, the lowering, the runtime and the tools alike: the RoPE pair rule
+(``split_pairs``), normalization, aggregation and selection (``zscore``, ``aggregate``,
+``select_keep``); and, re-exported from the torch-free ``triattention_family``, which families
+TriAttention refuses (``refusal_reason``), the page shape (``page_shape``) and what eviction
+needs of a family (``EvictionConfig``).
 
 Tensor conventions (B = requests in the batch, Lc = cache layers, scored and SWA):
-- Per-layer K (or V) pool: ``[num_pages, Hkv, tokens_per_block, head_dim]`` (HND) or
-  ``[num_pages, tokens_per_block, Hkv, head_dim]`` (NHD); ``k_pools[layer]`` is one of those.
+- Per-layer K (or V) pool: ``[num_pages, *page_shape]``, a page being
+  ``[Hkv, tokens_per_block, head_dim]`` (HND) or ``[tokens_per_block, Hkv, head_dim]`` (NHD).
 - ``page_table`` int32 ``[B, max_pages]``: token ``t`` of request ``r`` lives in page
   ``page_table[r, t // tokens_per_block]``, slot ``t % tokens_per_block``.
 - ``P`` (prompt length), ``S`` (physical length of scorable tokens, protected tail excluded),
   ``C`` (evicted so far), ``tail`` (protected tail length): int64 ``[B]``. ``L = S + C``.
-- Score rows ``[B, Hq, W]`` where column ``j`` is token ``P + j`` and ``W = max(S - P)``.
+- Score rows ``[B, Hq, W]`` where column ``j`` is token ``P + j`` and ``W = max(S - P)``; the
+  z-scores of a round are one such tensor per scored layer, in ``scored_layers`` order.
 - Decision rows ``[B, R, W]``: union R = 1; per_head R = Hkv (row = kv head); per_layer_perhead
   R = Lc·Hkv (row = layer·Hkv + kv head; rows of SWA layers are zeros and never used).
 - Kept positions ``[B, R, budget]`` int64, absolute (``j + P``), ascending; -1 fills slots when a
@@ -36,6 +44,7 @@ from kvgen.reference.triattention_calib import (
     Calibration,
     CalibrationError,
     load_calibration,
+    rope_defaults,
     rope_freq_scale_sq,
     rope_omega,
     save_calibration,
@@ -43,106 +52,30 @@ from kvgen.reference.triattention_calib import (
     synthetic_queries,
     yarn_attention_factor,
 )
+from kvgen.reference.triattention_family import (
+    MODES,
+    SCORED_DTYPES,
+    EvictionConfig,
+    GeometryError,
+    TriGeometry,
+    check_budget,
+    page_shape,
+    refusal_reason,
+)
 
 __all__ = [
-    "MODES", "MOVE_FILL", "OFFSETS", "Calibration", "CalibrationError", "GeometryError", "Moves",
-    "RoundResult", "TriGeometry", "aggregate", "apply_rope", "check_moves", "compact_paged", "compact_paged_gather",
-    "decision_rows", "eviction_round", "gather_mean_phase", "gather_token_rows", "is_due",
-    "load_calibration", "mean_phase_rows", "mean_phase_table", "num_decision_rows", "pack_moves",
-    "post_round", "rope_freq_scale_sq", "rope_omega", "save_calibration", "score_coefficients", "score_keys",
-    "score_paged",
-    "select_keep", "split_pairs", "synthetic_calibration", "synthetic_queries", "yarn_attention_factor",
-    "zscore",
+    "MODES", "MOVE_FILL", "OFFSETS", "SCORED_DTYPES", "Calibration", "CalibrationError", "EvictionConfig",
+    "GeometryError", "Moves", "RoundResult", "TriGeometry", "aggregate", "apply_rope", "check_budget",
+    "check_moves", "compact_paged", "compact_paged_gather", "decision_rows", "eviction_round", "gather_mean_phase",
+    "gather_token_rows", "is_due", "load_calibration", "mean_phase_rows", "mean_phase_table", "num_decision_rows",
+    "pack_moves", "page_shape", "post_round", "refusal_reason", "rope_defaults", "rope_freq_scale_sq", "rope_omega",
+    "save_calibration", "score_coefficients", "score_keys", "score_paged", "select_keep", "split_pairs",
+    "synthetic_calibration", "synthetic_queries", "yarn_attention_factor", "zscore",
 ]
 
 OFFSETS = tuple(2 ** i for i in range(17))  # future-query offsets 1, 2, 4, ..., 65536 (§3)
-MODES = ("union", "per_head", "per_layer_perhead")
 MOVE_FILL = -1
 STD_FLOOR = 1e-6
-
-
-# ----------------------------------------------------------------------------------------------
-# Geometry
-# ----------------------------------------------------------------------------------------------
-
-class GeometryError(ValueError):
-    """A cache geometry TriAttention cannot serve; the message names the field."""
-
-
-def _positive_int(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise GeometryError(f"TriGeometry.{name}: expected a positive int, got {value!r}")
-
-
-@dataclass(frozen=True)
-class TriGeometry:
-    """What the oracle needs of a family spec. MLA and CSA (one shared latent per token, no KV
-    heads) cannot be stated: ``attention="mla"`` is refused, and a latent has no per-head rows."""
-
-    num_layers: int          # scored + SWA layers of the cache
-    query_heads: int         # Hq
-    kv_heads: int            # Hkv (Hq % Hkv == 0)
-    head_dim: int
-    rotary_start: int        # first rotated element inside the K row
-    rotary_dim: int          # rotated width R (even); F = R // 2
-    pairing: str             # "half" (f with f+F) | "interleaved" (2f with 2f+1)
-    tokens_per_block: int
-    layout: str              # "HND" | "NHD"
-    swa_window: tuple[int | None, ...]  # per layer: None = full attention (scored), int = window
-    attention: str = "gqa"   # the spec's attention kind; mla and csa are refused (§8)
-
-    def __post_init__(self) -> None:
-        self._check_attention()
-        for name in ("num_layers", "query_heads", "kv_heads", "head_dim", "rotary_dim", "tokens_per_block"):
-            _positive_int(name, getattr(self, name))
-        if self.query_heads % self.kv_heads:
-            raise GeometryError(f"TriGeometry.query_heads: {self.query_heads} is not a multiple of "
-                                f"kv_heads {self.kv_heads}")
-        if self.rotary_dim % 2:
-            raise GeometryError(f"TriGeometry.rotary_dim: {self.rotary_dim} is odd; pairs need an even width")
-        if isinstance(self.rotary_start, bool) or not isinstance(self.rotary_start, int) or self.rotary_start < 0:
-            raise GeometryError(f"TriGeometry.rotary_start: expected an int >= 0, got {self.rotary_start!r}")
-        if self.rotary_start + self.rotary_dim > self.head_dim:
-            raise GeometryError(f"TriGeometry.rotary_dim: span [{self.rotary_start}, "
-                                f"{self.rotary_start + self.rotary_dim}) exceeds head_dim {self.head_dim}")
-        if self.pairing not in ("half", "interleaved"):
-            raise GeometryError(f"TriGeometry.pairing: {self.pairing!r}; accepted: half, interleaved")
-        if self.layout not in ("HND", "NHD"):
-            raise GeometryError(f"TriGeometry.layout: {self.layout!r}; accepted: HND, NHD")
-        object.__setattr__(self, "swa_window", tuple(self.swa_window))  # hashable even if a list came
-        if len(self.swa_window) != self.num_layers:
-            raise GeometryError(f"TriGeometry.swa_window: {len(self.swa_window)} entries for "
-                                f"{self.num_layers} layers")
-        for layer, window in enumerate(self.swa_window):
-            if window is not None:
-                _positive_int(f"swa_window[{layer}]", window)
-        if not self.scored_layers:
-            raise GeometryError("TriGeometry.swa_window: every layer is sliding-window; nothing is scored")
-
-    def _check_attention(self) -> None:
-        if self.attention in ("mla", "csa"):
-            raise GeometryError(f"TriGeometry.attention: TriAttention cannot serve attention: {self.attention} "
-                                f"(one shared latent per token, no KV-head semantics)")
-        if self.attention not in ("mha", "gqa", "mqa"):
-            raise GeometryError(f"TriGeometry.attention: {self.attention!r}; accepted: mha, gqa, mqa")
-        if self.attention == "mqa" and self.kv_heads != 1:
-            raise GeometryError(f"TriGeometry.kv_heads: attention mqa has one KV head, got {self.kv_heads}")
-        if self.attention == "mha" and self.kv_heads != self.query_heads:
-            raise GeometryError(f"TriGeometry.kv_heads: attention mha needs kv_heads == query_heads "
-                                f"({self.query_heads}), got {self.kv_heads}")
-
-    @property
-    def freqs(self) -> int:
-        return self.rotary_dim // 2
-
-    @property
-    def group(self) -> int:
-        """Query heads per KV head; query head h reads KV head h // group."""
-        return self.query_heads // self.kv_heads
-
-    @property
-    def scored_layers(self) -> tuple[int, ...]:
-        return tuple(layer for layer, window in enumerate(self.swa_window) if window is None)
 
 
 def _as_long(values: object, device: torch.device) -> torch.Tensor:
@@ -154,7 +87,12 @@ def _as_long(values: object, device: torch.device) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------
 
 def split_pairs(rows: torch.Tensor, geometry: TriGeometry) -> tuple[torch.Tensor, torch.Tensor]:
-    """Views ``(re, im)`` ``[..., F]`` of the rotated span of ``[..., head_dim]`` rows."""
+    """Views ``(re, im)`` ``[..., F]`` of the rotated span of ``[..., head_dim]`` rows: the pair rule.
+
+    Pair ``f`` is elements ``(f, f + F)`` of the span for ``half`` pairing and ``(2f, 2f + 1)``
+    for ``interleaved``. ``geometry`` needs only ``rotary_start``, ``rotary_dim``, ``pairing``
+    and ``freqs`` (MLA latents, which ``TriGeometry`` refuses, rotate the same way); the element
+    indices of the pairs are ``split_pairs(torch.arange(head_dim), geometry)``."""
     span = rows[..., geometry.rotary_start:geometry.rotary_start + geometry.rotary_dim]
     if geometry.pairing == "half":
         return span[..., :geometry.freqs], span[..., geometry.freqs:]
@@ -341,22 +279,32 @@ def decision_rows(mode: str, layer: int, geometry: TriGeometry) -> list[int]:
     raise ValueError(f"eviction_mode {mode!r}; accepted: {', '.join(MODES)}")
 
 
-def aggregate(z: torch.Tensor, mode: str, geometry: TriGeometry) -> torch.Tensor:
-    """Decision values ``[B, R, W]`` from normalized scores ``z`` ``[B, Lc, Hq, W]`` (rows of SWA
-    layers are ignored)."""
-    B, Lc, Hq, W = z.shape
-    scored = list(geometry.scored_layers)
-    # max over the query heads of each KV group: [B, Lc, Hkv, W]
-    grouped = z.reshape(B, Lc, geometry.kv_heads, geometry.group, W).amax(dim=3)
+def aggregate(z: Sequence[torch.Tensor], mode: str, geometry: TriGeometry) -> torch.Tensor:
+    """Decision values ``[B, R, W]`` (§4) from the normalized scores of the scored layers: ``z[i]``
+    ``[B, Hq, W]`` belongs to ``geometry.scored_layers[i]`` (a ``[layers, B, Hq, W]`` tensor works).
+
+    SWA layers have no rows here: they are never scored, and their decision rows (per_layer_perhead
+    only) are zeros that nothing reads. The result does not depend on the order of reduction where
+    it could: max is exact in any order, and the per_head mean reduces one contiguous
+    ``[B, layers, Hkv, W]`` tensor over dim 1 (torch's reductions are deterministic for a shape)."""
+    if mode not in MODES:
+        raise ValueError(f"eviction_mode {mode!r}; accepted: {', '.join(MODES)}")
+    if len(z) != len(geometry.scored_layers):
+        raise ValueError(f"{len(z)} layers of z-scores for {len(geometry.scored_layers)} scored layers")
+    B, _, W = z[0].shape
     if mode == "union":
-        return z[:, scored].amax(dim=(1, 2)).unsqueeze(1)
+        values = z[0].amax(dim=1)
+        for rows in z[1:]:
+            values = torch.maximum(values, rows.amax(dim=1))
+        return values.unsqueeze(1)
+    # max over the query heads of each KV group: [B, Hkv, W] per scored layer
+    grouped = [rows.reshape(B, geometry.kv_heads, geometry.group, W).amax(dim=2) for rows in z]
     if mode == "per_head":
-        return grouped[:, scored].mean(dim=1)
-    if mode == "per_layer_perhead":
-        out = torch.zeros_like(grouped)
-        out[:, scored] = grouped[:, scored]
-        return out.reshape(B, Lc * geometry.kv_heads, W)
-    raise ValueError(f"eviction_mode {mode!r}; accepted: {', '.join(MODES)}")
+        return torch.stack(grouped, dim=1).mean(dim=1)
+    out = z[0].new_zeros((B, geometry.num_layers, geometry.kv_heads, W))
+    for layer, rows in zip(geometry.scored_layers, grouped):
+        out[:, layer] = rows
+    return out.reshape(B, geometry.num_layers * geometry.kv_heads, W)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -426,13 +374,6 @@ def _check_kept(row: torch.Tensor, p: int, s: int, budget: int, r: int) -> None:
         raise ValueError(f"request {r}: kept positions must be strictly ascending inside [P, S) = [{p}, {s})")
 
 
-def _check_swa_budget(budget: int, geometry: TriGeometry) -> None:
-    for layer, window in enumerate(geometry.swa_window):
-        if window is not None and budget < window:
-            raise ValueError(f"layer {layer}: budget {budget} < sliding window {window}; "
-                             f"SWA layers keep their whole window, so budget >= W is required")
-
-
 def pack_moves(kept: torch.Tensor, P: torch.Tensor, S: torch.Tensor, tail: torch.Tensor, active: torch.Tensor,
                budget: int, mode: str, geometry: TriGeometry, max_requests: int | None = None) -> Moves:
     """Moves of every due (``active``) request, packed at cumulative offsets.
@@ -447,7 +388,7 @@ def pack_moves(kept: torch.Tensor, P: torch.Tensor, S: torch.Tensor, tail: torch
     if kept.shape != (B, num_decision_rows(mode, geometry), budget):
         raise ValueError(f"kept has shape {list(kept.shape)}, expected "
                          f"{[B, num_decision_rows(mode, geometry), budget]} for mode {mode!r}")
-    _check_swa_budget(budget, geometry)
+    check_budget(budget, geometry)
     p_list, s_list = _as_long(P, device).tolist(), _as_long(S, device).tolist()
     t_list, active_list = _as_long(tail, device).tolist(), torch.as_tensor(active).reshape(-1).tolist()
     counts = [budget + t if a else 0 for t, a in zip(t_list, active_list)] + [0] * (max_requests - B)
@@ -606,14 +547,10 @@ def eviction_round(k_pools: Sequence[torch.Tensor], v_pools: Sequence[torch.Tens
     due_list = [is_due(p, s, c, s + c, budget, beta)
                 for p, s, c in zip(P.tolist(), S.tolist(), C.tolist())]
     due = torch.tensor(due_list, dtype=torch.bool, device=device)
-    z_of_layer = {}
+    z = []
     for layer in geometry.scored_layers:
         scores, valid = score_paged(k_pools[layer], page_table, P, S, C, calib, layer, geometry, dtype, k_scale)
-        z_of_layer[layer] = zscore(scores, valid[:, None, :])
-    first = z_of_layer[geometry.scored_layers[0]]
-    z = first.new_zeros((first.shape[0], geometry.num_layers) + first.shape[1:])  # SWA rows stay 0
-    for layer, rows in z_of_layer.items():
-        z[:, layer] = rows
+        z.append(zscore(scores, valid[:, None, :]))
     values = aggregate(z, mode, geometry)
     kept = select_keep(values, S - P, budget, P)
     kept = torch.where(due[:, None, None], kept, MOVE_FILL)

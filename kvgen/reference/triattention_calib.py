@@ -2,11 +2,11 @@
 
 Split out of ``triattention.py`` to keep both modules short; ``triattention.py`` re-exports every
 public name here. This module only needs a few attributes of ``TriGeometry`` (``num_layers``,
-``query_heads``, ``rotary_dim``), so it does not import it at run time (no import cycle).
+``query_heads``, ``rotary_dim``), so it does not import it at run time.
 
 Conventions (shared with the scorer):
-- Frequency ``f`` of a head is the complex number ``x_a + i·x_b`` of its pair of rotated
-  elements (``half``: ``a = f``, ``b = f + F``; ``interleaved``: ``a = 2f``, ``b = 2f + 1``).
+- Frequency ``f`` of a head is the complex number ``x_a + i·x_b`` of its pair ``(a, b)`` of
+  rotated elements (the pair rule: ``triattention.split_pairs``).
 - RoPE turns that number into ``(x_a + i·x_b)·e^{i·p·omega_f}`` at position ``p``.
 - Calibration is indexed by **cache layer** (the same index as the K/V pools, SWA layers
   included); rows of SWA layers are never read.
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from kvgen.reference.triattention import TriGeometry
+    from kvgen.reference.triattention_family import TriGeometry
 
 ROPE_SCALING_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -163,6 +163,13 @@ def rope_freq_scale_sq(rotary_dim: int, scaling: Mapping[str, Any] | None) -> to
     kind = _scaling_type(scaling)
     factor = yarn_attention_factor(scaling) if kind == "yarn" else 1.0
     return torch.full((rotary_dim // 2,), factor * factor, dtype=torch.float32)
+
+
+def rope_defaults(rotary_dim: int, theta: float,
+                  scaling: Mapping[str, Any] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(omega, freq_scale_sq)``, float32 ``[F]``, of a RoPE: the defaults ``load_calibration``
+    checks a stored omega against (and uses for upstream files)."""
+    return rope_omega(rotary_dim, theta, scaling), rope_freq_scale_sq(rotary_dim, scaling)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,21 +1,26 @@
 """TriAttention eviction rounds on the GPU (TRIATTENTION.md §3-§7) and the manager that runs them.
 
 One round for the due requests of a generation step:
-score (generated CuTe DSL kernel, ``ScoreLibrary``) -> z-normalize -> aggregate -> select (torch
-ops on the GPU, below) -> pack (the generated Triton packer, or the oracle's ``pack_moves``) ->
-compact (the generated CUDA mover, or the oracle's ``compact_paged``) -> new physical lengths.
+score (generated CuTe DSL kernel, ``ScoreLibrary``) -> z-normalize -> aggregate -> select (the
+oracle's ``zscore``, ``aggregate`` and ``select_keep``, torch ops on the GPU) -> pack (the
+generated Triton packer, or the oracle's ``pack_moves``) -> compact (the generated CUDA mover, or
+the oracle's ``compact_paged``) -> new physical lengths.
 
-Selection is exact: every kept set equals the oracle's selection applied to the kernel's scores.
-That holds because the steps after scoring are the oracle's own arithmetic on the same tensor
-shapes: ``zscore`` is the oracle's function, applied per layer to the contiguous ``[B, Hq, W]``
-slice the oracle would see (torch's reductions are deterministic for a given shape, but may sum in
-another order for another shape); the per_head mean reduces the same ``[B, layers, Hkv, W]``
-tensor over the same dim; max is exact in any order; the top-``budget`` choice is a stable sort
-by value descending (ties: lower index first), emitted ascending as absolute positions.
+Selection is exact: every kept set equals the oracle's selection applied to the kernel's scores,
+because the steps after scoring are the oracle's own functions on the tensor shapes the oracle's
+``eviction_round`` uses: ``zscore`` per layer on the contiguous ``[B, Hq, W]`` slice of the
+kernel's ``[layers, B, Hq, W]`` output (torch's reductions are deterministic for a given shape,
+but may sum in another order for another shape), ``aggregate`` over the scored layers only (no
+rows are materialized for sliding layers), and ``select_keep``.
+
+The manager is built from an ``EvictionConfig`` (plain data: the registry manifest carries it as
+the family layout's ``triattention`` entry), never from the spec: this module needs torch, the
+oracle and the runtime's libraries only.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,73 +28,26 @@ from typing import Any, Protocol
 
 import torch
 
-from kvgen.lower.triattention import calibration_defaults, require_scorable
 from kvgen.reference.triattention import (
-    MODES,
-    MOVE_FILL,
     Calibration,
+    EvictionConfig,
+    GeometryError,
     Moves,
     TriGeometry,
+    aggregate,
     compact_paged,
     is_due,
     load_calibration,
     mean_phase_table,
     pack_moves,
+    rope_defaults,
+    select_keep,
     zscore,
 )
 from kvgen.runtime.score import TORCH_DTYPES, ScoreLibrary
-from kvgen.spec.schema import FamilySpec
 
 Packer = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 Compactor = Callable[..., None]
-
-
-# ----------------------------------------------------------------------------------------------
-# Normalize, aggregate, select (§4, §5)
-# ----------------------------------------------------------------------------------------------
-
-def zscore_layers(scores: torch.Tensor, valid: torch.Tensor) -> list[torch.Tensor]:
-    """Per scored layer, ``[B, Hq, W]`` z-scores of ``scores`` ``[layers, B, Hq, W]`` over the
-    columns where ``valid`` ``[B, W]`` holds (the oracle's ``zscore``, layer by layer)."""
-    return [zscore(scores[layer], valid[:, None, :]) for layer in range(scores.shape[0])]
-
-
-def aggregate_layers(z: Sequence[torch.Tensor], mode: str, geometry: TriGeometry) -> torch.Tensor:
-    """Decision values ``[B, R, W]`` from the z-scores of the scored layers (in
-    ``geometry.scored_layers`` order), without materializing rows for sliding layers."""
-    if mode not in MODES:
-        raise ValueError(f"eviction_mode {mode!r}; accepted: {', '.join(MODES)}")
-    B, _, W = z[0].shape
-    if mode == "union":
-        values = z[0].amax(dim=1)
-        for rows in z[1:]:
-            values = torch.maximum(values, rows.amax(dim=1))
-        return values.unsqueeze(1)
-    grouped = [rows.reshape(B, geometry.kv_heads, geometry.group, W).amax(dim=2) for rows in z]
-    if mode == "per_head":
-        return torch.stack(grouped, dim=1).mean(dim=1)   # [B, layers, Hkv, W] -> mean over layers
-    out = z[0].new_zeros((B, geometry.num_layers, geometry.kv_heads, W))  # sliding layers' rows stay 0
-    for layer, rows in zip(geometry.scored_layers, grouped):
-        out[:, layer] = rows
-    return out.reshape(B, geometry.num_layers * geometry.kv_heads, W)
-
-
-def select_keep(values: torch.Tensor, valid_width: torch.Tensor, budget: int, P: torch.Tensor) -> torch.Tensor:
-    """Kept absolute positions ``[B, R, budget]`` int64, ascending: per decision row the first
-    ``budget`` of the stable order (value desc, index asc) among the ``valid_width[b]`` leading
-    columns; -1 fills the slots of rows with fewer valid columns."""
-    B, R, W = values.shape
-    width = valid_width.to(device=values.device, dtype=torch.int64).reshape(B, 1, 1)
-    base = P.to(device=values.device, dtype=torch.int64).reshape(B, 1, 1)
-    valid = torch.arange(W, device=values.device) < width
-    key = torch.where(valid, values, float("-inf"))   # invalid columns last (and after valid -inf)
-    order = torch.sort(key, dim=-1, descending=True, stable=True).indices[..., :budget]
-    order = torch.where(order < width, order, W)       # picks past the valid width sort to the end
-    order = torch.sort(order, dim=-1).values
-    kept = torch.where(order < W, order + base, MOVE_FILL)
-    if kept.shape[-1] < budget:
-        kept = torch.cat([kept, kept.new_full((B, R, budget - kept.shape[-1]), MOVE_FILL)], dim=-1)
-    return kept
 
 
 # ----------------------------------------------------------------------------------------------
@@ -160,13 +118,30 @@ def generated_backends(family: str, k_pools: Sequence[torch.Tensor], v_pools: Se
     return MovePacker(pack_module, family=family), CudaCompactor(compact_library, k_pools, v_pools)
 
 
+def registry_config(resolved: Any) -> EvictionConfig:
+    """The ``EvictionConfig`` of a resolved registry family (its layout's ``triattention`` entry);
+    ``GeometryError`` naming the family and the reason when it has none."""
+    family = resolved.entry.family
+    layout = resolved.entry.layout or {}
+    data = layout.get("triattention")
+    if data is None:
+        reason = layout.get("triattention_refusal") or (
+            "its manifest entry has no TriAttention description (written by an older build); rebuild it "
+            "with kvgen build")
+        raise GeometryError(f"{family}: no TriAttention eviction from the registry: {reason}")
+    return EvictionConfig.from_json(data, source=f"{family}: layout.triattention")
+
+
 class TriAttentionManager:
     """TriAttention as an iteration-driven KV-cache compression method.
 
-    Built from the family spec, the calibration file (loaded with ``load_calibration`` and checked
-    against the spec's geometry and RoPE: a mismatch fails here, naming file and key), the K/V pools
-    of every cache layer, the family's score library, and optionally the generated packer module
-    and compactor library (``pack_module``, ``compact_library``; otherwise the oracle's).
+    Built from the family's ``EvictionConfig`` (from the registry: ``from_registry``; from a spec:
+    ``kvgen.lower.triattention.eviction_config``), the calibration file (loaded with
+    ``load_calibration`` and checked against the config's geometry and RoPE: a mismatch fails
+    here, naming file and key), the K/V pools of every cache layer, the family's score library,
+    and optionally the generated packer module and compactor library (``pack_module``,
+    ``compact_library``; otherwise the oracle's). ``budget``, ``beta`` and ``eviction_mode``
+    override the config's defaults and are checked like them.
 
     Only ``on_generation_step_end`` works: it picks the due requests (every ``beta`` generated
     tokens once past ``budget``; several crossings in one step give one round), runs one round
@@ -195,51 +170,60 @@ class TriAttentionManager:
     def supports_speculative_decoding() -> bool:
         return False
 
-    def __init__(self, spec: FamilySpec, calibration_path: str | Path, k_pools: Sequence[torch.Tensor],
+    def __init__(self, config: EvictionConfig, calibration_path: str | Path, k_pools: Sequence[torch.Tensor],
                  v_pools: Sequence[torch.Tensor], score_library: ScoreLibrary | str | Path, *,
                  budget: int | None = None, beta: int | None = None, eviction_mode: str | None = None,
                  max_position: int = 1 << 15, packer: Packer | None = None, compactor: Compactor | None = None,
                  pack_module: str | Path | None = None, compact_library: str | Path | None = None):
-        self.spec = spec
-        self.geometry = require_scorable(spec)
-        tri = spec.triattention
-        self.budget = tri.budget if budget is None else budget
-        self.beta = tri.beta if beta is None else beta
-        self.mode = tri.eviction_mode if eviction_mode is None else eviction_mode
-        if self.mode not in MODES:
-            raise ValueError(f"eviction_mode {self.mode!r}; accepted: {', '.join(MODES)}")
-        if self.budget < 1 or self.beta < 1:
-            raise ValueError(f"budget {self.budget} and beta {self.beta} must be positive")
-        windows = [w for w in self.geometry.swa_window if w is not None]
-        if windows and self.budget < max(windows):
-            raise ValueError(f"budget {self.budget} < sliding window {max(windows)}; SWA layers keep their window")
-        omega, scale = calibration_defaults(spec)
+        overrides = {"budget": budget, "beta": beta, "eviction_mode": eviction_mode}
+        # replace() runs the config's checks again on the overridden values (mode, budget >= windows).
+        self.config = dataclasses.replace(config, **{k: v for k, v in overrides.items() if v is not None})
+        self.family, self.geometry = self.config.family, self.config.geometry
+        self.budget, self.beta, self.mode = self.config.budget, self.config.beta, self.config.eviction_mode
+        omega, scale = rope_defaults(self.geometry.rotary_dim, self.config.rope_theta, self.config.rope_scaling)
         self.calibration: Calibration = load_calibration(calibration_path, self.geometry, omega, scale)
         # A path loads the library; anything else is used as one (tests pass stand-ins).
         self.library = ScoreLibrary(score_library) if isinstance(score_library, (str, Path)) else score_library
-        if self.library.family != spec.name:
-            raise ValueError(f"{self.library.path}: score library of {self.library.family!r}, not {spec.name!r}")
-        self.library.check_geometry(self.geometry, spec.dtype)
+        if self.library.family != self.family:
+            raise ValueError(f"{self.library.path}: score library of {self.library.family!r}, not {self.family!r}")
+        self.library.check_geometry(self.geometry, self.config.dtype)
         self.k_pools, self.v_pools = list(k_pools), list(v_pools)
         self.device = self._check_pools()
         self._prepare_inputs(max_position)
         if pack_module is not None and compact_library is not None and packer is None and compactor is None:
-            packer, compactor = generated_backends(spec.name, self.k_pools, self.v_pools, pack_module,
+            packer, compactor = generated_backends(self.family, self.k_pools, self.v_pools, pack_module,
                                                    compact_library)
         # Without the generated packer/compactor, the oracle's (correct, slower) stand in.
         self.packer = packer or oracle_packer(self.geometry)
         self.compactor = compactor or oracle_compactor(self.k_pools, self.v_pools, self.geometry)
         self.requests: dict[Hashable, _RequestState] = {}
 
+    @classmethod
+    def from_registry(cls, resolved: Any, calibration_path: str | Path, k_pools: Sequence[torch.Tensor],
+                      v_pools: Sequence[torch.Tensor], **overrides: Any) -> TriAttentionManager:
+        """The manager of a registry family: config from ``resolved.entry.layout["triattention"]``,
+        the score library, packer module and compactor library from ``resolved.artifact(op)`` for
+        ops ``score``, ``pack`` and ``compact`` (a ``kvgen.runtime.lookup.Resolved``; no spec).
+
+        ``overrides`` are the constructor's keywords; a ``score_library``, or a ``packer`` and
+        ``compactor``, given there replace the registry's (and those artifacts are not asked for).
+        A family TriAttention cannot serve fails with ``GeometryError`` naming it and the reason."""
+        config = registry_config(resolved)
+        if "score_library" not in overrides:
+            overrides["score_library"] = resolved.artifact("score")
+        if overrides.get("packer") is None and overrides.get("compactor") is None:
+            overrides.setdefault("pack_module", resolved.artifact("pack"))
+            overrides.setdefault("compact_library", resolved.artifact("compact"))
+        return cls(config, calibration_path, k_pools, v_pools, **overrides)
+
     # ---- init helpers
 
     def _check_pools(self) -> torch.device:
-        g, dtype = self.geometry, TORCH_DTYPES[self.spec.dtype]
+        g, dtype = self.geometry, TORCH_DTYPES[self.config.dtype]
         if len(self.k_pools) != g.num_layers or len(self.v_pools) != g.num_layers:
-            raise ValueError(f"{self.spec.name}: {g.num_layers} layers, got {len(self.k_pools)} K and "
+            raise ValueError(f"{self.family}: {g.num_layers} layers, got {len(self.k_pools)} K and "
                              f"{len(self.v_pools)} V pools")
-        page = ((g.kv_heads, g.tokens_per_block, g.head_dim) if g.layout == "HND"
-                else (g.tokens_per_block, g.kv_heads, g.head_dim))
+        page = g.page_shape
         device = self.k_pools[g.scored_layers[0]].device
         strides = set()
         for layer, pool in enumerate(self.k_pools + self.v_pools):
@@ -339,8 +323,8 @@ class TriAttentionManager:
         P_t = torch.tensor(P, dtype=torch.int64, device=device)
         width_t = torch.tensor(S, dtype=torch.int64, device=device) - P_t
         valid = torch.arange(scores.shape[-1], device=device)[None, :] < width_t[:, None]
-        values = aggregate_layers(zscore_layers(scores, valid), self.mode, self.geometry)
-        return select_keep(values, width_t, self.budget, P_t)
+        z = [zscore(layer_scores, valid[:, None, :]) for layer_scores in scores]
+        return select_keep(aggregate(z, self.mode, self.geometry), width_t, self.budget, P_t)
 
     def run_round(self, page_table: torch.Tensor, P: Sequence[int], S: Sequence[int], L: Sequence[int],
                   tail: Sequence[int]) -> torch.Tensor:
@@ -356,6 +340,6 @@ class TriAttentionManager:
         return kept
 
     def describe(self) -> dict[str, Any]:
-        return {"family": self.spec.name, "budget": self.budget, "beta": self.beta, "mode": self.mode,
+        return {"family": self.family, "budget": self.budget, "beta": self.beta, "mode": self.mode,
                 "score_library": str(self.library.path), "arch": self.library.arch,
                 "scored_layers": list(self.geometry.scored_layers)}

@@ -16,6 +16,7 @@ from typing import Annotated, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
 
 from kvgen.arch import DEFAULT_TARGETS
+from kvgen.reference.triattention_family import refusal_reason
 from kvgen.spec.yamlsrc import KeyPath, LocatedDoc, YamlShapeError, load_located, read_text
 
 HOT_DTYPES = ("bf16", "fp16", "fp8_e4m3")
@@ -158,6 +159,12 @@ class FamilySpec(_Model):
         if rope.partial_rotary_factor is not None:
             return int(round(self.row_dim * rope.partial_rotary_factor))
         return 0
+
+    @property
+    def rope_start(self) -> int:
+        """Element offset of the rotated span inside the row: ``row_dim - rotary_dim`` for
+        ``trailing`` RoPE, 0 otherwise (leading, full, none)."""
+        return self.row_dim - self.rotary_dim if self.rope.placement == "trailing" else 0
 
     @property
     def elem_bytes(self) -> int:
@@ -413,19 +420,13 @@ def _triattention_errors(spec: FamilySpec) -> list[tuple[KeyPath, str]]:
     tri = spec.triattention
     if not tri.enabled:
         return []
-    key = ("triattention", "enabled")
-    if spec.attention in ("mla", "csa"):
-        return [(key, f"TriAttention cannot serve attention: {spec.attention} (one shared latent per token, no "
-                      "KV-head semantics); set enabled: false")]
-    if spec.rope.placement == "none":
-        return [(key, "TriAttention scores RoPE frequencies; this family has no RoPE")]
-    if spec.dtype == "fp8_e4m3":
-        return [(key, "TriAttention scoring reads bf16/fp16 K; fp8 hot caches are not supported by the scorer yet")]
+    reason = refusal_reason(spec.attention, rope_placement=spec.rope.placement,
+                            scored_layers=spec.layers - len(spec.swa_layers), dtype=spec.dtype)
+    if reason is not None:
+        return [(("triattention", "enabled"), f"{reason}; set enabled: false")]
     if spec.sliding_window is not None and tri.budget < spec.sliding_window.window:
         return [(("triattention", "budget"), f"budget {tri.budget} is below the sliding window "
                                              f"{spec.sliding_window.window}; SWA layers keep the whole window")]
-    if len(spec.swa_layers) == spec.layers:
-        return [(key, "every layer is sliding-window; nothing is scored")]
     return []
 
 
