@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from kvgen.lower.layout import family_layout
-from kvgen.reference import decode_layer, decode_page, encode_layer, encode_page, nvfp4
+from kvgen.reference import nvfp4
+from kvgen.reference.codec import decode_page, decode_record, encode_page, encode_record
 from kvgen.spec.schema import load_spec
 
 from .conftest import SPECS_DIR
@@ -34,12 +35,12 @@ def test_round_trip_and_lossless_parts(family):
     spec = load_spec(SPECS_DIR / f"{family}.yaml")
     record = family_layout(spec).record
     buffers, sides = random_layer(spec, torch.Generator().manual_seed(1))
-    rec = encode_layer(spec, buffers, sides)
+    rec = encode_record(record, buffers, sides)
     assert rec.dtype == torch.uint8 and rec.numel() == record.bytes
     pad = record.regions[-1]
     if pad.kind == "pad":
         assert not rec[pad.offset :].any()
-    out, out_sides = decode_layer(spec, rec)
+    out, out_sides = decode_record(record, rec, spec.dtype)
     for b in record.buffers:
         hot = buffers[b.name].view(torch.uint8).reshape(b.rows, -1)
         got = out[b.name].view(torch.uint8).reshape(b.rows, -1)
@@ -50,7 +51,7 @@ def test_round_trip_and_lossless_parts(family):
         assert torch.equal(out_sides[name], raw)
     # a decoded page re-encodes to the same bytes when it has no 2FP4 span (no drift, §4)
     if not any(b.r for b in record.buffers):
-        again = encode_layer(spec, {k: v.reshape(buffers[k].shape) for k, v in out.items()}, out_sides)
+        again = encode_record(record, {k: v.reshape(buffers[k].shape) for k, v in out.items()}, out_sides)
         scales_ok = all((nvfp4.e4m3_to_f32(rec[record.region(b.name, "scales").offset:][: b.scale_bytes]) >= 2 ** -7
                          ).all() for b in record.buffers)
         if scales_ok:
@@ -59,8 +60,9 @@ def test_round_trip_and_lossless_parts(family):
 
 def test_error_bound_per_element():
     spec = load_spec(SPECS_DIR / "qwen3-8b.yaml")
+    record = family_layout(spec).record
     buffers, _ = random_layer(spec, torch.Generator().manual_seed(2))
-    out, _ = decode_layer(spec, encode_layer(spec, buffers))
+    out, _ = decode_record(record, encode_record(record, buffers), spec.dtype)
     x = buffers["k"].float().reshape(-1, 16)
     y = out["k"].float().reshape(-1, 16)
     amax = x.abs().amax(dim=1, keepdim=True)
@@ -75,11 +77,11 @@ def test_garbage_rows_do_not_change_valid_rows():
     spec = load_spec(SPECS_DIR / "qwen3-8b.yaml")
     record = family_layout(spec).record
     buffers, _ = random_layer(spec, torch.Generator().manual_seed(3))
-    clean = encode_layer(spec, buffers)
+    clean = encode_record(record, buffers)
     dirty = {k: v.clone() for k, v in buffers.items()}
     dirty["k"][200:] = float("nan")
     dirty["v"][200:, ::2] = float("inf")
-    rec = encode_layer(spec, dirty)
+    rec = encode_record(record, dirty)
     for b in record.buffers:
         for kind, per_row in (("data", b.q // 2), ("scales", b.q // 16)):
             off = record.region(b.name, kind).offset
@@ -91,7 +93,7 @@ def test_non_finite_inputs_follow_the_rules():
     buffers, _ = random_layer(spec, torch.Generator().manual_seed(4))
     k = buffers["k"]
     k[0, :16] = torch.tensor([float("nan"), float("inf"), -float("inf")] + [1.0] * 13)
-    rec = encode_layer(spec, buffers)
+    rec = encode_record(family_layout(spec).record, buffers)
     codes = nvfp4.unpack_nibbles(rec[:8])
     assert codes[:3].tolist() == [0x0, 0x7, 0xF]
 
@@ -102,10 +104,10 @@ def test_lifecycle_page_is_the_concatenation_of_records():
     gen = torch.Generator().manual_seed(5)
     lc = layout.lifecycles[1]
     layers = [random_layer(spec, gen) for _ in lc.layers]
-    page = encode_page(spec, layers, lifecycle=1)
+    page = encode_page(layout, layers, lifecycle=1)
     assert page.numel() == lc.cold_page_bytes
-    assert torch.equal(page[: lc.record_bytes], encode_layer(spec, *layers[0]))
-    back = decode_page(spec, page, lifecycle=1)
+    assert torch.equal(page[: lc.record_bytes], encode_record(layout.record, *layers[0]))
+    back = decode_page(layout, page, spec.dtype, lifecycle=1)
     assert len(back) == len(lc.layers)
     with pytest.raises(ValueError, match="expected a"):
-        decode_page(spec, page[:-16], lifecycle=1)
+        decode_page(layout, page[:-16], spec.dtype, lifecycle=1)

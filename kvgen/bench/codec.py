@@ -31,7 +31,7 @@ from kvgen.measure.environment import environment, write_result
 from kvgen.measure.libraries import registry_artifact
 from kvgen.measure.timing import measure_ceilings, require_cuda, time_ms
 from kvgen.measure.workloads.codec import CodecWorkload
-from kvgen.reference import encode_records
+from kvgen.reference.codec import encode_records
 from kvgen.runtime import ColdPageCodec, FamilyLibrary, LibraryError
 from kvgen.spec.schema import load_spec
 

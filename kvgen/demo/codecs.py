@@ -8,9 +8,10 @@ from typing import Any
 
 import torch
 
-from kvgen import paths, reference
+from kvgen import paths
 from kvgen.demo.config import GENERATED_BACKEND, ORACLE_BACKEND, DemoConfig
 from kvgen.lower.layout import FamilyLayout
+from kvgen.reference import codec as oracle_codec
 from kvgen.runtime.lookup import RuntimeRegistry, installed_sources
 
 
@@ -18,7 +19,7 @@ def oracle_encode_pages(layout: FamilyLayout, pages: Sequence[Sequence[torch.Ten
     """Cold pages ``uint8 [n, cold_page_bytes]`` of lifecycle 0 (COLD_PAGE_FORMAT.md §2): the
     records of every layer, ascending. ``pages[layer][buffer]`` is ``[n, *page]``."""
     record = layout.record
-    records = [reference.encode_records(record, {b.name: pages[layer][i] for i, b in enumerate(record.buffers)}, {})
+    records = [oracle_codec.encode_records(record, {b.name: pages[layer][i] for i, b in enumerate(record.buffers)}, {})
                for layer in layout.lifecycles[0].layers]
     return torch.cat(records, dim=1)
 
@@ -29,7 +30,7 @@ def oracle_decode_pages(layout: FamilyLayout, cold: torch.Tensor, dtype: str,
     record_bytes = layout.record.bytes
     out = []
     for j, _ in enumerate(layout.lifecycles[0].layers):
-        buffers, _ = reference.decode_records(layout.record, cold[:, j * record_bytes:(j + 1) * record_bytes], dtype)
+        buffers, _ = oracle_codec.decode_records(layout.record, cold[:, j * record_bytes:(j + 1) * record_bytes], dtype)
         out.append([buffers[b.name].reshape((cold.shape[0],) + page_shape) for b in layout.record.buffers])
     return out
 
@@ -84,7 +85,7 @@ def open_codec(config: DemoConfig, spec_path: Path, family: str, layout: FamilyL
 
 def family_dtype(layout: FamilyLayout, pools: Sequence[Sequence[torch.Tensor]]) -> str:
     dtype = pools[0][0].dtype
-    return next(name for name, torch_dtype in reference.codec.HOT_TORCH_DTYPES.items() if torch_dtype == dtype)
+    return next(name for name, torch_dtype in oracle_codec.HOT_TORCH_DTYPES.items() if torch_dtype == dtype)
 
 
 def pairs_tensor(dst: Sequence[int], src: Sequence[int]) -> torch.Tensor:

@@ -12,7 +12,6 @@ from typing import Any
 
 import torch
 
-from kvgen import reference
 from kvgen.demo.attention import ErrorStats, attention, calibrated_queries
 from kvgen.demo.codecs import runtime_registry
 from kvgen.demo.config import (
@@ -29,6 +28,7 @@ from kvgen.lower.layout import family_layout
 from kvgen.measure.libraries import op_artifact
 from kvgen.measure.timing import clock_for, time_once
 from kvgen.reference import triattention as oracle
+from kvgen.reference.codec import HOT_TORCH_DTYPES
 from kvgen.spec.schema import FamilySpec
 
 
@@ -119,7 +119,7 @@ class LongDecode:
         pages = len(originals) * per_request
         shape = (pages,) + ((g.kv_heads, g.tokens_per_block, g.head_dim) if g.layout == "HND"
                             else (g.tokens_per_block, g.kv_heads, g.head_dim))
-        dtype = reference.codec.HOT_TORCH_DTYPES[spec.dtype]
+        dtype = HOT_TORCH_DTYPES[spec.dtype]
         self.k_pools = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(g.num_layers)]
         self.v_pools = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(g.num_layers)]
         order = torch.randperm(pages, generator=rng)       # scattered pages, as a real allocator leaves them

@@ -8,11 +8,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kvgen import reference
 from kvgen.demo.config import DemoError
 from kvgen.lower import triattention as spec_tri
 from kvgen.lower.layout import FamilyLayout
 from kvgen.reference import triattention as oracle
+from kvgen.reference.codec import HOT_TORCH_DTYPES
 from kvgen.spec.schema import FamilySpec
 
 
@@ -68,7 +68,7 @@ class CacheGeometry:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return reference.codec.HOT_TORCH_DTYPES[self.dtype]
+        return HOT_TORCH_DTYPES[self.dtype]
 
     @property
     def softmax_scale(self) -> float:

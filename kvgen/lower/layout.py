@@ -1,4 +1,5 @@
-"""Lowering a spec to the cold-page byte layout (COLD_PAGE_FORMAT.md §1-2), once, as plain data.
+"""Lowering a spec to the cold-page byte layout (COLD_PAGE_FORMAT.md §1-2), once, as plain data
+(the layout's types and span arithmetic are the format's, in ``kvgen.reference.layout``).
 
 ``family_layout(spec)`` answers every size question a kernel, the oracle or ``kvgen show`` asks:
 each quantized buffer's row schema (lossless prefix, quantized run, 2FP4 part, lossless suffix),
@@ -7,144 +8,19 @@ the ordered regions of one layer record with their offsets, and each lifecycle's
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Literal
+from dataclasses import asdict
 
 from kvgen.lower.triattention import eviction_config, eviction_refusal
+from kvgen.reference.layout import (
+    BufferSchema,
+    FamilyLayout,
+    LayerRecord,
+    Lifecycle,
+    SideSchema,
+    record_regions,
+    row_spans,
+)
 from kvgen.spec.schema import FamilySpec, quantized_buffer_names
-
-
-def align16(n: int) -> int:
-    return (n + 15) // 16 * 16
-
-
-@dataclass(frozen=True)
-class BufferSchema:
-    """One quantized buffer of a layer: ``rows`` rows of ``prefix | q | suffix`` elements.
-
-    The 2FP4 part (``r`` elements) sits inside the quantized run, at its start or its end.
-    """
-
-    name: str
-    rows: int
-    row_dim: int
-    elem_bytes: int
-    prefix: int
-    q: int
-    suffix: int
-    r: int
-    residual_at: Literal["start", "end"]
-    G: float
-    Q: float
-
-    @property
-    def lossless(self) -> int:
-        return self.prefix + self.suffix
-
-    @property
-    def residual_start(self) -> int:
-        """Element offset of the 2FP4 part inside the quantized run."""
-        return 0 if self.residual_at == "start" else self.q - self.r
-
-    @property
-    def hot_bytes(self) -> int:
-        return self.rows * self.row_dim * self.elem_bytes
-
-    @property
-    def data_bytes(self) -> int:
-        return self.rows * self.q // 2
-
-    @property
-    def scale_bytes(self) -> int:
-        return self.rows * self.q // 16
-
-    @property
-    def residual_bytes(self) -> int:
-        return self.rows * self.r // 2
-
-    @property
-    def residual_scale_bytes(self) -> int:
-        return self.rows * self.r // 16
-
-    @property
-    def lossless_bytes(self) -> int:
-        return self.rows * self.lossless * self.elem_bytes
-
-
-@dataclass(frozen=True)
-class SideSchema:
-    """A side buffer copied byte for byte: ``bytes`` per page of one layer."""
-
-    name: str
-    bytes: int
-
-
-RegionKind = Literal["data", "scales", "residual", "residual_scales", "lossless", "side", "pad"]
-
-
-@dataclass(frozen=True)
-class Region:
-    buffer: str
-    kind: RegionKind
-    offset: int
-    size: int
-
-
-@dataclass(frozen=True)
-class LayerRecord:
-    buffers: tuple[BufferSchema, ...]
-    sides: tuple[SideSchema, ...]
-    regions: tuple[Region, ...]
-    unpadded_bytes: int
-
-    @property
-    def bytes(self) -> int:
-        return align16(self.unpadded_bytes)
-
-    @property
-    def hot_bytes(self) -> int:
-        return sum(b.hot_bytes for b in self.buffers) + sum(s.bytes for s in self.sides)
-
-    def region(self, buffer: str, kind: RegionKind) -> Region:
-        for region in self.regions:
-            if region.buffer == buffer and region.kind == kind:
-                return region
-        raise KeyError(f"no {kind} region for buffer {buffer!r}")
-
-
-@dataclass(frozen=True)
-class Lifecycle:
-    """Layers whose pages move together (one per distinct attention window)."""
-
-    index: int
-    layers: tuple[int, ...]
-    window: int | None
-    record_bytes: int
-    hot_record_bytes: int
-
-    @property
-    def cold_page_bytes(self) -> int:
-        return len(self.layers) * self.record_bytes
-
-    @property
-    def hot_page_bytes(self) -> int:
-        return len(self.layers) * self.hot_record_bytes
-
-
-@dataclass(frozen=True)
-class FamilyLayout:
-    family: str
-    record: LayerRecord
-    lifecycles: tuple[Lifecycle, ...]
-
-    def lifecycle_of(self, layer: int) -> Lifecycle:
-        for lifecycle in self.lifecycles:
-            if layer in lifecycle.layers:
-                return lifecycle
-        raise KeyError(f"layer {layer} is not in family {self.family}")
-
-
-# ---------------------------------------------------------------- lowering
 
 
 def buffer_rows(spec: FamilySpec) -> int:
@@ -157,61 +33,17 @@ def buffer_rows(spec: FamilySpec) -> int:
 def row_schema(spec: FamilySpec, buffer: str) -> BufferSchema:
     """Spans of one quantized buffer's row under the spec's RoPE policy (V never carries RoPE)."""
     rotary = spec.rotary_dim if buffer != "v" else 0
-    policy = spec.cold_page.rope if rotary else "quantized"
-    trailing = spec.rope.placement == "trailing"
-    prefix = suffix = r = 0
-    if policy == "lossless":
-        if trailing:
-            suffix = rotary
-        else:
-            prefix = rotary
-    elif policy == "2fp4":
-        r = spec.cold_page.residual_width or rotary
+    prefix, q, suffix, r, residual_at = row_spans(spec.row_dim, rotary, spec.rope.placement, spec.cold_page.rope,
+                                                  spec.cold_page.residual_width)
     G, Q = spec.scale_for(buffer)
-    return BufferSchema(
-        name=buffer,
-        rows=buffer_rows(spec),
-        row_dim=spec.row_dim,
-        elem_bytes=spec.elem_bytes,
-        prefix=prefix,
-        q=spec.row_dim - prefix - suffix,
-        suffix=suffix,
-        r=r,
-        residual_at="end" if trailing else "start",
-        G=G,
-        Q=Q,
-    )
-
-
-def _regions(buffers: tuple[BufferSchema, ...], sides: tuple[SideSchema, ...]) -> tuple[list[Region], int]:
-    """Regions in record order (§2 table): data of every buffer, then per-buffer blocks, sides, pad."""
-    regions: list[Region] = []
-    offset = 0
-
-    def put(buffer: str, kind: RegionKind, size: int) -> None:
-        nonlocal offset
-        if size:
-            regions.append(Region(buffer, kind, offset, size))
-            offset += size
-
-    for b in buffers:
-        put(b.name, "data", b.data_bytes)
-    for b in buffers:
-        put(b.name, "scales", b.scale_bytes)
-        put(b.name, "residual", b.residual_bytes)
-        put(b.name, "residual_scales", b.residual_scale_bytes)
-        put(b.name, "lossless", b.lossless_bytes)
-    for s in sides:
-        put(s.name, "side", s.bytes)
-    unpadded = offset
-    put("", "pad", align16(offset) - offset)
-    return regions, unpadded
+    return BufferSchema(name=buffer, rows=buffer_rows(spec), row_dim=spec.row_dim, elem_bytes=spec.elem_bytes,
+                        prefix=prefix, q=q, suffix=suffix, r=r, residual_at=residual_at, G=G, Q=Q)
 
 
 def layer_record(spec: FamilySpec) -> LayerRecord:
     buffers = tuple(row_schema(spec, name) for name in quantized_buffer_names(spec))
     sides = tuple(SideSchema(s.name, s.bytes_per_token * spec.tokens_per_block) for s in spec.side_buffers)
-    regions, unpadded = _regions(buffers, sides)
+    regions, unpadded = record_regions(buffers, sides)
     return LayerRecord(buffers=buffers, sides=sides, regions=tuple(regions), unpadded_bytes=unpadded)
 
 

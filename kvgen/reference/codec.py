@@ -12,9 +12,8 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from kvgen.lower.layout import BufferSchema, LayerRecord, Lifecycle, family_layout
 from kvgen.reference import nvfp4
-from kvgen.spec.schema import FamilySpec
+from kvgen.reference.layout import BufferSchema, FamilyLayout, LayerRecord
 
 HOT_TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8_e4m3": torch.float8_e4m3fn}
 
@@ -69,11 +68,13 @@ def encode_buffer(hot: torch.Tensor, b: BufferSchema) -> dict[str, torch.Tensor]
 
 
 def encode_records(record: LayerRecord, buffers: Mapping[str, torch.Tensor],
-                   side_buffers: Mapping[str, torch.Tensor]) -> torch.Tensor:
+                   side_buffers: Mapping[str, torch.Tensor] | None = None) -> torch.Tensor:
     """Encode a batch of pages of one layer into zero-padded records: uint8 [pages, record.bytes]."""
     parts = {b.name: encode_buffer(buffers[b.name], b) for b in record.buffers}
     pages, device = next(iter(parts.values()))["data"].shape[0], next(iter(buffers.values())).device
     for s in record.sides:
+        if s.name not in (side_buffers or {}):
+            raise ValueError(f"side buffer {s.name!r}: missing (the record copies it byte for byte)")
         raw = side_buffers[s.name].contiguous().view(torch.uint8).reshape(-1)
         if raw.numel() != pages * s.bytes:
             raise ValueError(f"side buffer {s.name!r}: expected {pages}×{s.bytes} bytes, got {raw.numel()}")
@@ -86,7 +87,7 @@ def encode_records(record: LayerRecord, buffers: Mapping[str, torch.Tensor],
 
 
 def encode_record(record: LayerRecord, buffers: Mapping[str, torch.Tensor],
-                  side_buffers: Mapping[str, torch.Tensor]) -> torch.Tensor:
+                  side_buffers: Mapping[str, torch.Tensor] | None = None) -> torch.Tensor:
     """Encode one page of one layer into its zero-padded record of ``record.bytes`` bytes."""
     out = encode_records(record, buffers, side_buffers)
     if out.shape[0] != 1:
@@ -144,34 +145,22 @@ def decode_record(record: LayerRecord, rec: torch.Tensor, dtype: str
     return {k: v[0] for k, v in buffers.items()}, {k: v[0] for k, v in sides.items()}
 
 
-# ---------------------------------------------------------------- spec-level entry points
+# ---------------------------------------------------------------- pages
 
 
-def encode_layer(spec: FamilySpec, buffers: Mapping[str, torch.Tensor],
-                 side_buffers: Mapping[str, torch.Tensor] | None = None) -> torch.Tensor:
-    return encode_record(family_layout(spec).record, buffers, side_buffers or {})
-
-
-def decode_layer(spec: FamilySpec, record: torch.Tensor
-                 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    return decode_record(family_layout(spec).record, record, spec.dtype)
-
-
-def _lifecycle(spec: FamilySpec, lifecycle: int) -> Lifecycle:
-    return family_layout(spec).lifecycles[lifecycle]
-
-
-def encode_page(spec: FamilySpec, layers: Sequence[LayerInput], lifecycle: int = 0) -> torch.Tensor:
+def encode_page(layout: FamilyLayout, layers: Sequence[LayerInput], lifecycle: int = 0) -> torch.Tensor:
     """One cold page: the layer records of every layer of the lifecycle, ascending."""
-    lc = _lifecycle(spec, lifecycle)
+    lc = layout.lifecycles[lifecycle]
     if len(layers) != len(lc.layers):
         raise ValueError(f"lifecycle {lifecycle} has {len(lc.layers)} layers, got {len(layers)}")
-    return torch.cat([encode_layer(spec, bufs, sides) for bufs, sides in layers])
+    return torch.cat([encode_record(layout.record, bufs, sides) for bufs, sides in layers])
 
 
-def decode_page(spec: FamilySpec, page: torch.Tensor, lifecycle: int = 0) -> list[tuple[dict, dict]]:
-    lc = _lifecycle(spec, lifecycle)
+def decode_page(layout: FamilyLayout, page: torch.Tensor, dtype: str,
+                lifecycle: int = 0) -> list[tuple[dict, dict]]:
+    """Inverse of ``encode_page``: per layer of the lifecycle, (buffers, sides) in ``dtype``."""
+    lc = layout.lifecycles[lifecycle]
     if page.numel() != lc.cold_page_bytes:
         raise ValueError(f"expected a {lc.cold_page_bytes}-byte cold page, got {page.numel()} bytes")
     records = page.reshape(len(lc.layers), lc.record_bytes)
-    return [decode_layer(spec, rec) for rec in records]
+    return [decode_record(layout.record, rec, dtype) for rec in records]

@@ -5,9 +5,17 @@ dependency (pydantic): registries carry the layouts the runtime needs."""
 from kvgen.runtime.codec import ColdPageCodec, pool_descriptors
 from kvgen.runtime.compact import CompactLibrary, Compactor
 from kvgen.runtime.library import FamilyLibrary, LibraryError
+from kvgen.runtime.lookup import (
+                       RegistryLayout,
+                       RegistrySource,
+                       Resolved,
+                       RuntimeRegistry,
+                       check_spec,
+                       codec_from_registry,
+                       installed_sources,
+                       register_codec,
+)
 from kvgen.runtime.pack import MovePacker, PackModuleError, load_pack_module, pack_module_path
-from kvgen.runtime.lookup import (RegistryLayout, RegistrySource, Resolved, RuntimeRegistry, check_spec, codec_from_registry,
-                       installed_sources, register_codec)
 
 __all__ = [
     "ColdPageCodec", "CompactLibrary", "Compactor", "FamilyLibrary", "LibraryError", "MovePacker",

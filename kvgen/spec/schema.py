@@ -16,6 +16,7 @@ from typing import Annotated, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
 
 from kvgen.arch import DEFAULT_TARGETS
+from kvgen.reference.layout import row_spans
 from kvgen.reference.triattention_family import refusal_reason
 from kvgen.spec.yamlsrc import KeyPath, LocatedDoc, YamlShapeError, load_located, read_text
 
@@ -391,16 +392,16 @@ def _cold_page_errors(spec: FamilySpec) -> list[tuple[KeyPath, str]]:
 
 
 def _check_quantized_range(spec: FamilySpec) -> list[tuple[KeyPath, str]]:
-    from kvgen.lower.layout import row_schema  # span arithmetic lives in one place; the spec only cross-checks it
-
-    schema = row_schema(spec, _quantized_buffer_names(spec)[0])
+    # The span arithmetic is the format's (kvgen.reference.layout); the spec only cross-checks it.
+    prefix, q, _, _, _ = row_spans(spec.row_dim, spec.rotary_dim, spec.rope.placement, spec.cold_page.rope,
+                                   spec.cold_page.residual_width)
     given = spec.cold_page.quantized_range
     if given.start % 16 or given.length % 16:
         return [(("cold_page", "quantized_range"), "start and length must be multiples of 16")]
-    if (given.start, given.length) != (schema.prefix, schema.q):
+    if (given.start, given.length) != (prefix, q):
         return [(("cold_page", "quantized_range"), f"start {given.start}, length {given.length} disagrees with the "
-                                                   f"RoPE policy, which quantizes start {schema.prefix}, "
-                                                   f"length {schema.q}")]
+                                                   f"RoPE policy, which quantizes start {prefix}, "
+                                                   f"length {q}")]
     return []
 
 

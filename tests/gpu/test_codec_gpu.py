@@ -15,8 +15,7 @@ import pytest
 import torch
 
 from kvgen.lower.layout import FamilyLayout
-from kvgen.reference import decode_records, encode_records
-from kvgen.reference.codec import HOT_TORCH_DTYPES
+from kvgen.reference.codec import HOT_TORCH_DTYPES, decode_records, encode_records
 from kvgen.runtime import ColdPageCodec, FamilyLibrary
 
 from ..conftest import SPECS_DIR

@@ -8,7 +8,7 @@ it, so offload, spill, read-back and onboard all happen. What must hold:
 - every onboarded page is bit-exact: the cold blobs equal the oracle's ``encode`` of the original
   pages, the restored pages equal the oracle's ``decode(encode(original))``;
 - independently of the demo's own checks, pages encoded by the generated codec into pinned host
-  memory and decoded back equal ``kvgen.reference.encode_records`` / ``decode_records`` of the
+  memory and decoded back equal ``kvgen.reference.codec.encode_records`` / ``decode_records`` of the
   same pages (second test);
 - the same error properties as the CPU test (tests/test_demo.py states the tolerances).
 """
@@ -29,7 +29,7 @@ from kvgen.demo.codecs import open_codec, pairs_tensor
 from kvgen.demo.synthetic import CacheGeometry, KVGenerator
 from kvgen.demo.tiers import ColdTier, HotPool
 from kvgen.lower.layout import family_layout
-from kvgen.reference import decode_records, encode_records
+from kvgen.reference.codec import decode_records, encode_records
 from kvgen.spec.schema import load_spec
 
 from ..conftest import SPECS_DIR

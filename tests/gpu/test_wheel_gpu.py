@@ -49,8 +49,8 @@ def registry() -> RuntimeRegistry:
 def oracle():
     """(spec, layout, reference codec module); the spec side needs pydantic."""
     try:
-        from kvgen import reference
         from kvgen.lower.layout import family_layout
+        from kvgen.reference import codec as reference
         from kvgen.spec.schema import load_spec
     except ImportError as exc:
         pytest.skip(f"the codec oracle needs the spec (pydantic): {exc}")
@@ -155,7 +155,7 @@ def test_codec_from_the_wheel_matches_the_oracle(registry: RuntimeRegistry, orac
     manifest_layout = registry.resolve(FAMILY).layout()
     gen = torch.Generator().manual_seed(20260901)
     n, pages, slots = 40, 24, 47
-    pools = hot_pools(spec, layout, pages, gen, reference.codec.HOT_TORCH_DTYPES[spec.dtype])
+    pools = hot_pools(spec, layout, pages, gen, reference.HOT_TORCH_DTYPES[spec.dtype])
     codec = codec_from_registry(registry, FAMILY, pools, index_location=index_location)
     for lifecycle, lc in enumerate(layout.lifecycles):
         assert codec.cold_page_bytes(lifecycle) == lc.cold_page_bytes == manifest_layout.cold_page_bytes(lifecycle)
@@ -182,7 +182,7 @@ def test_custom_ops_replay_in_a_cuda_graph(registry: RuntimeRegistry, oracle) ->
     spec, layout, reference = oracle
     gen = torch.Generator().manual_seed(7)
     n, pages, slots = 32, 20, 40
-    pools = hot_pools(spec, layout, pages, gen, reference.codec.HOT_TORCH_DTYPES[spec.dtype])
+    pools = hot_pools(spec, layout, pages, gen, reference.HOT_TORCH_DTYPES[spec.dtype])
     out_pools = [[filled_like(p) for p in layer] for layer in pools]
     codec = codec_from_registry(registry, FAMILY, pools, index_location="device")
     out = codec_from_registry(registry, FAMILY, out_pools, index_location="device")

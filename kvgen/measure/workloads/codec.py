@@ -1,5 +1,5 @@
 """The cold-page codec workload: encode + decode of lifecycle-0 pages, checked byte for byte
-against the oracle (``kvgen.reference.encode_records`` / ``decode_records``)."""
+against the oracle (``kvgen.reference.codec.encode_records`` / ``decode_records``)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,7 @@ import torch
 
 from kvgen.measure.timing import rotation_sets
 from kvgen.measure.workloads.base import Failure, Inputs, launch, loading, timed
-from kvgen.reference import decode_records, encode_records
-from kvgen.reference.codec import HOT_TORCH_DTYPES
+from kvgen.reference.codec import HOT_TORCH_DTYPES, decode_records, encode_records
 from kvgen.runtime.codec import ColdPageCodec
 from kvgen.runtime.library import FamilyLibrary, LibraryError
 
