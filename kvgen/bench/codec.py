@@ -44,7 +44,7 @@ DEFAULT_FAMILIES = "qwen3-8b,qwen3-8b-fp8,deepseek-v3,deepseek-v4-csa"
 
 
 def library_for(family: str, registry: Path, arch: str) -> FamilyLibrary:
-    return FamilyLibrary(registry_artifact(family, registry, arch), family)
+    return FamilyLibrary(registry_artifact(family, registry, arch, "codec"), family)
 
 
 def make_pools(spec, layout, pages: int) -> list[list[torch.Tensor]]:

@@ -149,18 +149,18 @@ def _driver() -> str:
         return "unknown"
 
 
-def registry_artifact(family: str, registry: Path, arch: str) -> Path:
-    """The verified library file of ``family`` in ``registry`` for ``arch`` (a clear error naming
-    the build command when it is not there)."""
-    from kvgen.artifacts.manifest import manifest_path, read_manifest, verify_artifact
+def registry_artifact(family: str, registry: Path, arch: str, op: str) -> Path:
+    """The verified file serving ``op`` of ``family`` in ``registry`` for ``arch`` (a clear error
+    naming the build command when it is not there)."""
+    from kvgen.artifacts.manifest import manifest_path, read_manifest, verify_op
 
     path = manifest_path(registry, arch)
     manifest = read_manifest(path, verify=False)
-    entry = manifest.library(family)
+    entry = manifest.family(family)
     if entry is None:
         raise LookupError(f"{family} is not in {path}; run: kvgen build --arch {arch} --family {family} "
                           f"--registry {registry}")
-    return verify_artifact(path, manifest, entry)
+    return verify_op(path, manifest, entry, op)
 
 
 def write_result(name: str, data: dict, tag: str = "") -> Path:

@@ -77,7 +77,7 @@ from kvgen.reference.triattention import TriGeometry, compact_paged  # noqa: E40
 from kvgen.reference.triattention import pack_moves as oracle_pack_moves  # noqa: E402
 from kvgen.runtime.compact import CompactLibrary, Compactor  # noqa: E402
 from kvgen.runtime.library import LibraryError  # noqa: E402
-from kvgen.runtime.pack import MovePacker, pack_module_path  # noqa: E402
+from kvgen.runtime.pack import MovePacker  # noqa: E402
 
 BUDGET = 2048
 DECODE = 4096
@@ -87,7 +87,7 @@ REPS = 20
 
 
 def library_for(family: str, registry: Path, arch: str) -> CompactLibrary:
-    return CompactLibrary(registry_artifact(family, registry, arch))
+    return CompactLibrary(registry_artifact(family, registry, arch, "compact"))
 
 
 def oracle_geometry(info: dict, packer: MovePacker) -> TriGeometry:
@@ -292,7 +292,7 @@ def run(ceilings: dict, family: str = "qwen3-8b", batches: list[int] = (1, 32, 2
             default_library = library_for(family, default_registry, arch)
         except (LookupError, RegistryError, LibraryError) as exc:
             default_error = f"{type(exc).__name__}: {exc}"
-    packer = MovePacker(pack_module_path(generated, family), family)
+    packer = MovePacker(generated / family / "pack.py", family)
     geo = oracle_geometry(library.info, packer)
     torch.cuda.empty_cache()
     copy_gbps = ceilings["device_copy"]["gbps_read_plus_write"]

@@ -39,7 +39,8 @@ from kvgen.bench.common import ROOT, environment, measure_ceilings, require_cuda
 from kvgen.lower.triattention import rope_scaling, tri_geometry
 from kvgen.reference.triattention import mean_phase_table, save_calibration, score_paged, synthetic_calibration
 from kvgen.runtime.eviction import TriAttentionManager, generated_backends
-from kvgen.runtime.score import TORCH_DTYPES, ScoreLibrary, score_library_path
+from kvgen.runtime.lookup import RegistryError, RuntimeRegistry
+from kvgen.runtime.score import TORCH_DTYPES, ScoreLibrary
 from kvgen.spec.schema import load_spec
 
 PROMPT = 1024
@@ -99,7 +100,7 @@ class Cache:
 
 
 def score_library(family: str, registry: Path, arch: str) -> ScoreLibrary:
-    return ScoreLibrary(score_library_path(registry, arch, family), family=family)
+    return ScoreLibrary(RuntimeRegistry([registry]).resolve(family, arch).artifact("score"), family=family)
 
 
 def bench_score(family: str, batch: int, width: int, copy: dict, registries: list[Path], arch: str,
@@ -120,10 +121,12 @@ def bench_score(family: str, batch: int, width: int, copy: dict, registries: lis
               "kv_heads": g.kv_heads, "score_bytes": score_bytes, "variants": []}
     reference = None
     for registry in registries:
-        path = score_library_path(registry, arch, family)
-        if not path.is_file():
+        try:
+            resolved = RuntimeRegistry([registry]).resolve(family, arch)
+            path = resolved.artifact("score")
+        except RegistryError as exc:
             if registry == default_registry:
-                result["default_error"] = f"{path}: no score library"
+                result["default_error"] = str(exc)
             continue
         if registry == default_registry:   # the comparison may fail; the measurements above stay
             try:
@@ -139,7 +142,7 @@ def bench_score(family: str, batch: int, width: int, copy: dict, registries: lis
         k_bytes = len(g.scored_layers) * batch * g.kv_heads * width * g.rotary_dim * elem * passes
         gbps = (k_bytes + score_bytes) / t["median_ms"] / 1e6
         role = "tuned" if registry == registries[0] else "default" if registry == default_registry else "variant"
-        variant = {"registry": str(registry), "role": role, "params": lib.meta.get("params", {}), "passes": passes,
+        variant = {"registry": str(registry), "role": role, "params": dict(resolved.op("score").params), "passes": passes,
                    "k_bytes": k_bytes, "gbps": gbps, "fraction_of_copy": gbps / copy["gbps_read_plus_write"],
                    **{k: v for k, v in t.items()}}
         if reference is None:

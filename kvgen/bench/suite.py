@@ -175,7 +175,7 @@ def manifest_params(registry: Path, arch: str) -> Params:
         manifest = None
 
     def params(family: str, op: str) -> dict:
-        entry = manifest.library(family) if manifest is not None else None
+        entry = manifest.family(family) if manifest is not None else None
         for op_entry in (entry.ops if entry is not None else ()):
             if op_entry.op == op:
                 return dict(op_entry.params)

@@ -537,7 +537,7 @@ def open_codec(config: DemoConfig, spec_path: Path, family: str, layout: FamilyL
     resolved = registry.resolve(family, config.arch, spec_path)
     codec = codec_from_registry(registry, family, pools, arch=config.arch, index_location="host",
                                 spec_path=spec_path)
-    return codec, {"backend": GENERATED_BACKEND, "library": str(resolved.artifact), "arch": resolved.arch}
+    return codec, {"backend": GENERATED_BACKEND, "library": str(resolved.artifact("codec")), "arch": resolved.arch}
 
 
 def family_dtype(layout: FamilyLayout, pools: Sequence[Sequence[torch.Tensor]]) -> str:
@@ -1112,7 +1112,6 @@ def eviction_backends(config: DemoConfig, spec: FamilySpec, spec_path: Path, cal
                   "compact": "oracle compact_paged (cpu)"}
         return {"score_library": oracle_scorer}, labels
     from kvgen.runtime import RuntimeRegistry
-    from kvgen.runtime.pack import pack_module_path
     from kvgen.runtime.score import ScoreLibrary
     from kvgen.runtime.eviction import generated_backends
 
@@ -1121,17 +1120,17 @@ def eviction_backends(config: DemoConfig, spec: FamilySpec, spec_path: Path, cal
     kwargs: dict[str, Any] = {}
     labels = {}
     try:
-        kwargs["score_library"] = ScoreLibrary(resolved.score_library(), family=spec.name)
+        kwargs["score_library"] = ScoreLibrary(resolved.artifact("score"), family=spec.name)
         labels["score"] = f"generated CuTe DSL ({kwargs['score_library'].path})"
     except Exception as exc:  # noqa: BLE001 - recorded in the report, never silent
         kwargs["score_library"] = oracle_scorer
         labels["score"] = f"oracle score_keys (generated unavailable: {exc})"
     try:
-        packer, compactor = generated_backends(spec.name, k_pools, v_pools,
-                                               pack_module_path(config.generated_dir, spec.name), resolved.artifact)
+        pack_module, compact_library = resolved.artifact("pack"), resolved.artifact("compact")
+        packer, compactor = generated_backends(spec.name, k_pools, v_pools, pack_module, compact_library)
         kwargs.update(packer=packer, compactor=compactor)
-        labels["pack"] = f"generated Triton ({pack_module_path(config.generated_dir, spec.name)})"
-        labels["compact"] = f"generated CUDA ({resolved.artifact})"
+        labels["pack"] = f"generated Triton ({pack_module})"
+        labels["compact"] = f"generated CUDA ({compact_library})"
     except Exception as exc:  # noqa: BLE001 - recorded in the report, never silent
         labels["pack"] = f"oracle pack_moves (generated unavailable: {exc})"
         labels["compact"] = f"oracle compact_paged (generated unavailable: {exc})"

@@ -231,7 +231,7 @@ class ScoreBench(_Bench):
         from kvgen.runtime.score import ScoreLibrary
 
         try:
-            return ScoreLibrary(path, family=self.family, verify=False)
+            return ScoreLibrary(path, family=self.family)
         except Exception as exc:  # noqa: BLE001 - any load problem is this candidate's failure
             raise Failure("load", str(exc)) from None
 
