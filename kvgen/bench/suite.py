@@ -11,7 +11,7 @@ parameters, e.g. ``KVGEN_TUNING=off kvgen build --registry build/registry-defaul
 the compaction and the scorer time both registries' kernels on the same inputs in this run, and
 ``tuned_vs_default`` lists one entry per kernel and size: ``{kernel, family, size, tuned_ms,
 default_ms, speedup (default_ms / tuned_ms), tuned_params, default_params, ...}``; parameters are
-the registry manifest's per-op ``params`` (score: the score library sidecar's ``params``).
+the registry manifest's per-op ``params`` (score included).
 
 ``bench.json``::
 
