@@ -22,8 +22,8 @@ import torch
 
 from kvgen.runtime.library import FamilyLibrary, LibraryError, PoolDesc
 
-if TYPE_CHECKING:  # the layout module needs the spec (pydantic); the runtime only reads attributes
-    from kvgen.lower.layout import FamilyLayout
+if TYPE_CHECKING:  # only attributes are read: kvgen.lower.layout.FamilyLayout (build side) works too
+    from kvgen.runtime.lookup import RegistryLayout
 
 INDEX_LOCATIONS = {"host": 0, "device": 1}
 
@@ -47,7 +47,7 @@ def _stream_handle(stream: torch.cuda.Stream | None) -> int:
 class ColdPageCodec:
     """One configured codec instance (C ABI ``kvgen_codec``), owning its device tables."""
 
-    def __init__(self, library: FamilyLibrary, layout: "FamilyLayout", pools: Sequence[Sequence[torch.Tensor]],
+    def __init__(self, library: FamilyLibrary, layout: "RegistryLayout", pools: Sequence[Sequence[torch.Tensor]],
                  index_location: str = "host"):
         if library.family != layout.family:
             raise LibraryError(f"{library.path}: built for {library.family!r}, layout is {layout.family!r}")
