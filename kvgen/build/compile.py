@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -95,7 +95,7 @@ def compile_many(jobs: Sequence[BuildJob], cache_dir: Path, toolchains: Toolchai
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
         futures = [pool.submit(single, i) for i, job in enumerate(jobs) if job.backend != "cute"]
         futures += [pool.submit(scores, indices) for _, indices in sorted(score_jobs.items())]
-        for future in futures:
+        for future in as_completed(futures):
             for index, outcome in future.result():
                 outcomes[index] = outcome
                 done(outcome)

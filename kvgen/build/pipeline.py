@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Protocol, Sequence
 
-from kvgen.arch import ARCHS
 from kvgen.artifacts.manifest import (
     ArtifactEntry,
     FamilyEntry,
@@ -33,15 +32,12 @@ from kvgen.build.compile import Toolchains, compile_many
 from kvgen.build.cute_aot import CuteToolchain
 from kvgen.build.environment import build_environments, gpu_name
 from kvgen.build.job import BACKENDS, Backend, BuildJob, BuildOutcome, SpecSource, Status, family_jobs, load_spec_source
-from kvgen.build.nvcc import Toolchain, toolchain_for
+from kvgen.build.nvcc import Toolchain
 from kvgen.files import copy_if_different
 from kvgen.kernels import KERNELS_DIR
 from kvgen.lower.layout import family_layout, to_json
 from kvgen.lower.tuned import TunedParams, load_tuned
 from kvgen.render.source import TEMPLATES_DIR, render_family, stale_files, write_rendered
-
-# The CuTe DSL exports score kernels for these archs only; other targets ship no score library.
-SCORE_ARCHS = ARCHS
 
 
 @dataclass
@@ -153,12 +149,10 @@ def _pairs(sources: Sequence[SpecSource], archs: Sequence[str] | None) -> tuple[
     return pairs, skipped
 
 
-def _wanted(job: BuildJob, backends: Collection[Backend]) -> bool:
-    return job.backend in backends and (job.backend != "cute" or job.arch in SCORE_ARCHS)
-
-
 def _needs_score(pairs: Sequence[tuple[SpecSource, str]], backends: Collection[Backend]) -> bool:
-    return "cute" in backends and any(s.spec.triattention.enabled and a in SCORE_ARCHS for s, a in pairs)
+    """Every spec target is one the CuTe DSL exports for (``kvgen.arch.ARCHS``), so a TriAttention
+    family always gets a score library."""
+    return "cute" in backends and any(source.spec.triattention.enabled for source, _ in pairs)
 
 
 def build(specs: Sequence[SpecSource | Path], archs: Sequence[str] | None, out_generated: Path, cache_dir: Path,
@@ -183,9 +177,6 @@ def build(specs: Sequence[SpecSource | Path], archs: Sequence[str] | None, out_g
     for files in render_all(sources, templates_dir).values():
         report.rendered += write_rendered(files, Path(out_generated))
     pairs, report.outcomes = _pairs(sources, archs)
-    if "nvcc" in backends:
-        for _, arch in pairs:
-            toolchain_for(arch, toolchains)   # no nvcc for an arch: stop before anything compiles
     compilers = Toolchains(tuple(toolchains), cute_toolchain)
     if _needs_score(pairs, backends):
         compilers = compilers.probe_cute()    # once, before the tuned files are checked against its version
@@ -193,7 +184,7 @@ def build(specs: Sequence[SpecSource | Path], archs: Sequence[str] | None, out_g
     report.tuning_notes = tuned.notes
     todo = [job for source, arch in pairs
             for job in family_jobs(source, arch, tuned.for_family(arch, source.spec.name), templates_dir)
-            if _wanted(job, backends)]
+            if job.backend in backends]
     progress.start(len(todo))
     outcomes = compile_many(todo, Path(cache_dir), compilers, workers=jobs,
                             kernels_dir=Path(kernels_dir), extra_flags=extra_flags, on_done=progress.advance)
