@@ -93,8 +93,9 @@ def compile_many(jobs: Sequence[BuildJob], cache_dir: Path, toolchains: Toolchai
         return list(zip(indices, compile_scores([jobs[i] for i in indices], cache_dir, toolchains.cute)))
 
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-        futures = [pool.submit(single, i) for i, job in enumerate(jobs) if job.backend != "cute"]
-        futures += [pool.submit(scores, indices) for _, indices in sorted(score_jobs.items())]
+        # export processes first: each is the longest single task, so it should not queue behind nvcc
+        futures = [pool.submit(scores, indices) for _, indices in sorted(score_jobs.items())]
+        futures += [pool.submit(single, i) for i, job in enumerate(jobs) if job.backend != "cute"]
         for future in as_completed(futures):
             for index, outcome in future.result():
                 outcomes[index] = outcome
