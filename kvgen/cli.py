@@ -183,16 +183,18 @@ class _RichProgress:
     def start(self, total: int) -> None:
         self.task = self.progress.add_task("compiling", total=total)
 
-    def advance(self, outcome) -> None:  # noqa: ANN001 - kvgen.build.pipeline.BuildOutcome
-        self.progress.update(self.task, advance=1, description=f"{outcome.family} {outcome.arch}: {outcome.status}")
+    def advance(self, outcome) -> None:  # noqa: ANN001 - kvgen.build.job.BuildOutcome
+        self.progress.update(self.task, advance=1,
+                             description=f"{outcome.family} {outcome.arch} {outcome.backend}: {outcome.status}")
 
 
 def _summary(report) -> Table:  # noqa: ANN001 - kvgen.build.pipeline.BuildReport
-    table = Table("family", "arch", "status", "seconds", "artifact", title="kvgen build")
+    table = Table("family", "arch", "backend", "status", "seconds", "artifact", title="kvgen build")
     colours = {"hit": "green", "built": "cyan", "failed": "red", "skipped": "yellow"}
     for o in report.outcomes:
         where = str(o.artifact) if o.artifact else (o.error.splitlines() or ["-"])[0]
-        table.add_row(o.family, o.arch, f"[{colours[o.status]}]{o.status}[/]", f"{o.seconds:.2f}", Text(where))
+        table.add_row(o.family, o.arch, o.backend or "-", f"[{colours[o.status]}]{o.status}[/]", f"{o.seconds:.2f}",
+                      Text(where))
     return table
 
 
@@ -223,81 +225,19 @@ def cmd_build(args: argparse.Namespace) -> int:
                    for p in write_rendered(files, args.generated)]
         console.print(f"rendered {len(sources)} families into {args.generated}: {len(changed)} files changed")
         return 0
-    toolchains = discover_toolchains()
-    tuned = _tuned_params(args, sources, toolchains)
     with Progress(console=err_console, transient=True) as bar:
-        report = build(sources, _build_archs(args), args.generated, args.cache_dir, args.jobs, tuned,
-                       progress=_RichProgress(bar), toolchains=toolchains, registry_dir=args.registry,
-                       templates_dir=args.templates)
+        report = build(sources, _build_archs(args), args.generated, args.cache_dir, args.jobs,
+                       progress=_RichProgress(bar), toolchains=discover_toolchains(), registry_dir=args.registry,
+                       tuning_dir=args.tuning, templates_dir=args.templates)
+    for note in report.tuning_notes:
+        err_console.print(f"[yellow]tuning[/yellow] {note}", markup=True, soft_wrap=True, highlight=False)
     console.print(_summary(report))
     for outcome in report.with_status("failed"):
-        _print_error(f"{outcome.family} {outcome.arch}:\n{outcome.error}")
+        _print_error(f"{outcome.family} {outcome.arch} {outcome.backend}:\n{outcome.error}")
     counts = {s: len(report.with_status(s)) for s in ("built", "hit", "failed", "skipped")}
     console.print(", ".join(f"{n} {s}" for s, n in counts.items()) + "; manifests: "
                   + (", ".join(map(str, report.manifests)) or "none"))
-    scores_ok = _build_scores([source.spec for source in sources], args, tuned)
-    return 0 if report.ok and scores_ok else 1
-
-
-def _tuned_params(args: argparse.Namespace, sources: list, toolchains: list):
-    """Tuned configurations from ``--tuning`` valid for this build (one line for each one not used)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    from kvgen import __version__
-    from kvgen.build.nvcc import ToolchainError, toolchain_for
-    from kvgen.lower.tuned import BuildEnvironment, load_tuned
-
-    archs = _build_archs(args) or sorted({a for s in sources for a in s.spec.targets})
-    try:
-        dsl = {"cutlass_dsl": version("nvidia-cutlass-dsl")}
-    except PackageNotFoundError:
-        dsl = {}
-    gpu = _gpu_name()
-    envs = {}
-    for arch in archs:
-        try:
-            nvcc = {"nvcc": toolchain_for(arch, toolchains).version}
-        except ToolchainError:
-            nvcc = {}
-        envs[arch] = BuildEnvironment(__version__, {**nvcc, **dsl}, gpu)
-    tuned = load_tuned(args.tuning, envs, [s.spec.name for s in sources])
-    for note in tuned.notes:
-        err_console.print(f"[yellow]tuning[/yellow] {note}", markup=True, soft_wrap=True, highlight=False)
-    return tuned
-
-
-def _gpu_name() -> str | None:
-    """The build machine's GPU, if it has one (a tuned config from another GPU is then not used)."""
-    try:
-        import torch
-
-        return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    except Exception:  # noqa: BLE001 - no usable torch/CUDA: no GPU to compare with
-        return None
-
-
-def _build_scores(specs, args: argparse.Namespace, tuned) -> bool:
-    """TriAttention score libraries (CuTe DSL, AOT) beside the family libraries."""
-    from kvgen.arch import ARCHS
-    from kvgen.build.cute_aot import CuteCompileError, build_score_libraries, find_cute_toolchain
-
-    if not any(spec.triattention.enabled for spec in specs):
-        return True
-    try:
-        toolchain = find_cute_toolchain()
-    except CuteCompileError as exc:
-        _print_error(f"TriAttention score libraries not built: {exc}")
-        return False
-    archs = [a for a in _build_archs(args) or [] if a in ARCHS] or None
-    with console.status("exporting CuTe DSL score kernels"):
-        builds = build_score_libraries(specs, archs, args.cache_dir, args.registry, toolchain=toolchain,
-                                       params=lambda family, arch: tuned.for_family(arch, family).get("score", {}),
-                                       jobs=args.jobs, generated_dir=args.generated, templates_dir=args.templates)
-    for failed in [b for b in builds if b.status == "failed"]:
-        _print_error(f"{failed.family} {failed.arch} score:\n{failed.error}")
-    counts = {s: sum(b.status == s for b in builds) for s in ("built", "hit", "failed")}
-    console.print("score libraries: " + ", ".join(f"{n} {s}" for s, n in counts.items()))
-    return counts["failed"] == 0
+    return 0 if report.ok else 1
 
 
 def _installed(dist: str) -> str:
@@ -346,10 +286,9 @@ def cmd_clear_cache(args: argparse.Namespace) -> int:
 
 def verify_registry(registry: Path, specs_dir: Path) -> list[str]:
     """Problems of a registry, one line each: manifests that do not read (format, version, ABI,
-    artifact sha256), score libraries whose bytes differ from their sidecar, libraries built from a
-    spec file that has changed since (or is gone)."""
-    from kvgen.artifacts.manifest import RegistryError, read_manifest, score_library_name
-    from kvgen.files import file_sha256
+    the sha256 of every artifact they list), families built from a spec file that has changed
+    since (or is gone)."""
+    from kvgen.artifacts.manifest import RegistryError, read_manifest
     from kvgen.runtime.lookup import check_spec
 
     problems = []
@@ -359,23 +298,18 @@ def verify_registry(registry: Path, specs_dir: Path) -> list[str]:
         except RegistryError as exc:
             problems.append(str(exc))
             continue
-        for entry in manifest.libraries:
+        for entry in manifest.families:
             spec_path = specs_dir / f"{entry.family}.yaml"
             try:
                 check_spec(entry, spec_path)
             except (RegistryError, OSError) as exc:
                 problems.append(str(exc) if isinstance(exc, RegistryError) else f"{spec_path}: {exc}")
-            library = path.parent / score_library_name(entry.symbol)
-            sidecar = library.with_suffix(".json")
-            if library.is_file() and sidecar.is_file():
-                expected = json.loads(sidecar.read_text(encoding="utf-8")).get("artifact_sha256")
-                if file_sha256(library) != expected:
-                    problems.append(f"{library}: sha256 differs from {sidecar.name}; rebuild with: "
-                                    f"kvgen build --arch {manifest.arch} --family {entry.family}")
     return problems
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    from kvgen.artifacts.manifest import RegistryError, parse_manifest
+
     manifests = sorted(Path(args.registry).glob("*/manifest.json"))
     if not manifests:
         _print_error(f"{args.registry}: no manifests; run: kvgen build")
@@ -383,8 +317,15 @@ def cmd_verify(args: argparse.Namespace) -> int:
     problems = verify_registry(args.registry, args.specs)
     for line in problems:
         _print_error(line)
-    libraries = sum(len(json.loads(m.read_text(encoding="utf-8")).get("libraries", [])) for m in manifests)
-    console.print(f"{len(manifests)} manifests, {libraries} libraries: "
+    counted = []
+    for path in manifests:
+        try:
+            counted.append(parse_manifest(path))
+        except RegistryError:
+            continue   # already reported above
+    families = sum(len(m.families) for m in counted)
+    artifacts = sum(len(e.artifacts) for m in counted for e in m.families)
+    console.print(f"{len(manifests)} manifests, {families} families, {artifacts} artifacts: "
                   + ("all verified" if not problems else f"{len(problems)} problems"))
     return 1 if problems else 0
 
@@ -460,7 +401,7 @@ def _add_wheel_parser(sub) -> None:  # noqa: ANN001 - argparse's private subpars
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    from kvgen.build.pipeline import load_spec_source
+    from kvgen.build.job import load_spec_source
     from kvgen.tuning.run import run
 
     sources = [load_spec_source(p) for p in _selected_spec_paths(args)]

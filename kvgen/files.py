@@ -61,9 +61,10 @@ def write_if_different(path: Path, text: str) -> bool:
     return True
 
 
-def copy_if_different(src: Path, dest: Path, sha256: str) -> None:
-    """Publish ``src`` as ``dest`` (mode 755) unless ``dest`` already has that sha256: a temp file
-    beside it, then one atomic rename, so a reader never sees half a library."""
+def copy_if_different(src: Path, dest: Path, sha256: str, mode: int = 0o755) -> None:
+    """Publish ``src`` as ``dest`` (``mode``: 755 for a library, 644 for a data or source file)
+    unless ``dest`` already has that sha256: a temp file beside it, then one atomic rename, so a
+    reader never sees half a library."""
     if dest.is_file() and file_sha256(dest) == sha256:
         return
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -71,7 +72,7 @@ def copy_if_different(src: Path, dest: Path, sha256: str) -> None:
     os.close(fd)
     try:
         shutil.copyfile(src, tmp)
-        os.chmod(tmp, 0o755)
+        os.chmod(tmp, mode)
         os.replace(tmp, dest)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -196,15 +196,15 @@ def test_run_bookkeeping_with_the_gpu_parts_stubbed(tmp_path, monkeypatch):
 
 
 def test_manifest_params_reads_the_per_op_entries(tmp_path):
-    from kvgen.artifacts.manifest import LibraryEntry, Manifest, OpEntry, manifest_path, write_manifest
+    from kvgen.artifacts.manifest import ArtifactEntry, FamilyEntry, Manifest, OpEntry, manifest_path, write_manifest
     from kvgen.bench.suite import manifest_params
 
-    entry = LibraryEntry(family="qwen3-8b", arch="sm_90a", symbol="kvgen_qwen3_8b",
-                         ops=(OpEntry("codec", "codec.cu.j2", "k1", {"threads": 512}),
-                              OpEntry("compact", "compact.cu.j2", "k2", {"threads": 128, "tile_tokens": 32})),
-                         spec_sha256="0", artifact="libkvgen_qwen3_8b.so", artifact_sha256="0", cache_key="0",
-                         toolchain="13.0")
-    write_manifest(manifest_path(tmp_path, "sm_90a"), Manifest(arch="sm_90a", libraries=(entry,)))
+    lib = "libkvgen_qwen3_8b.so"
+    entry = FamilyEntry(family="qwen3-8b", arch="sm_90a", symbol="kvgen_qwen3_8b", spec_sha256="0",
+                        ops=(OpEntry("codec", lib, "codec.cu.j2", "k1", {"threads": 512}),
+                             OpEntry("compact", lib, "compact.cu.j2", "k2", {"threads": 128, "tile_tokens": 32})),
+                        artifacts=(ArtifactEntry(lib, "0", "nvcc", "0", {"nvcc": "13.0"}),))
+    write_manifest(manifest_path(tmp_path, "sm_90a"), Manifest(arch="sm_90a", families=(entry,)))
     params = manifest_params(tmp_path, "sm_90a")
     assert params("qwen3-8b", "codec") == {"threads": 512}
     assert params("qwen3-8b", "compact") == {"threads": 128, "tile_tokens": 32}

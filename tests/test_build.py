@@ -19,7 +19,8 @@ import pytest
 from kvgen import __version__
 from kvgen.artifacts.manifest import (
     ABI_VERSION,
-    LibraryEntry,
+    ArtifactEntry,
+    FamilyEntry,
     Manifest,
     OpEntry,
     RegistryError,
@@ -376,10 +377,13 @@ def test_concurrent_builds_of_one_key_compile_once(tmp_path: Path) -> None:
 # ---------------------------------------------------------------- build and registry
 
 
-def _build(tmp_path: Path, templates: Path, toolchains: list[Toolchain], archs=("sm_90a",), registry="registry"):
+def _build(tmp_path: Path, templates: Path, toolchains: list[Toolchain], archs=("sm_90a",), registry="registry",
+           backends=("nvcc",), environ=None):
+    """The stand-in templates through the nvcc backend (their score module is no CuTe kernel)."""
     return build([SPECS / f"{FAMILY}.yaml"], list(archs), tmp_path / "generated", tmp_path / "cache", jobs=2,
                  toolchains=toolchains, registry_dir=tmp_path / registry, templates_dir=templates,
-                 kernels_dir=tmp_path / "kernels")
+                 kernels_dir=tmp_path / "kernels", tuning_dir=tmp_path / "tuning", tuning_environ=environ or {},
+                 backends=backends)
 
 
 def test_build_then_rebuild_is_all_cache_hits(tmp_path: Path, templates: Path, toolchains: list[Toolchain]) -> None:
@@ -387,12 +391,14 @@ def test_build_then_rebuild_is_all_cache_hits(tmp_path: Path, templates: Path, t
     assert [(o.arch, o.status) for o in report.outcomes] == [("sm_100f", "skipped"), ("sm_90a", "built")]
     assert report.ok and len(report.rendered) == 4
     manifest = read_manifest(tmp_path / "registry" / "sm_90a" / "manifest.json")
-    lib = manifest.library(FAMILY)
-    assert lib is not None and lib.abi_version == ABI_VERSION and lib.toolchain.startswith("13.0")
-    assert [op.op for op in lib.ops] == ["codec", "compact", "pack", "score"] and lib.ops[0].params == default_params("codec")
-    assert (tmp_path / "registry" / "sm_90a" / lib.artifact).is_file()
+    entry = manifest.family(FAMILY)
+    (library,) = entry.artifacts
+    assert entry.abi_version == ABI_VERSION and library.toolchain["nvcc"].startswith("13.0")
+    assert [op.op for op in entry.ops] == ["codec", "compact"] and entry.ops[0].params == default_params("codec")
+    assert {op.artifact for op in entry.ops} == {library.file} == {"libkvgen_llama_3_1_8b.so"}
+    assert (tmp_path / "registry" / "sm_90a" / library.file).is_file() and library.backend == "nvcc"
     meta = json.loads((report.outcomes[1].artifact.parent / "manifest.json").read_text())
-    assert meta["libraries"][0]["artifact"] == "libkvgen_llama_3_1_8b.so"
+    assert meta["format_version"] == 2 and meta["families"][0]["artifacts"][0]["file"] == "libkvgen_llama_3_1_8b.so"
     for path in (tmp_path / "generated").rglob("*"):
         os.utime(path, (1, 1))                                   # mtimes are not inputs
     again = _build(tmp_path, templates, toolchains)
@@ -406,16 +412,11 @@ def test_tuned_parameters_are_compiled_per_arch_and_recorded(tmp_path: Path, tem
                                                             toolchains: list[Toolchain]) -> None:
     """The arch's tuned launch parameters reach the compiled source and the manifest; generated/
     keeps the arch-neutral default rendering."""
-    from kvgen.lower.tuned import TunedParams
-
-    tuned = TunedParams()
-    tuned.set("sm_90a", FAMILY, "codec", {"threads": 512, "in_flight": 2})
-    report = build([SPECS / f"{FAMILY}.yaml"], ["sm_90a"], tmp_path / "generated", tmp_path / "cache", 2, tuned,
-                   toolchains=toolchains, registry_dir=tmp_path / "registry", templates_dir=templates,
-                   kernels_dir=tmp_path / "kernels")
-    assert report.ok
-    lib = read_manifest(tmp_path / "registry" / "sm_90a" / "manifest.json").library(FAMILY)
-    assert lib.ops[0].params == {"threads": 512, "in_flight": 2}
+    report = _build(tmp_path, templates, toolchains,
+                    environ={"KVGEN_TUNED_PARAMS": f"{FAMILY}:codec:threads=512,in_flight=2"})
+    assert report.ok and report.tuning_notes == [f"KVGEN_TUNED_PARAMS overrides: {FAMILY}:codec:threads=512,in_flight=2"]
+    entry = read_manifest(tmp_path / "registry" / "sm_90a" / "manifest.json").family(FAMILY)
+    assert entry.op("codec").params == {"threads": 512, "in_flight": 2}
     assert "<<<(n + 256 - 1) / 256, 256" in (tmp_path / "generated" / FAMILY / "codec.cu").read_text()
     kept = next((tmp_path / "cache").rglob("src/codec.cu")).read_text()   # what was compiled
     assert "<<<(n + 512 - 1) / 512, 512" in kept
@@ -431,7 +432,7 @@ def test_build_failure_is_reported_with_kept_sources(tmp_path: Path, templates: 
     kept = next((tmp_path / "cache").rglob("*.failed"))
     assert (kept / "src" / "compact.cu").is_file() and (kept / "build.log").is_file()
     assert str(kept) in outcome.error
-    assert read_manifest(tmp_path / "registry" / "sm_90a" / "manifest.json").libraries == ()
+    assert read_manifest(tmp_path / "registry" / "sm_90a" / "manifest.json").families == ()
 
 
 def _build_in_child(args: tuple[str, str, str]) -> tuple[str, str]:
@@ -446,7 +447,7 @@ def test_concurrent_real_builds_compile_once(tmp_path: Path, templates: Path, to
     with multiprocessing.get_context("fork").Pool(2) as pool:
         results = pool.map(_build_in_child, args)
     assert sorted(status for status, _ in results) == ["built", "hit"]
-    shas = {read_manifest(tmp_path / f"registry{i}" / "sm_90a" / "manifest.json").libraries[0].artifact_sha256
+    shas = {read_manifest(tmp_path / f"registry{i}" / "sm_90a" / "manifest.json").families[0].artifacts[0].sha256
             for i in range(2)}
     assert len(shas) == 1
 
@@ -457,18 +458,18 @@ def _fake_registry(tmp_path: Path) -> Path:
     (arch_dir / "libkvgen_fam.so").write_bytes(b"library bytes")
     from kvgen.files import file_sha256
 
-    entry = LibraryEntry(family="fam", arch="sm_90a", symbol="kvgen_fam",
-                         ops=(OpEntry("codec", "codec.cu.j2", "p" * 64, {"threads": 256}),), spec_sha256="s" * 64,
-                         artifact="libkvgen_fam.so", artifact_sha256=file_sha256(arch_dir / "libkvgen_fam.so"),
-                         cache_key="k" * 64, toolchain="13.0.88")
+    entry = FamilyEntry(family="fam", arch="sm_90a", symbol="kvgen_fam", spec_sha256="s" * 64,
+                        ops=(OpEntry("codec", "libkvgen_fam.so", "codec.cu.j2", "p" * 64, {"threads": 256}),),
+                        artifacts=(ArtifactEntry("libkvgen_fam.so", file_sha256(arch_dir / "libkvgen_fam.so"), "nvcc",
+                                                 "k" * 64, {"nvcc": "13.0.88"}),))
     path = arch_dir / "manifest.json"
-    write_manifest(path, Manifest(arch="sm_90a", libraries=(entry,)))
+    write_manifest(path, Manifest(arch="sm_90a", families=(entry,)))
     return path
 
 
 def test_manifest_round_trip_and_tamper(tmp_path: Path) -> None:
     path = _fake_registry(tmp_path)
-    assert read_manifest(path).library("fam").ops[0].params == {"threads": 256}
+    assert read_manifest(path).family("fam").ops[0].params == {"threads": 256}
     (path.parent / "libkvgen_fam.so").write_bytes(b"library bytez")
     with pytest.raises(RegistryError) as info:
         read_manifest(path)
@@ -502,3 +503,18 @@ def test_cli_show_config_and_clear_cache(tmp_path: Path, capsys: pytest.CaptureF
     assert "torch" in out and str(cache) in out
     assert main(["clear-cache", "--cache-dir", str(cache)]) == 0
     assert not (cache / __version__).exists() and (cache / "unrelated").exists()
+
+
+def test_every_artifact_is_published_and_a_failed_one_left_out(tmp_path: Path, templates: Path,
+                                                              toolchains: list[Toolchain]) -> None:
+    """The packer is published as its rendered module (Triton compiles it at run time); an op
+    whose artifact failed is not listed, the family's other artifacts still are."""
+    (templates / "compact.cu.j2").write_text("{{ header }}\nthis is not C++;\n")
+    report = _build(tmp_path, templates, toolchains, backends=("nvcc", "triton"))
+    assert [(o.backend, o.status) for o in report.outcomes] == [("nvcc", "failed"), ("triton", "built")]
+    entry = read_manifest(tmp_path / "registry" / "sm_90a" / "manifest.json").family(FAMILY)
+    (pack,) = entry.artifacts
+    assert [op.op for op in entry.ops] == ["pack"] and entry.op("pack").artifact == pack.file == "kvgen_llama_3_1_8b_pack.py"
+    published = tmp_path / "registry" / "sm_90a" / pack.file
+    assert published.read_text() == (tmp_path / "generated" / FAMILY / "pack.py").read_text()
+    assert published.stat().st_mode & 0o777 == 0o644 and pack.backend == "triton" and pack.toolchain == {}

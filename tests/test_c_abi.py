@@ -32,8 +32,7 @@ def manager(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def library(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = manifest_path(real_registry(tmp_path_factory), "sm_90a")
-    entry = read_manifest(path).library(REAL_FAMILY)
-    return path.parent / entry.artifact
+    return path.parent / read_manifest(path).family(REAL_FAMILY).artifact_of("codec").file
 
 
 def run(manager: Path, library: Path, layers: int, buffers: int) -> str:

@@ -1,5 +1,6 @@
 """`kvgen verify`: a registry whose artifacts, versions and specs all match passes; a tampered
-library or a spec edited since the build is reported with the file and the rebuild command."""
+artifact (family library, score library or packer: every file the manifest lists) or a spec
+edited since the build is reported with the file and the rebuild command."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ def setup(tmp_path: Path) -> tuple[Path, Path]:
     specs = tmp_path / "specs"
     specs.mkdir()
     shutil.copy(SPECS_DIR / f"{FAMILY}.yaml", specs)
-    registry = fake_registry(tmp_path / "reg", "sm_90a", [FAMILY], spec_sha256=spec_file_sha256(specs / f"{FAMILY}.yaml"))
+    registry = fake_registry(tmp_path / "reg", "sm_90a", [FAMILY], spec_sha256=spec_file_sha256(specs / f"{FAMILY}.yaml"),
+                             ops=("codec", "score", "pack"))
     return registry, specs
 
 
@@ -32,16 +34,29 @@ def verify(registry: Path, specs: Path) -> int:
 
 def test_clean_registry_verifies(setup, capsys) -> None:
     assert verify(*setup) == 0
-    assert "1 manifests, 1 libraries: all verified" in capsys.readouterr().out
+    assert "1 manifests, 1 families, 3 artifacts: all verified" in capsys.readouterr().out
 
 
-def test_tampered_artifact_is_reported(setup, capsys) -> None:
+@pytest.mark.parametrize("name", ["libkvgen_qwen3_8b.so", "libkvgen_qwen3_8b_score.so", "kvgen_qwen3_8b_pack.py"])
+def test_tampered_artifact_is_reported(setup, capsys, name: str) -> None:
     registry, specs = setup
-    artifact = registry / "sm_90a" / "libkvgen_qwen3_8b.so"
+    artifact = registry / "sm_90a" / name
     artifact.write_bytes(artifact.read_bytes() + b"!")
     assert verify(registry, specs) == 1
-    err = capsys.readouterr().err
-    assert "libkvgen_qwen3_8b.so" in err and "kvgen build --arch sm_90a --family qwen3-8b" in err
+    captured = capsys.readouterr()
+    assert f"{name}: sha256 mismatch" in captured.err and "kvgen build --arch sm_90a --family qwen3-8b" in captured.err
+    assert "1 problems" in captured.out and "Traceback" not in captured.err
+
+
+def test_missing_or_unreadable_manifest_is_reported_without_a_traceback(setup, capsys) -> None:
+    registry, specs = setup
+    (registry / "sm_90a" / "kvgen_qwen3_8b_pack.py").unlink()
+    assert verify(registry, specs) == 1
+    assert "artifact missing" in capsys.readouterr().err
+    (registry / "sm_90a" / "manifest.json").write_text("{not json")
+    assert verify(registry, specs) == 1
+    captured = capsys.readouterr()
+    assert "not a kvgen manifest" in captured.err and "1 manifests, 0 families" in captured.out
 
 
 def test_spec_changed_since_the_build_is_reported(setup, capsys) -> None:

@@ -20,9 +20,18 @@ import torch
 
 from kvgen import __version__
 from kvgen.arch import arch_family, arch_for_capability, family_target, parse_arch
-from kvgen.artifacts.manifest import LibraryEntry, Manifest, OpEntry, RegistryError, manifest_path, write_manifest
+from kvgen.artifacts.manifest import (
+    ArtifactEntry,
+    FamilyEntry,
+    Manifest,
+    OpEntry,
+    RegistryError,
+    manifest_path,
+    write_manifest,
+)
 from kvgen.artifacts.packages import distribution_name, package_name
 from kvgen.files import file_sha256
+from kvgen.runtime import codec as codec_ops
 from kvgen.runtime import lookup as rr
 from kvgen.runtime.library import LibraryError
 from kvgen.runtime.lookup import RegistrySource, RuntimeRegistry, check_spec, spec_file_sha256
@@ -36,21 +45,31 @@ REAL_FAMILY = "qwen3-8b"
 # ---------------------------------------------------------------- fixtures
 
 
+# op -> (artifact file name for a symbol, backend, template), as kvgen build names them
+FAKE_ARTIFACTS = {"codec": ("lib{}.so", "nvcc", "codec.cu.j2"), "score": ("lib{}_score.so", "cute", "score.py.j2"),
+                  "pack": ("{}_pack.py", "triton", "pack.py.j2")}
+
+
 def fake_registry(root: Path, arch: str, families: list[str], kvgen_version: str = __version__,
-                  spec_sha256: str = "s" * 64, layout: dict | None = None) -> Path:
-    """A registry dir with one manifest whose artifacts are a few bytes each."""
+                  spec_sha256: str = "s" * 64, layout: dict | None = None, ops: tuple[str, ...] = ("codec",)) -> Path:
+    """A registry dir with one manifest whose artifacts (one per op) are a few bytes each."""
     arch_dir = root / arch
     arch_dir.mkdir(parents=True, exist_ok=True)
     entries = []
     for family in families:
-        artifact = f"libkvgen_{family.replace('-', '_')}.so"
-        (arch_dir / artifact).write_bytes(f"{family} {arch} {root}".encode())
-        entries.append(LibraryEntry(family=family, arch=arch, symbol=f"kvgen_{family}",
-                                    ops=(OpEntry("codec", "codec.cu.j2", "p" * 64, {"threads": 256}),),
-                                    spec_sha256=spec_sha256, artifact=artifact,
-                                    artifact_sha256=file_sha256(arch_dir / artifact), cache_key="k" * 64,
-                                    toolchain="13.0.88", kvgen_version=kvgen_version, layout=layout))
-    write_manifest(manifest_path(root, arch), Manifest(arch=arch, libraries=tuple(entries),
+        symbol = f"kvgen_{family.replace('-', '_')}"
+        op_entries, artifacts = [], []
+        for op in ops:
+            pattern, backend, template = FAKE_ARTIFACTS[op]
+            name = pattern.format(symbol)
+            (arch_dir / name).write_bytes(f"{family} {op} {arch} {root}".encode())
+            op_entries.append(OpEntry(op, name, template, "p" * 64, {"threads": 256} if op == "codec" else {}))
+            artifacts.append(ArtifactEntry(name, file_sha256(arch_dir / name), backend, "k" * 64,
+                                           {"nvcc": "13.0.88"} if backend == "nvcc" else {}))
+        entries.append(FamilyEntry(family=family, arch=arch, symbol=symbol, spec_sha256=spec_sha256,
+                                   ops=tuple(op_entries), artifacts=tuple(artifacts), layout=layout,
+                                   kvgen_version=kvgen_version))
+    write_manifest(manifest_path(root, arch), Manifest(arch=arch, families=tuple(entries),
                                                        kvgen_version=kvgen_version))
     return root
 
@@ -59,19 +78,27 @@ _REAL: dict[str, Path] = {}
 
 
 def real_registry(factory: pytest.TempPathFactory) -> Path:
-    """The real qwen3-8b sm_90a library, built once per test session (shared with test_wheel)."""
+    """The real qwen3-8b sm_90a registry as ``build()`` makes it (family library, CuTe DSL score
+    library, Triton packer), built once per test session (about 7 s; shared with test_wheel,
+    test_c_abi and test_score_build). Where the DSL is not installed, the score library is left out."""
     if "dir" not in _REAL:
+        from kvgen.build.cute_aot import CuteCompileError, find_cute_toolchain
         from kvgen.build.nvcc import find_toolchains, pip_nvcc_paths
         from kvgen.build.pipeline import build
 
         toolchains = find_toolchains([SYSTEM_NVCC, *pip_nvcc_paths()])
         if not any(t.supports("sm_90a") for t in toolchains):
             pytest.skip("no nvcc for sm_90a")
+        try:
+            cute, backends = find_cute_toolchain(), ("nvcc", "cute", "triton")
+        except CuteCompileError:
+            cute, backends = None, ("nvcc", "triton")
         base = factory.mktemp("real-registry")
-        report = build([SPECS / f"{REAL_FAMILY}.yaml"], ["sm_90a"], base / "generated", base / "cache",
-                       toolchains=toolchains, registry_dir=base / "registry")
+        report = build([SPECS / f"{REAL_FAMILY}.yaml"], ["sm_90a"], base / "generated", base / "cache", jobs=2,
+                       toolchains=toolchains, cute_toolchain=cute, registry_dir=base / "registry",
+                       tuning_dir=base / "no-tuning", tuning_environ={}, backends=backends)
         assert report.ok, [o.error for o in report.outcomes]
-        _REAL["dir"] = base / "registry"
+        _REAL.update(dir=base / "registry", cache=base / "cache")
     return _REAL["dir"]
 
 
@@ -113,7 +140,7 @@ def test_exact_arch_beats_family_target_in_an_earlier_directory(tmp_path: Path) 
     second = fake_registry(tmp_path / "b", "sm_103a", ["fam"])
     resolved = RuntimeRegistry([first, second]).resolve("fam", "sm_103a")
     assert resolved.arch == "sm_103a" and resolved.source.path == second
-    assert resolved.artifact == second / "sm_103a" / "libkvgen_fam.so"
+    assert resolved.artifact("codec") == second / "sm_103a" / "libkvgen_fam.so"
 
 
 def test_family_target_is_the_fallback(tmp_path: Path) -> None:
@@ -163,6 +190,34 @@ def test_tampered_artifact_is_refused_before_loading(tmp_path: Path, monkeypatch
         RuntimeRegistry([root]).load("fam", "sm_90a")
     (root / "sm_90a" / "libkvgen_fam.so").unlink()
     with pytest.raises(RegistryError, match="artifact missing.*kvgen build --arch sm_90a --family fam"):
+        RuntimeRegistry([root]).resolve("fam", "sm_90a").artifact("codec")
+
+
+@pytest.mark.parametrize("op", ["score", "pack"])
+def test_tampered_score_or_pack_artifact_is_refused(tmp_path: Path, op: str) -> None:
+    root = fake_registry(tmp_path / "reg", "sm_90a", ["fam"], ops=("codec", "score", "pack"))
+    resolved = RuntimeRegistry([root]).resolve("fam", "sm_90a")
+    path = resolved.artifact(op)
+    assert path == root / "sm_90a" / FAKE_ARTIFACTS[op][0].format("kvgen_fam")
+    path.write_bytes(path.read_bytes() + b"!")
+    with pytest.raises(RegistryError, match=rf"{path.name}: sha256 mismatch with .*manifest\.json.*kvgen build "
+                                            r"--arch sm_90a --family fam"):
+        resolved.artifact(op)
+    assert resolved.artifact("codec").is_file()          # the other ops stay usable
+
+
+def test_an_op_the_family_does_not_ship_is_refused(tmp_path: Path) -> None:
+    root = fake_registry(tmp_path / "reg", "sm_90a", ["fam"])
+    with pytest.raises(RegistryError, match=r"manifest\.json: fam has no 'score' artifact \(its ops: codec\); "
+                                            "rebuild with: kvgen build --arch sm_90a --family fam"):
+        RuntimeRegistry([root]).resolve("fam", "sm_90a").artifact("score")
+
+
+def test_manifest_of_another_format_is_refused(tmp_path: Path) -> None:
+    root = fake_registry(tmp_path / "reg", "sm_90a", ["fam"])
+    path = manifest_path(root, "sm_90a")
+    path.write_text(path.read_text().replace('"format_version": 2', '"format_version": 1'))
+    with pytest.raises(RegistryError, match=r"manifest\.json: format version 1, this kvgen reads 2.*kvgen build"):
         RuntimeRegistry([root]).resolve("fam", "sm_90a")
 
 
@@ -251,7 +306,8 @@ def test_read_only_registry_loads_once(real: Path, tmp_path: Path) -> None:
         library = registry.load(REAL_FAMILY, "sm_90a")
         assert library.family == REAL_FAMILY and library.path.is_relative_to(copy)
         assert registry.load(REAL_FAMILY, "sm_90a") is library           # one handle per (path, sha)
-        assert sorted(p.name for p in (copy / "sm_90a").iterdir()) == ["libkvgen_qwen3_8b.so", "manifest.json"]
+        listed = {a.file for a in registry.resolve(REAL_FAMILY, "sm_90a").entry.artifacts}
+        assert sorted(p.name for p in (copy / "sm_90a").iterdir()) == sorted([*listed, "manifest.json"])
     finally:
         _chmod_tree(copy, write=True)
 
@@ -355,8 +411,8 @@ class _CopyCodec:
 
 
 def test_custom_op_schemas_declare_the_mutations() -> None:
-    rr.register_ops()
-    rr.register_ops()   # idempotent
+    codec_ops.register_ops()
+    codec_ops.register_ops()   # idempotent
     encode = str(torch.ops.kvgen.cold_encode.default._schema)
     decode = str(torch.ops.kvgen.cold_decode.default._schema)
     assert "Tensor(a!) cold" in encode and "Tensor[] hot" in encode
@@ -366,12 +422,12 @@ def test_custom_op_schemas_declare_the_mutations() -> None:
 def test_custom_ops_run_a_registered_codec_and_pass_opcheck() -> None:
     hot = torch.arange(4 * 8, dtype=torch.uint8).reshape(4, 8)
     codec = _CopyCodec(hot)
-    codec_id = rr.register_codec(codec)
+    codec_id = codec_ops.register_codec(codec)
     cold = torch.zeros(3, 8, dtype=torch.uint8)
     pairs = torch.tensor([[0, 2], [2, 1]], dtype=torch.int32)
-    rr.cold_encode(codec_id, cold, pairs)
+    codec_ops.cold_encode(codec_id, cold, pairs)
     assert torch.equal(cold[0], hot[2]) and torch.equal(cold[2], hot[1]) and not cold[1].any()
-    rr.cold_decode(codec_id, cold, torch.tensor([[3, 0]], dtype=torch.int32))
+    codec_ops.cold_decode(codec_id, cold, torch.tensor([[3, 0]], dtype=torch.int32))
     assert torch.equal(hot[3], hot[2])
     for op in (torch.ops.kvgen.cold_encode.default, torch.ops.kvgen.cold_decode.default):
         results = torch.library.opcheck(op, (codec_id, cold, pairs, 0, [hot]))
@@ -381,8 +437,8 @@ def test_custom_ops_run_a_registered_codec_and_pass_opcheck() -> None:
 def test_custom_op_is_one_opaque_node_under_torch_compile() -> None:
     hot = torch.arange(4 * 8, dtype=torch.uint8).reshape(4, 8)
     codec = _CopyCodec(hot)
-    codec_id = rr.register_codec(codec)
-    rr.register_ops()
+    codec_id = codec_ops.register_codec(codec)
+    codec_ops.register_ops()
 
     @torch.compile(fullgraph=True, backend="eager")
     def encode_then_read(cold: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
@@ -395,9 +451,9 @@ def test_custom_op_is_one_opaque_node_under_torch_compile() -> None:
 
 
 def test_custom_op_with_a_dead_codec_is_a_clear_error() -> None:
-    codec_id = rr.register_codec(_CopyCodec(torch.zeros(1, 8, dtype=torch.uint8)))
+    codec_id = codec_ops.register_codec(_CopyCodec(torch.zeros(1, 8, dtype=torch.uint8)))
     import gc
 
     gc.collect()
     with pytest.raises(LibraryError, match=f"no live codec with id {codec_id}"):
-        rr.cold_encode(codec_id, torch.zeros(1, 8, dtype=torch.uint8), torch.zeros(0, 2, dtype=torch.int32))
+        codec_ops.cold_encode(codec_id, torch.zeros(1, 8, dtype=torch.uint8), torch.zeros(0, 2, dtype=torch.int32))

@@ -5,38 +5,44 @@ Compile grid (measured here, 2 cores: every TriAttention family for sm_90a, sm_1
 sm_107a took 63 s, over the 60 s CI budget): CI compiles every family for sm_90a (the arch that
 runs) and one family per other arch (sm_100a, sm_100f, sm_103a, sm_107a: qwen3-8b, the shape the
 SM100 family ships with); ``-m slow`` compiles every family for every SM100-family target. The
-libraries are built once per session into a temporary cache and registry.
+libraries are compiled once per session into a temporary cache, through the build's
+``compile_many`` (one export process per arch); the registry ``build()`` publishes is checked on
+the session's real qwen3-8b registry (``tests.test_runtime_registry.real_registry``).
 """
 
 from __future__ import annotations
 
 import ctypes
 import subprocess
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
 
 from kvgen.arch import ARCHS
+from kvgen.artifacts.manifest import manifest_path, read_manifest
+from kvgen.build import pipeline
+from kvgen.build.compile import Toolchains, compile_many
 from kvgen.build.cute_aot import (
     CuteCompileError,
-    build_score_libraries,
-    build_score_library,
     embedded_sm_versions,
     find_cute_toolchain,
     score_cache_key,
-    score_library_path,
-    score_plan,
     source_texts,
 )
-from kvgen.lower.plan import default_params
+from kvgen.build.job import BuildJob, SpecSource, family_jobs
+from kvgen.files import file_sha256
+from kvgen.lower.plan import default_params, score_plan
 from kvgen.lower.triattention import calibration_defaults, require_scorable, tri_geometry
 from kvgen.reference.triattention import GeometryError, load_calibration, save_calibration, synthetic_calibration
 from kvgen.reference.triattention_calib import rope_freq_scale_sq, rope_omega
 from kvgen.render.source import render
+from kvgen.runtime.lookup import RuntimeRegistry
+from kvgen.runtime.pack import MovePacker
 from kvgen.runtime.score import ScoreLibrary
 from kvgen.spec.schema import SpecError, load_spec, parse_spec
+
+from .test_runtime_registry import real_registry
 
 ROOT = Path(__file__).resolve().parents[1]
 SPECS = ROOT / "specs"
@@ -100,12 +106,12 @@ def test_geometry_nhd_mqa_and_fp16() -> None:
 
 
 @pytest.mark.parametrize("family", MLA_FAMILIES)
-def test_mla_and_csa_are_refused_with_the_reason(family: str, tmp_path: Path) -> None:
+def test_mla_and_csa_are_refused_with_the_reason(family: str) -> None:
     spec = ALL_SPECS[family]
     with pytest.raises(GeometryError, match=r"TriAttention cannot serve attention: (mla|csa) \(one shared latent"):
         tri_geometry(spec)
     with pytest.raises(GeometryError, match="cannot serve"):
-        build_score_library(spec, "sm_90a", tmp_path / "cache", tmp_path / "registry")
+        score_plan(spec)   # no score job can be made for it
     text = (SPECS / f"{family}.yaml").read_text() + "triattention:\n  enabled: true\n"
     with pytest.raises(SpecError, match="TriAttention cannot serve attention"):
         parse_spec(text, f"{family}.yaml")
@@ -182,22 +188,28 @@ def toolchain():
         pytest.skip(f"no CuTe DSL toolchain: {exc}")
 
 
+def score_job(spec, arch: str, params: dict | None = None) -> BuildJob:
+    """The score job ``kvgen build`` makes for ``spec`` on ``arch`` (``params``: tuned score params)."""
+    jobs = family_jobs(SpecSource(spec, "0" * 64), arch, {"score": params or {}})
+    return next(job for job in jobs if job.backend == "cute")
+
+
+def compile_scores(specs, arch: str, cache: Path, toolchain, params: dict | None = None) -> list:
+    return compile_many([score_job(spec, arch, params) for spec in specs], cache, Toolchains(cute=toolchain))
+
+
 @pytest.fixture(scope="session")
 def built(tmp_path_factory, toolchain) -> dict:
-    """Build the CI grid once: {(family, arch): ScoreBuild}, plus the directories."""
+    """Compile the CI grid once: {(family, arch): BuildOutcome}, plus the cache directory."""
     root = tmp_path_factory.mktemp("score")
-    by_arch: dict[str, list] = {}
+    jobs = []
     for family, arch in _ci_grid():
         spec = ALL_SPECS[family]
         if arch not in spec.targets:   # every DSL target is exported once, even one no spec lists (sm_100f)
             spec = spec.model_copy(update={"targets": [*spec.targets, arch]})
-        by_arch.setdefault(arch, []).append(spec)
-    def build_arch(arch: str) -> list:
-        return build_score_libraries(by_arch[arch], [arch], root / "cache", root / "registry", toolchain=toolchain)
-
-    with ThreadPoolExecutor(max_workers=2) as pool:   # one export process per arch, two at a time
-        builds = [build for arch_builds in pool.map(build_arch, sorted(by_arch)) for build in arch_builds]
-    return {"builds": {(b.family, b.arch): b for b in builds}, "root": root}
+        jobs.append(score_job(spec, arch))
+    outcomes = compile_many(jobs, root / "cache", Toolchains(cute=toolchain), workers=2)   # 2 export processes
+    return {"builds": {(o.family, o.arch): o for o in outcomes}, "root": root}
 
 
 def _check_library(path: Path, family: str, arch: str) -> None:
@@ -220,15 +232,41 @@ def _check_library(path: Path, family: str, arch: str) -> None:
 def test_score_library_builds_and_loads(built: dict, family: str, arch: str) -> None:
     build = built["builds"][(family, arch)]
     assert build.status == "built", build.error
-    assert build.artifact == score_library_path(built["root"] / "registry", arch, family)
+    assert build.artifact.name == f"lib{score_plan(ALL_SPECS[family]).symbol()}_score.so"
+    assert file_sha256(build.artifact) == build.sha256 and build.toolchain["nvidia-cutlass-dsl"]
     _check_library(build.artifact, family, arch)
 
 
 def test_an_arch_the_spec_does_not_target_builds_no_score_library(tmp_path: Path) -> None:
     spec = ALL_SPECS[PROBE_FAMILY].model_copy(update={"targets": ["sm_90a"]})
-    assert build_score_libraries([spec], ["sm_100a"], tmp_path / "cache", tmp_path / "registry",
-                                 toolchain=object()) == []
+    report = pipeline.build([SpecSource(spec, "0" * 64)], ["sm_100a"], tmp_path / "generated",
+                            tmp_path / "cache",
+                            toolchains=[], registry_dir=tmp_path / "registry",
+                            tuning_dir=tmp_path / "tuning", tuning_environ={}, backends=("cute",))
+    assert [(o.arch, o.status) for o in report.outcomes] == [("sm_100a", "skipped")]
     assert not (tmp_path / "registry").exists()
+
+
+def test_build_publishes_every_op_with_its_sha256(tmp_path_factory, toolchain) -> None:
+    """``build()`` from Python, as ``kvgen build`` runs it: codec and compact (nvcc), score (CuTe
+    DSL) and pack (Triton) each name their artifact in the manifest, with its sha256, and the
+    runtime loads each from the path ``Resolved.artifact`` verifies."""
+    registry = real_registry(tmp_path_factory)
+    path = manifest_path(registry, "sm_90a")
+    entry = read_manifest(path).family(PROBE_FAMILY)
+    assert {op.op: op.artifact for op in entry.ops} == {
+        "codec": "libkvgen_qwen3_8b.so", "compact": "libkvgen_qwen3_8b.so", "score": "libkvgen_qwen3_8b_score.so",
+        "pack": "kvgen_qwen3_8b_pack.py"}
+    assert {a.file: a.backend for a in entry.artifacts} == {
+        "libkvgen_qwen3_8b.so": "nvcc", "libkvgen_qwen3_8b_score.so": "cute", "kvgen_qwen3_8b_pack.py": "triton"}
+    for artifact in entry.artifacts:
+        assert file_sha256(path.parent / artifact.file) == artifact.sha256 and len(artifact.cache_key) == 64
+    assert entry.op("score").params == default_params("score") and entry.layout["family"] == PROBE_FAMILY
+    resolved = RuntimeRegistry([registry]).resolve(PROBE_FAMILY, "sm_90a")
+    spec = ALL_SPECS[PROBE_FAMILY]
+    ScoreLibrary(resolved.artifact("score"), family=PROBE_FAMILY).check_geometry(tri_geometry(spec), spec.dtype)
+    packer = MovePacker(resolved.artifact("pack"), PROBE_FAMILY)
+    assert (packer.num_layers, packer.kv_heads) == (spec.layers, spec.kv_heads)
 
 
 def test_every_dsl_target_is_covered() -> None:
@@ -238,9 +276,8 @@ def test_every_dsl_target_is_covered() -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", OTHER_ARCHS)
 def test_every_family_compiles_for_every_sm100_target(tmp_path: Path, toolchain, arch: str) -> None:
-    specs = [ALL_SPECS[f] for f in TRI_FAMILIES]
-    builds = build_score_libraries(specs, [arch], tmp_path / "cache", tmp_path / "registry", toolchain=toolchain)
-    for build in builds:
+    specs = [ALL_SPECS[f].model_copy(update={"targets": [arch]}) for f in TRI_FAMILIES]
+    for build in compile_scores(specs, arch, tmp_path / "cache", toolchain):
         assert build.status == "built", build.error
         _check_library(build.artifact, build.family, arch)
 
@@ -248,15 +285,13 @@ def test_every_family_compiles_for_every_sm100_target(tmp_path: Path, toolchain,
 def test_second_build_is_a_cache_hit_and_params_change_the_key(built: dict, toolchain) -> None:
     root = built["root"]
     spec = ALL_SPECS[PROBE_FAMILY]
-    (again,) = build_score_libraries([spec], ["sm_90a"], root / "cache", root / "registry", toolchain=toolchain)
+    (again,) = compile_scores([spec], "sm_90a", root / "cache", toolchain)
     assert again.status == "hit" and again.key == built["builds"][(PROBE_FAMILY, "sm_90a")].key
     texts = source_texts(render(score_plan(spec)))
     key = score_cache_key(texts, "sm_90a", toolchain)
     assert key == again.key
     assert score_cache_key(source_texts(render(score_plan(spec, {"threads": 64}))), "sm_90a", toolchain) != key
     assert score_cache_key(texts, "sm_100a", toolchain) != key
-
-
 @pytest.mark.skipif(torch.cuda.is_available(), reason="garbage pointers must not reach a real GPU")
 def test_kernel_call_without_a_driver_fails_cleanly(built: dict) -> None:
     lib = ScoreLibrary(built["builds"][(PROBE_FAMILY, "sm_90a")].artifact)
@@ -293,10 +328,7 @@ def test_tunable_variants_compile_and_report_their_launch_shape(tmp_path: Path, 
     tiles) are other code paths: compile them for a one-pass and the multi-pass family."""
     params = {"lanes": 4, "token_tiles": 4}
     specs = [ALL_SPECS[PROBE_FAMILY], ALL_SPECS["falcon-7b"]]
-    builds = build_score_libraries(specs, ["sm_90a"], tmp_path / "cache", tmp_path / "registry", toolchain=toolchain,
-                                   params=lambda _family, _arch: params)
-    for build in builds:
+    for build in compile_scores(specs, "sm_90a", tmp_path / "cache", toolchain, params):
         assert build.status == "built", build.error
         lib = ScoreLibrary(build.artifact, family=build.family)
         assert (lib.geometry["lanes"], lib.geometry["tokens_per_cta"]) == (4, 4 * 128 // 4)
-        assert lib.meta["params"] == {**default_params("score"), **params}

@@ -217,9 +217,11 @@ def test_tune_writes_a_config_the_build_compiles(tmp_path: Path, measurements: P
 
 
 def test_candidates_build_into_a_bundle_that_packs_and_unpacks(tmp_path: Path) -> None:
-    """Real nvcc builds of two codec candidates; a failed one is recorded, not raised; the archive
-    carries the same files and index; a foreign index is a clear error naming the file."""
-    from kvgen.build.pipeline import load_spec_source
+    """Real nvcc builds of two codec candidates, compiled as ``kvgen build`` compiles them (its
+    build of the default is then a cache hit); the archive carries the same files and index; a
+    foreign index is a clear error naming the file."""
+    from kvgen.build.job import load_spec_source
+    from kvgen.build.pipeline import build
     from kvgen.cli import discover_toolchains
     from kvgen.tuning.candidates import Request, build_candidates, pack_bundle, read_bundle, read_index, unpack_bundle
 
@@ -230,6 +232,10 @@ def test_candidates_build_into_a_bundle_that_packs_and_unpacks(tmp_path: Path) -
     built = build_candidates(requests, "sm_90a", bundle, tmp_path / "cache", toolchains=discover_toolchains())
     assert [c.status for c in built] == ["built", "built"] and len({c.artifact for c in built}) == 2
     assert read_bundle(bundle)["toolchains"]["nvcc"].startswith("13.")
+    report = build([source], ["sm_90a"], tmp_path / "generated", tmp_path / "cache", toolchains=discover_toolchains(),
+                   registry_dir=tmp_path / "registry", tuning_dir=tmp_path / "tuning", tuning_environ={})
+    (outcome,) = report.outcomes
+    assert (outcome.status, outcome.key) == ("hit", built[0].key)     # the default candidate is the build's
     archive = pack_bundle(bundle, tmp_path / "bundle.tar.xz")
     assert archive.stat().st_size < sum((bundle / c.artifact).stat().st_size for c in built)
     out = unpack_bundle(archive, tmp_path / "unpacked")

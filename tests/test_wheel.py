@@ -90,8 +90,9 @@ def test_platform_tag_follows_the_glibc_the_libraries_need(tmp_path: Path) -> No
     lib = registry / "sm_90a" / "libkvgen_fam.so"
     lib.write_bytes(b"\x7fELF...GLIBC_2.2.5\0GLIBC_2.34\0GLIBC_2.17\0")
     manifest = parse_manifest(manifest_path(registry, "sm_90a"))
-    entry = replace(manifest.libraries[0], artifact_sha256=file_sha256(lib))
-    write_manifest(manifest_path(registry, "sm_90a"), replace(manifest, libraries=(entry,)))
+    entry = manifest.families[0]
+    entry = replace(entry, artifacts=(replace(entry.artifacts[0], sha256=file_sha256(lib)),))
+    write_manifest(manifest_path(registry, "sm_90a"), replace(manifest, families=(entry,)))
     wheel = build_wheel(registry, ["sm_90a"], tmp_path / "dist")
     assert wheel.name == f"{SM90}-py3-none-manylinux_2_34_x86_64.whl"
     assert "Tag: py3-none-manylinux_2_34_x86_64\n" in _read(wheel, f"{SM90}.dist-info/WHEEL")
@@ -162,7 +163,7 @@ from kvgen.runtime import RuntimeRegistry
 registry = RuntimeRegistry.default(environ={})
 resolved = registry.resolve("FAMILY", "sm_90a")
 library = registry.load("FAMILY", "sm_90a")
-print(resolved.source.package, resolved.source.version, resolved.artifact, library.family)
+print(resolved.source.package, resolved.source.version, resolved.artifact("codec"), library.family)
 """
 
 
@@ -182,37 +183,42 @@ def test_installed_wheel_is_found_and_loads(tmp_path_factory: pytest.TempPathFac
     assert Path(artifact) == target / "kvgen_kernels_sm90" / "registry" / "sm_90a" / "libkvgen_qwen3_8b.so"
 
 
-def _add_score_library(registry: Path, arch: str, family: str, sha256: str | None = None) -> Path:
-    """A stand-in score library and its sidecar, as kvgen build publishes them."""
-    library = registry / arch / f"libkvgen_{family}_score.so"
-    library.write_bytes(f"score {family}".encode())
-    sidecar = {"family": family, "arch": arch, "artifact_sha256": sha256 or file_sha256(library)}
-    library.with_suffix(".json").write_text(json.dumps(sidecar))
-    return library
+def test_every_listed_artifact_ships_and_nothing_else(tmp_path: Path) -> None:
+    registry = fake_registry(tmp_path / "reg", "sm_90a", ["fam", "other"], ops=("codec", "score", "pack"))
+    (registry / "sm_90a" / "libkvgen_stale_score.so").write_bytes(b"left over by an old build")
+    (registry / "sm_90a" / "libkvgen_fam_score.json").write_text("{}")    # a format-1 sidecar
+    names = [n for n in _names(build_wheel(registry, ["sm_90a"], tmp_path / "dist")) if "/registry/" in n]
+    prefix = "kvgen_kernels_sm90/registry/sm_90a/"
+    assert names == [prefix + n for n in ("kvgen_fam_pack.py", "kvgen_other_pack.py", "libkvgen_fam.so",
+                                          "libkvgen_fam_score.so", "libkvgen_other.so", "libkvgen_other_score.so",
+                                          "manifest.json")]
 
 
-def test_score_libraries_travel_with_their_family(tmp_path: Path) -> None:
-    registry = fake_registry(tmp_path / "reg", "sm_90a", ["fam", "other"])
-    _add_score_library(registry, "sm_90a", "fam")
-    names = _names(build_wheel(registry, ["sm_90a"], tmp_path / "dist"))
-    assert "kvgen_kernels_sm90/registry/sm_90a/libkvgen_fam_score.so" in names
-    assert "kvgen_kernels_sm90/registry/sm_90a/libkvgen_fam_score.json" in names
-    assert not any("other_score" in name for name in names)
-
-
-def test_tampered_score_library_is_refused(tmp_path: Path) -> None:
-    registry = fake_registry(tmp_path / "reg", "sm_90a", ["fam"])
-    _add_score_library(registry, "sm_90a", "fam", sha256="0" * 64)
-    with pytest.raises(WheelError, match=r"libkvgen_fam_score.so: sha256 differs.*kvgen build --arch sm_90a --family fam"):
+@pytest.mark.parametrize("name", ["libkvgen_fam_score.so", "kvgen_fam_pack.py"])
+def test_tampered_score_library_or_packer_is_refused(tmp_path: Path, name: str) -> None:
+    registry = fake_registry(tmp_path / "reg", "sm_90a", ["fam"], ops=("codec", "score", "pack"))
+    (registry / "sm_90a" / name).write_bytes(b"tampered")
+    with pytest.raises(RegistryError, match=rf"{name}: sha256 mismatch.*kvgen build --arch sm_90a --family fam"):
         build_wheel(registry, ["sm_90a"], tmp_path / "dist")
     assert not (tmp_path / "dist").exists() or not list((tmp_path / "dist").iterdir())
 
 
-def test_resolved_score_library_needs_the_op_and_the_file(tmp_path: Path) -> None:
-    from kvgen.runtime.lookup import RuntimeRegistry
-
-    registry = fake_registry(tmp_path / "reg", "sm_90a", ["fam"])
-    _add_score_library(registry, "sm_90a", "fam")
-    resolved = RuntimeRegistry([registry]).resolve("fam", arch="sm_90a")
-    with pytest.raises(RegistryError, match="no score library for fam.*kvgen build --arch sm_90a --family fam"):
-        resolved.score_library()  # the manifest lists no score op for this family
+def test_wheel_of_a_built_registry_carries_the_score_library_and_the_packer(
+        tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
+    """From what ``build()`` published for a TriAttention family: every op's artifact is in the
+    wheel, byte for byte, and listed (with that sha256) in the wheel's manifest."""
+    registry = real_registry(tmp_path_factory)
+    wheel = build_wheel(registry, ["sm_90a"], tmp_path / "dist")
+    prefix = "kvgen_kernels_sm90/registry/sm_90a/"
+    manifest = json.loads(_read(wheel, prefix + "manifest.json"))
+    (entry,) = manifest["families"]
+    served = {op["op"]: op["artifact"] for op in entry["ops"]}
+    if "score" not in served:
+        pytest.skip("no CuTe DSL here: the registry has no score library")
+    assert served == {"codec": "libkvgen_qwen3_8b.so", "compact": "libkvgen_qwen3_8b.so",
+                      "score": "libkvgen_qwen3_8b_score.so", "pack": "kvgen_qwen3_8b_pack.py"}
+    with zipfile.ZipFile(wheel) as zf:
+        shipped = {n[len(prefix):] for n in zf.namelist() if n.startswith(prefix)}
+        assert shipped == {a["file"] for a in entry["artifacts"]} | {"manifest.json"}
+        for artifact in entry["artifacts"]:
+            assert hashlib.sha256(zf.read(prefix + artifact["file"])).hexdigest() == artifact["sha256"]

@@ -1,8 +1,11 @@
-"""The kernel registry: ``<registry>/<arch>/manifest.json`` plus the shared libraries it names.
+"""The kernel registry: ``<registry>/<arch>/manifest.json`` plus every artifact it lists.
 
-The manifest records the decision (family, ops, params, plan keys) and the artifact's sha256;
-``read_manifest`` refuses a manifest written by another format or kvgen version, and an artifact
-whose bytes do not match, with an error naming the file and the command that rebuilds it.
+One entry per family. It records the decision (ops, their params and plan keys, the layout) and
+each artifact the family ships: the nvcc library (``codec``, ``compact``), the CuTe DSL score
+library (``score``) and the Triton packer module (``pack``), each with its sha256. Every op names
+the artifact file that serves it. ``read_manifest`` refuses a manifest written by another format
+or kvgen version, and an artifact whose bytes do not match, with an error naming the file and the
+command that rebuilds it. Nothing here knows how an artifact was made.
 """
 
 from __future__ import annotations
@@ -15,7 +18,9 @@ from typing import Any, Mapping
 from kvgen import __version__
 from kvgen.files import file_sha256, write_json_atomic
 
-FORMAT_VERSION = 1
+# 2: one entry per family listing every artifact (score library and packer included), ops naming
+# their artifact; format 1 had one library per entry and the score library in a sidecar.
+FORMAT_VERSION = 2
 # The C ABI of the generated libraries (entry-point names and argument lists). Bump on any change
 # a loader would have to know about; the runtime refuses libraries of another ABI.
 ABI_VERSION = 1
@@ -31,50 +36,62 @@ def fix_command(arch: str, family: str | None = None) -> str:
 
 
 @dataclass(frozen=True)
+class ArtifactEntry:
+    """One shipped file, relative to the manifest's directory."""
+
+    file: str
+    sha256: str
+    backend: str                                  # "nvcc" | "cute" | "triton"
+    cache_key: str
+    # Versions of what made it, e.g. {"nvcc": "13.0.88"}; empty for the Triton packer, whose
+    # source is shipped and compiled by Triton on the GPU at run time.
+    toolchain: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class OpEntry:
     op: str
+    artifact: str                                 # the ``ArtifactEntry.file`` that serves this op
     template: str
     plan_key: str
     params: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
-class LibraryEntry:
+class FamilyEntry:
     family: str
     arch: str
     symbol: str
-    ops: tuple[OpEntry, ...]
     spec_sha256: str
-    artifact: str                  # relative to the manifest's directory
-    artifact_sha256: str
-    cache_key: str
-    toolchain: str                 # nvcc version, e.g. "13.0.88"
+    ops: tuple[OpEntry, ...]
+    artifacts: tuple[ArtifactEntry, ...]
+    # The family's cold-page layout as plain JSON (``kvgen.lower.layout.to_json``), so the runtime
+    # can size cold storage without the spec (and without pydantic).
+    layout: Mapping[str, Any] | None = None
     kvgen_version: str = __version__
     abi_version: int = ABI_VERSION
-    # The family's cold-page layout as plain JSON (``kvgen show FAMILY --json``), so the runtime
-    # can size cold storage without the spec (and without pydantic). None in older manifests.
-    layout: Mapping[str, Any] | None = None
+
+    def op(self, name: str) -> OpEntry | None:
+        return next((op for op in self.ops if op.op == name), None)
+
+    def artifact_of(self, op: str) -> ArtifactEntry | None:
+        """The artifact serving ``op`` (None when the family has no such op in this manifest)."""
+        entry = self.op(op)
+        if entry is None:
+            return None
+        return next((a for a in self.artifacts if a.file == entry.artifact), None)
 
 
 @dataclass(frozen=True)
 class Manifest:
     arch: str
-    libraries: tuple[LibraryEntry, ...]
+    families: tuple[FamilyEntry, ...]
     format_version: int = FORMAT_VERSION
     kvgen_version: str = __version__
     abi_version: int = ABI_VERSION
 
-    def library(self, family: str) -> LibraryEntry | None:
-        for entry in self.libraries:
-            if entry.family == family:
-                return entry
-        return None
-
-
-def score_library_name(symbol: str) -> str:
-    """File name of a family's TriAttention score library (CuTe DSL AOT), beside its family library
-    in ``<registry>/<arch>/`` with a ``.json`` sidecar holding its sha256."""
-    return f"lib{symbol}_score.so"
+    def family(self, name: str) -> FamilyEntry | None:
+        return next((entry for entry in self.families if entry.family == name), None)
 
 
 def manifest_path(registry_dir: Path, arch: str) -> Path:
@@ -83,9 +100,10 @@ def manifest_path(registry_dir: Path, arch: str) -> Path:
 
 def manifest_json(manifest: Manifest) -> dict[str, Any]:
     data = asdict(manifest)
-    data["libraries"] = sorted(data["libraries"], key=lambda lib: lib["family"])
-    for lib in data["libraries"]:
-        lib["ops"] = [{**op, "params": dict(sorted(op["params"].items()))} for op in lib["ops"]]
+    data["families"] = sorted(data["families"], key=lambda entry: entry["family"])
+    for entry in data["families"]:
+        entry["ops"] = [{**op, "params": dict(sorted(op["params"].items()))} for op in entry["ops"]]
+        entry["artifacts"] = sorted(entry["artifacts"], key=lambda a: a["file"])
     return data
 
 
@@ -95,10 +113,11 @@ def write_manifest(path: Path, manifest: Manifest) -> None:
     write_json_atomic(path, manifest_json(manifest))
 
 
-def _library(data: dict[str, Any]) -> LibraryEntry:
-    ops = tuple(OpEntry(op["op"], op["template"], op["plan_key"], dict(op.get("params", {})))
+def _family(data: dict[str, Any]) -> FamilyEntry:
+    ops = tuple(OpEntry(op["op"], op["artifact"], op["template"], op["plan_key"], dict(op.get("params", {})))
                 for op in data["ops"])
-    return LibraryEntry(**{**data, "ops": ops})
+    artifacts = tuple(ArtifactEntry(**artifact) for artifact in data["artifacts"])
+    return FamilyEntry(**{**data, "ops": ops, "artifacts": artifacts})
 
 
 def parse_manifest(path: Path) -> Manifest:
@@ -106,11 +125,14 @@ def parse_manifest(path: Path) -> Manifest:
     path = Path(path)
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-        libraries = tuple(_library(lib) for lib in data.pop("libraries"))
-        return Manifest(libraries=libraries, **data)
+        if data.get("format_version") != FORMAT_VERSION:   # another format's fields are not ours to read
+            return Manifest(arch=data["arch"], families=(), **{k: data[k] for k in (
+                "format_version", "kvgen_version", "abi_version") if k in data})
+        families = tuple(_family(entry) for entry in data.pop("families"))
+        return Manifest(families=families, **data)
     except FileNotFoundError:
         raise RegistryError(f"{path}: no manifest") from None
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise RegistryError(f"{path}: not a kvgen manifest ({exc})") from None
 
 
@@ -118,20 +140,31 @@ def _refuse(path: Path, what: str, arch: str, family: str | None = None) -> Regi
     return RegistryError(f"{path}: {what}; rebuild with: {fix_command(arch, family)}")
 
 
-def verify_artifact(path: Path, manifest: Manifest, entry: LibraryEntry) -> Path:
-    """The artifact's absolute path, after checking its sha256 against the manifest."""
-    artifact = Path(path).parent / entry.artifact
-    if not artifact.is_file():
-        raise _refuse(artifact, f"artifact missing (listed in {path})", manifest.arch, entry.family)
-    actual = file_sha256(artifact)
-    if actual != entry.artifact_sha256:
-        raise _refuse(artifact, f"sha256 mismatch with {path} (expected {entry.artifact_sha256}, found {actual})",
-                      manifest.arch, entry.family)
-    return artifact
+def verify_file(path: Path, arch: str, family: str, artifact: ArtifactEntry) -> Path:
+    """The absolute path of ``artifact`` (listed in the manifest at ``path``), after checking its
+    sha256: a missing or altered file is a ``RegistryError`` naming it and the rebuild command."""
+    file = Path(path).parent / artifact.file
+    if not file.is_file():
+        raise _refuse(file, f"artifact missing (listed in {path})", arch, family)
+    actual = file_sha256(file)
+    if actual != artifact.sha256:
+        raise _refuse(file, f"sha256 mismatch with {path} (expected {artifact.sha256}, found {actual})", arch, family)
+    return file
+
+
+def verify_op(path: Path, manifest: Manifest, entry: FamilyEntry, op: str) -> Path:
+    """The verified file that serves ``op`` of ``entry``; a family without the op is refused too."""
+    artifact = entry.artifact_of(op)
+    if artifact is None:
+        have = ", ".join(o.op for o in entry.ops) or "none"
+        raise _refuse(Path(path), f"{entry.family} has no {op!r} artifact (its ops: {have})", manifest.arch,
+                      entry.family)
+    return verify_file(path, manifest.arch, entry.family, artifact)
 
 
 def read_manifest(path: Path, kvgen_version: str = __version__, verify: bool = True) -> Manifest:
-    """A manifest safe to load from: this format, this kvgen version and ABI, intact artifacts."""
+    """A manifest safe to load from: this format, this kvgen version and ABI, intact artifacts
+    (every artifact of every family when ``verify``)."""
     path = Path(path)
     arch = path.parent.name
     try:
@@ -143,10 +176,11 @@ def read_manifest(path: Path, kvgen_version: str = __version__, verify: bool = T
     if manifest.kvgen_version != kvgen_version or manifest.abi_version != ABI_VERSION:
         raise _refuse(path, f"written by kvgen {manifest.kvgen_version} (ABI {manifest.abi_version}), this is "
                             f"kvgen {kvgen_version} (ABI {ABI_VERSION})", manifest.arch)
-    for entry in manifest.libraries:
+    for entry in manifest.families:
         if entry.abi_version != ABI_VERSION or entry.arch != manifest.arch:
             raise _refuse(path, f"{entry.family}: ABI {entry.abi_version} for {entry.arch}", manifest.arch,
                           entry.family)
         if verify:
-            verify_artifact(path, manifest, entry)
+            for artifact in entry.artifacts:
+                verify_file(path, manifest.arch, entry.family, artifact)
     return manifest

@@ -4,7 +4,9 @@
 ``kvgen_kernels_sm100``: each stays far under PyPI's and GitHub's 100 MB per-file limit):
 
     kvgen_kernels_sm90/__init__.py                 REGISTRY, KVGEN_VERSION, ARCHS; never imported by kvgen
-    kvgen_kernels_sm90/registry/<arch>/manifest.json and lib<kvgen_family>.so
+    kvgen_kernels_sm90/registry/<arch>/manifest.json and every artifact it lists (per family
+                                                   lib<symbol>.so; for TriAttention families also
+                                                   lib<symbol>_score.so and <symbol>_pack.py)
     kvgen_kernels_sm90-<v>.dist-info/              METADATA (Requires-Dist: kvgen==<v>), WHEEL,
                                                    entry_points.txt, RECORD
 
@@ -15,7 +17,8 @@ The wheel's version is the kvgen version it was built by, and it requires exactl
 libraries speak that version's C ABI and layout.
 
 Written with the standard library (zipfile, RECORD with sha256), byte-for-byte reproducible:
-members sorted, fixed timestamps and modes. Data only: the libraries link nothing from torch.
+members sorted, fixed timestamps and modes. Data only: the libraries link nothing from torch, and
+the packer modules are read by ``kvgen.runtime.pack``, never imported as part of this package.
 Platform tag ``manylinux_2_28_x86_64``, raised to the newest glibc symbol version the libraries
 really reference (``manylinux_2_34`` when linked on a glibc >= 2.34 system), so pip never installs
 a wheel whose libraries cannot load.
@@ -25,7 +28,6 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import json
 import os
 import re
 import tempfile
@@ -36,7 +38,7 @@ from pathlib import Path
 
 from kvgen import __version__
 from kvgen.arch import parse_arch
-from kvgen.artifacts.manifest import MANIFEST, fix_command, manifest_path, read_manifest, score_library_name
+from kvgen.artifacts.manifest import MANIFEST, fix_command, manifest_path, read_manifest
 from kvgen.artifacts.packages import ENTRY_POINT_GROUP, package_name
 from kvgen.files import file_sha256
 
@@ -75,33 +77,23 @@ class Member:
 
 
 def _registry_members(registry_dir: Path, arch: str, package: str) -> list[Member]:
-    """The manifest and every library it lists, verified first: a wheel never ships a tampered
-    artifact or one of another kvgen version."""
+    """The manifest and every artifact it lists, and nothing else in the directory, all verified
+    first: a wheel never ships a tampered artifact or one of another kvgen version."""
     path = manifest_path(registry_dir, arch)
     if not path.is_file():
         raise WheelError(f"{path}: no manifest for {arch}; run: {fix_command(arch)} --registry {registry_dir}")
     manifest = read_manifest(path, verify=True)
     prefix = f"{package}/registry/{arch}"
     members = [Member(f"{prefix}/{MANIFEST}", source=path)]
-    for entry in manifest.libraries:
-        members.append(Member(f"{prefix}/{entry.artifact}", source=path.parent / entry.artifact, mode=0o755))
-        members += _score_members(path.parent, entry, prefix)
+    for entry in manifest.families:
+        members += [Member(f"{prefix}/{a.file}", source=path.parent / a.file, mode=_mode(a.file))
+                    for a in entry.artifacts]
     return members
 
 
-def _score_members(directory: Path, entry, prefix: str) -> list[Member]:  # noqa: ANN001 - LibraryEntry
-    """The family's score library and its sidecar, when the registry holds them (``kvgen build``
-    exports them for TriAttention families), checked against the sidecar's sha256 first."""
-    library = directory / score_library_name(entry.symbol)
-    sidecar = library.with_suffix(".json")
-    if not (library.is_file() and sidecar.is_file()):
-        return []
-    expected = json.loads(sidecar.read_text(encoding="utf-8")).get("artifact_sha256")
-    if file_sha256(library) != expected:
-        raise WheelError(f"{library}: sha256 differs from {sidecar.name}; rebuild with: "
-                         f"{fix_command(directory.name, entry.family)}")
-    return [Member(f"{prefix}/{library.name}", source=library, mode=0o755),
-            Member(f"{prefix}/{sidecar.name}", source=sidecar)]
+def _mode(name: str) -> int:
+    """Shared libraries are executable (as the registry publishes them); everything else is data."""
+    return 0o755 if name.endswith(".so") else 0o644
 
 
 def _init_py(archs: Sequence[str]) -> str:

@@ -31,8 +31,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--default-registry", type=Path, default=None,
                    help="registry built with the default parameters: time both, record tuned_vs_default")
     p.add_argument("--arch", default="sm_90a")
-    p.add_argument("--generated", type=Path, default=paths.generated_dir(),
-                   help="rendered sources (Triton packers)")
     p.add_argument("--only", default=",".join(("codec", "compact", "score")),
                    help="comma list of codec, compact, score (default: all, in that order)")
     p.add_argument("--families", default=DEFAULT_FAMILIES, help="codec families")
@@ -91,7 +89,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 2
     variants = args.score_variants if args.score_variants is not None else paths.score_variant_registries()
     options = Options(out=paths.run_dir("bench", args.out), registry=args.registry, arch=args.arch,
-                      default_registry=args.default_registry, generated=args.generated, only=only,
+                      default_registry=args.default_registry, only=only,
                       families=tuple(_csv(args.families)), hot_gib=args.hot_gib, compact_family=args.compact_family,
                       batches=tuple(int(b) for b in _csv(args.batches)), mode=args.mode, width=args.width,
                       score_batch=args.score_batch, score_variants=tuple(variants), peers=not args.no_peers,

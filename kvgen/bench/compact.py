@@ -14,7 +14,7 @@ Memory: the whole 36-layer cache at batch 256 is ~150 GB, more than an H200 hold
 budget and lengths stay; the layers that do not fit get fill moves (-1: their CTAs read the move
 rows and touch no pool) and the result says how many layers moved (layers_moved).
 
-Packer: the generated Triton packer (generated/<family>/pack.py, with capacity: no host sync) as a
+Packer: the generated Triton packer (the registry's ``pack`` artifact, with capacity: no host sync) as a
 CUDA graph replay and as an eager call, against the oracle's pack_moves on the GPU (torch ops in
 Python loops, eager wall time). Batch 1 also checks compaction against the oracle's compact_paged.
 
@@ -52,12 +52,11 @@ from kvgen.measure.timing import (
     time_ms,
 )
 from kvgen.measure.workloads.compact import oracle_compaction_matches
-from kvgen.measure.workloads.pages import page_shape
-from kvgen.reference.triattention import Moves, TriGeometry
+from kvgen.reference.triattention import Moves, TriGeometry, page_shape
 from kvgen.reference.triattention import pack_moves as oracle_pack_moves
 from kvgen.runtime.compact import CompactLibrary, Compactor
 from kvgen.runtime.library import LibraryError
-from kvgen.runtime.pack import MovePacker, pack_module_path
+from kvgen.runtime.pack import MovePacker
 
 BUDGET = 2048
 DECODE = 4096
@@ -216,7 +215,7 @@ def bench_default(library: CompactLibrary, graphs: list, table, moves: tuple, ge
 
 
 def run(ceilings: dict, family: str = "qwen3-8b", batches: list[int] = (1, 32, 256), mode: str = "union",
-        registry: Path | None = None, arch: str = "sm_90a", generated: Path | None = None,
+        registry: Path | None = None, arch: str = "sm_90a",
         default_registry: Path | None = None) -> dict:
     """Compaction and packing at every batch size against ``ceilings["device_copy"]``:
     ``{"config": {...}, "results": [...]}``."""
@@ -227,7 +226,7 @@ def run(ceilings: dict, family: str = "qwen3-8b", batches: list[int] = (1, 32, 2
             default_library = library_for(family, default_registry, arch)
         except (LookupError, RegistryError, LibraryError) as exc:
             default_error = f"{type(exc).__name__}: {exc}"
-    packer = MovePacker(pack_module_path(paths.generated_dir(generated), family), family)
+    packer = MovePacker(registry_artifact(paths.registry_dir(registry), family, arch, "pack"), family)
     geo = oracle_geometry(library.info, packer)
     torch.cuda.empty_cache()
     copy_gbps = ceilings["device_copy"]["gbps_read_plus_write"]
@@ -258,13 +257,12 @@ def main() -> int:
     parser.add_argument("--default-registry", type=Path, default=None,
                         help="also time this registry's compaction (built with the default parameters)")
     parser.add_argument("--arch", default="sm_90a")
-    parser.add_argument("--generated", type=Path, default=paths.generated_dir())
     args = parser.parse_args()
     require_cuda()
     ceilings = measure_ceilings(pinned=False)
     print("ceilings", ceilings, flush=True)
     record = run(ceilings, args.family, [int(b) for b in args.batches.split(",")], args.mode, args.registry,
-                 args.arch, args.generated, args.default_registry)
+                 args.arch, args.default_registry)
     path = write_result("bench_compact", {"environment": environment(), "ceilings": ceilings, **record})
     print("wrote", path)
     return 0

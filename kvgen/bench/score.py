@@ -134,7 +134,7 @@ def bench_oracle(width: int, batch: int, specs: Path | None = None) -> dict:
 
 
 def bench_round(width: int, batch: int, copy: dict, registry: Path, arch: str,
-                generated: Path | None = None, specs: Path | None = None) -> dict:
+                specs: Path | None = None) -> dict:
     family = "qwen3-8b"
     spec, scoring = score_family(family, specs)
     cache = ScoreCache(scoring, batch, width, all_layers=True, with_v=True)
@@ -145,14 +145,13 @@ def bench_round(width: int, batch: int, copy: dict, registry: Path, arch: str,
         calib_path = Path(tmp) / "calib.pt"
         save_calibration(cache.calibration, calib_path)
         backends, which = {}, "oracle pack_moves + compact_paged"
-        pack = paths.generated_dir(generated) / family / "pack.py"
-        if pack.is_file():
-            try:
-                compact = registry_artifact(registry, family, arch, "compact")
-                packer, compactor = generated_backends(family, k_pools, v_pools, pack, compact)
-                backends, which = {"packer": packer, "compactor": compactor}, "generated Triton packer + CUDA compactor"
-            except Exception as exc:  # noqa: BLE001 - fall back and say so in the record
-                which = f"oracle (generated backends unusable: {exc})"
+        try:
+            packer, compactor = generated_backends(family, k_pools, v_pools,
+                                                   registry_artifact(registry, family, arch, "pack"),
+                                                   registry_artifact(registry, family, arch, "compact"))
+            backends, which = {"packer": packer, "compactor": compactor}, "generated Triton packer + CUDA compactor"
+        except Exception as exc:  # noqa: BLE001 - fall back and say so in the record
+            which = f"oracle (generated backends unusable: {exc})"
         manager = TriAttentionManager(eviction_config(spec), calib_path, k_pools, v_pools,
                                       score_library(family, registry, arch),
                                       budget=2048, beta=128, eviction_mode="union", max_position=PROMPT + width + 1,
@@ -189,7 +188,7 @@ def bench_round(width: int, batch: int, copy: dict, registry: Path, arch: str,
 
 def run(ceilings: dict, width: int = 16384, batch: int = 32, registry: Path | None = None,
         score_variants: list[Path] = (), arch: str = "sm_90a", peers: bool = True, round_: bool = True,
-        default_registry: Path | None = None, generated: Path | None = None, specs: Path | None = None) -> dict:
+        default_registry: Path | None = None, specs: Path | None = None) -> dict:
     """Every variant, the oracle peers and one round against ``ceilings["device_copy"]``:
     ``{"score": [...], "oracle": {...}, "round": {...}}``. Defaults: ``kvgen.paths``."""
     copy = ceilings["device_copy"]
@@ -205,7 +204,7 @@ def run(ceilings: dict, width: int = 16384, batch: int = 32, registry: Path | No
         record["oracle"] = bench_oracle(width, batch, specs)
         torch.cuda.empty_cache()
     if round_:
-        record["round"] = bench_round(width, batch, copy, registry, arch, generated, specs)
+        record["round"] = bench_round(width, batch, copy, registry, arch, specs)
     return record
 
 

@@ -11,7 +11,7 @@ parameters, e.g. ``KVGEN_TUNING=off kvgen build --registry build/registry-defaul
 the compaction and the scorer time both registries' kernels on the same inputs in this run, and
 ``tuned_vs_default`` lists one entry per kernel and size: ``{kernel, family, size, tuned_ms,
 default_ms, speedup (default_ms / tuned_ms), tuned_params, default_params, ...}``; parameters are
-the registry manifest's per-op ``params`` (score: the score library sidecar's ``params``).
+the registry manifest's per-op ``params`` (score included).
 
 ``bench.json``::
 
@@ -38,7 +38,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from kvgen import paths
 from kvgen.bench.report import codec_size
 
 SCHEMA = 1
@@ -53,7 +52,6 @@ class Options:
     registry: Path
     arch: str = "sm_90a"
     default_registry: Path | None = None
-    generated: Path = field(default_factory=paths.generated_dir)
     only: tuple[str, ...] = BENCHMARKS
     families: tuple[str, ...] = ("qwen3-8b", "qwen3-8b-fp8", "deepseek-v3", "deepseek-v4-csa")
     hot_gib: float = 1.2
@@ -70,7 +68,7 @@ class Options:
 
     def config(self) -> dict[str, Any]:
         return {"registry": str(self.registry), "default_registry": str(self.default_registry or "") or None,
-                "arch": self.arch, "generated": str(self.generated), "benchmarks": list(self.only),
+                "arch": self.arch, "benchmarks": list(self.only),
                 "codec": {"families": list(self.families), "hot_gib": self.hot_gib},
                 "compact": {"family": self.compact_family, "batches": list(self.batches), "mode": self.mode},
                 "score": {"width": self.width, "batch": self.score_batch,
@@ -103,7 +101,7 @@ def _run_codec(ceilings: dict, o: Options) -> dict:
 def _run_compact(ceilings: dict, o: Options) -> dict:
     from kvgen.bench import compact
 
-    return compact.run(ceilings, o.compact_family, list(o.batches), o.mode, o.registry, o.arch, o.generated,
+    return compact.run(ceilings, o.compact_family, list(o.batches), o.mode, o.registry, o.arch,
                        o.default_registry)
 
 
@@ -111,7 +109,7 @@ def _run_score(ceilings: dict, o: Options) -> dict:
     from kvgen.bench import score
 
     return score.run(ceilings, o.width, o.score_batch, o.registry, list(o.score_variants), o.arch, o.peers,
-                     o.round, o.default_registry, o.generated, o.specs)
+                     o.round, o.default_registry, o.specs)
 
 
 RUNNERS: dict[str, Callable[[dict, Options], dict]] = {"codec": _run_codec, "compact": _run_compact,
@@ -177,7 +175,7 @@ def manifest_params(registry: Path, arch: str) -> Params:
         manifest = None
 
     def params(family: str, op: str) -> dict:
-        entry = manifest.library(family) if manifest is not None else None
+        entry = manifest.family(family) if manifest is not None else None
         for op_entry in (entry.ops if entry is not None else ()):
             if op_entry.op == op:
                 return dict(op_entry.params)

@@ -1,21 +1,21 @@
 """The CuTe DSL AOT backend: a family's rendered score module -> exported object -> shared library.
 
-Flow per (family, arch):
-1. render ``templates/score.py.j2`` (the family's constants; kernel logic in ``kvgen.kernels.cute``);
-2. in a child process with ``CUTE_DSL_ARCH=<arch>`` (the DSL exports only for its own arch, so one
-   process per arch, all of that arch's families in it): ``cute.compile`` with symbolic sizes,
+Flow per score ``BuildJob`` (``kvgen.build.job``: the rendered ``templates/score.py.j2``, the
+family's constants; kernel logic in ``kvgen.kernels.cute``):
+1. in a child process with ``CUTE_DSL_ARCH=<arch>`` (the DSL exports only for its own arch, so one
+   process per arch, all of that arch's jobs in it): ``cute.compile`` with symbolic sizes,
    ``export_to_c`` -> ``kvgen_score_impl.h`` + an x86-64 ``.o`` with the cubin embedded, and
    ``score_family.h`` (the family's name, arch and geometry for the C shim);
-3. ``g++``: ``kvgen/kernels/cute/score_abi.cpp`` (the C ABI, ``kvgen/kernels/include/kvgen_score.h``) + the object +
+2. ``g++``: ``kvgen/kernels/cute/score_abi.cpp`` (the C ABI, ``kvgen/kernels/include/kvgen_score.h``) + the object +
    the CuTe DSL runtime and cudart, both static -> ``lib<kvgen_family>_score.so``, which needs only
    the CUDA driver where it runs;
-4. cached like every kvgen artifact (``kvgen.build.cache.get_or_build``: temp dir, rename, metadata last)
+3. cached like every kvgen artifact (``kvgen.build.cache.get_or_build``: temp dir, rename, metadata last)
    under a key over the rendered module, the kernel and shim sources, the DSL distributions'
-   versions, the static libraries' sha256, the host compiler and the arch; then copied into
-   ``<registry>/<arch>/`` beside a ``.json`` sidecar (sha256, key, versions, plan).
+   versions, the static libraries' sha256, the host compiler and the arch. Publishing into the
+   registry is ``kvgen.build.pipeline.publish``'s, as for every artifact.
 
-``build_score_library`` / ``build_score_libraries`` are the only entry points ``kvgen build`` needs.
-Nothing here reads a GPU; the child process is the only place CUTLASS is imported.
+``compile_scores`` is the entry point (``kvgen.build.compile`` calls it once per arch). Nothing
+here reads a GPU; the child process is the only place CUTLASS is imported.
 """
 
 from __future__ import annotations
@@ -28,21 +28,15 @@ import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from kvgen import __version__
-from kvgen.arch import ARCHS
-from kvgen.artifacts.manifest import score_library_name as registry_score_name
 from kvgen.build.cache import CACHE_SCHEMA_VERSION, entry_dir, get_or_build, load_entry
-from kvgen.files import copy_if_different, file_sha256, write_if_different, write_json_atomic
+from kvgen.build.job import BuildJob, BuildOutcome
+from kvgen.files import file_sha256
 from kvgen.kernels import CUTE_DIR, INCLUDE_DIR, KERNELS_DIR
-from kvgen.lower.plan import KernelPlan, score_plan
-from kvgen.lower.triattention import require_scorable
-from kvgen.render.source import TEMPLATES_DIR, render
-from kvgen.spec.schema import FamilySpec
 
 KERNEL_SOURCE = CUTE_DIR / "score_kernel.py"
 SHIM_SOURCE = CUTE_DIR / "score_abi.cpp"
@@ -125,11 +119,7 @@ def find_cute_toolchain(python: str | None = None, cxx: str = "g++",
         cxx_version=version[0].strip() if version else "")
 
 
-# ---------------------------------------------------------------- plan and render
-
-
-def score_library_name(plan: KernelPlan) -> str:
-    return registry_score_name(plan.symbol())
+# ---------------------------------------------------------------- cache key
 
 
 def source_texts(rendered: str) -> dict[str, str]:
@@ -192,168 +182,91 @@ def link_score_library(obj_dir: Path, out: Path, toolchain: CuteToolchain, timeo
     return log
 
 
-# ---------------------------------------------------------------- build with cache and registry
-
-
-@dataclass(frozen=True)
-class ScoreBuild:
-    family: str
-    arch: str
-    status: str                 # "hit" | "built" | "failed"
-    artifact: Path | None       # the registry copy
-    key: str = ""
-    seconds: float = 0.0
-    error: str = ""
+# ---------------------------------------------------------------- compile score jobs through the cache
 
 
 @dataclass
-class _Job:
-    plan: KernelPlan
+class _Pending:
+    job: BuildJob
     rendered: str
+    texts: dict[str, str]
     key: str
     entry: Path
-    texts: dict[str, str] = field(default_factory=dict)
 
 
-def _build_into(tmp: Path, job: _Job, staged: Path, arch: str, toolchain: CuteToolchain) -> dict[str, Any]:
+def _link_into(tmp: Path, pending: _Pending, staged: Path, toolchain: CuteToolchain) -> dict[str, Any]:
     """``get_or_build`` callback: copy the staged export in, link, describe."""
     for name in (f"{IMPL_NAME}.o", f"{IMPL_NAME}.h", "score_family.h"):
         shutil.copyfile(staged / name, tmp / name)
-    (tmp / "score.py").write_text(job.rendered, encoding="utf-8")
-    library = score_library_name(job.plan)
+    (tmp / "score.py").write_text(pending.rendered, encoding="utf-8")
+    job = pending.job
     start = time.perf_counter()
-    log = link_score_library(tmp, tmp / library, toolchain)
+    log = link_score_library(tmp, tmp / job.artifact, toolchain)
     (tmp / "link.log").write_text(log, encoding="utf-8")
+    (plan,) = job.plans
     return {
-        "artifact": library,
-        "family": job.plan.family,
-        "arch": arch,
-        "op": "score",
-        "plan_key": job.plan.key(),
-        "params": dict(job.plan.params),
+        "artifact": job.artifact,
+        "family": job.family,
+        "arch": job.arch,
+        "backend": job.backend,
+        "plan_key": plan.key(),
+        "params": dict(plan.params),
         "toolchain": toolchain.identity(),
-        "sources_sha256": {n: hashlib.sha256(t.encode()).hexdigest() for n, t in sorted(job.texts.items())},
+        "sources_sha256": {n: hashlib.sha256(t.encode()).hexdigest() for n, t in sorted(pending.texts.items())},
         "link_seconds": round(time.perf_counter() - start, 3),
         "kvgen_version": __version__,
     }
 
 
-def publish_score_library(registry_dir: Path, arch: str, artifact: Path, meta: Mapping[str, Any]) -> Path:
-    """Copy into ``<registry>/<arch>/`` (atomic) and write the sidecar ``.json`` after it."""
-    dest = Path(registry_dir) / arch / artifact.name
-    copy_if_different(artifact, dest, meta["artifact_sha256"])
-    sidecar = {k: meta[k] for k in ("family", "arch", "op", "plan_key", "params", "artifact_sha256", "key",
-                                    "kvgen_version") if k in meta}
-    sidecar["artifact"] = dest.name
-    sidecar["dsl"] = meta.get("toolchain", {}).get("dsl", {})
-    write_json_atomic(dest.with_suffix(".json"), sidecar)
-    os.chmod(dest.with_suffix(".json"), 0o644)
-    return dest
-
-
-def score_library_path(registry_dir: Path, arch: str, family: str) -> Path:
-    """Where ``build_score_libraries`` publishes a family's library for ``arch``."""
-    return Path(registry_dir) / arch / score_library_name(KernelPlan(family, "score", TEMPLATE, {}))
-
-
-def build_score_libraries(specs: Sequence[FamilySpec], archs: Sequence[str] | None, cache_dir: Path,
-                          registry_dir: Path = Path("build/registry"), *,
-                          params: Callable[[str, str], Mapping[str, int]] | None = None,
-                          toolchain: CuteToolchain | None = None, jobs: int = 2,
-                          generated_dir: Path | None = None, templates_dir: Path = TEMPLATES_DIR) -> list[ScoreBuild]:
-    """Score libraries of every TriAttention family in ``specs`` for ``archs`` (None: each spec's
-    targets that the DSL supports), cached, published to ``<registry_dir>/<arch>/``.
-
-    ``params(family, arch)`` gives the tuned launch parameters (default: the safe defaults);
-    ``generated_dir`` receives the default-parameter rendering (the arch-neutral reference).
-    Families without TriAttention are skipped silently; a family that enables it but cannot be
-    scored (MLA, fp8) raises ``GeometryError`` (the spec already refuses those). ``jobs`` archs
-    export at once (one child process each). A failed family is reported, not raised.
-    """
-    toolchain = toolchain or find_cute_toolchain()
-    wanted: dict[str, list[KernelPlan]] = {}
-    for spec in specs:
-        if not spec.triattention.enabled:
-            continue
-        if generated_dir is not None:
-            write_if_different(Path(generated_dir) / spec.name / "score.py", render(score_plan(spec), templates_dir))
-        for arch in archs or [a for a in spec.targets if a in ARCHS]:
-            if arch not in ARCHS:
-                raise ValueError(f"score kernels target {', '.join(ARCHS)}; not {arch}")
-            if arch not in spec.targets:
-                continue   # like the family library: an arch the spec does not target is skipped
-            wanted.setdefault(arch, []).append(score_plan(spec, params(spec.name, arch) if params else None))
-    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        futures = [pool.submit(_build_arch, arch, plans, Path(cache_dir), toolchain, templates_dir, registry_dir)
-                   for arch, plans in sorted(wanted.items())]
-        results = [build for future in futures for build in future.result()]
-    return sorted(results, key=lambda b: (b.family, b.arch))
-
-
-def build_score_candidates(plans: Sequence[KernelPlan], arch: str, cache_dir: Path, *,
-                           toolchain: CuteToolchain | None = None,
-                           templates_dir: Path = TEMPLATES_DIR) -> list[ScoreBuild]:
-    """Libraries of score plans (any families, any parameters) for ``arch``, cached and left in
-    the cache (``artifact`` is the cache entry's file): the tuner's candidates, never published."""
-    return _build_arch(arch, plans, Path(cache_dir), toolchain or find_cute_toolchain(), templates_dir, None)
-
-
-def _build_arch(arch: str, plans: Sequence[KernelPlan], cache_dir: Path, toolchain: CuteToolchain,
-                templates_dir: Path, registry_dir: Path | None) -> list[ScoreBuild]:
+def compile_scores(jobs: Sequence[BuildJob], cache_dir: Path, toolchain: CuteToolchain) -> list[BuildOutcome]:
+    """Outcomes of score jobs (backend ``cute``, all for one arch), in order, each library left in
+    its cache entry. Cache misses are exported in ONE child process (one module per distinct key:
+    jobs of one family may differ in parameters), then linked one by one. A failure is a
+    ``failed`` outcome with its log."""
+    archs = {job.arch for job in jobs}
+    if len(archs) > 1 or any(job.backend != "cute" for job in jobs):
+        raise ValueError(f"compile_scores takes score jobs of one arch, got {sorted(archs)}")
     start = time.perf_counter()
-    todo = []
-    for plan in plans:
-        rendered = render(plan, templates_dir)
+    pending = []
+    for job in jobs:
+        (rendered,) = job.rendered.values()
         texts = source_texts(rendered)
-        key = score_cache_key(texts, arch, toolchain)
-        entry = entry_dir(cache_dir, __version__, arch, f"{plan.family}-score", key)
-        todo.append(_Job(plan, rendered, key, entry, texts))
-    misses = {job.key: job for job in todo if load_entry(job.entry, job.key) is None}
-    results = []
-    with tempfile.TemporaryDirectory(prefix=f"kvgen-cute-{arch}-") as staging_dir:
+        key = score_cache_key(texts, job.arch, toolchain)
+        pending.append(_Pending(job, rendered, texts, key, entry_dir(cache_dir, __version__, job.arch,
+                                                                     f"{job.family}-score", key)))
+    misses = {p.key[:16]: p for p in pending if load_entry(p.entry, p.key) is None}
+    with tempfile.TemporaryDirectory(prefix="kvgen-cute-") as staging_dir:
         staging = Path(staging_dir)
         errors: dict[str, str] = {}
         if misses:
             modules = {}
-            for key, job in misses.items():   # one module per distinct key: plans of one family may differ
-                module = staging / "modules" / key[:16] / "score.py"
+            for name, p in misses.items():
+                module = staging / "modules" / name / "score.py"
                 module.parent.mkdir(parents=True, exist_ok=True)
-                module.write_text(job.rendered, encoding="utf-8")
-                modules[key[:16]] = module
-            errors = export_objects(modules, arch, staging / "out", toolchain)
-        for job in todo:
-            results.append(_finish(job, arch, staging / "out" / job.key[:16], errors.get(job.key[:16]),
-                                   registry_dir, toolchain, start))
-    return results
+                module.write_text(p.rendered, encoding="utf-8")
+                modules[name] = module
+            try:
+                errors = export_objects(modules, archs.pop(), staging / "out", toolchain)
+            except CuteCompileError as exc:
+                errors = {name: str(exc) for name in modules}
+        return [_finish(p, staging / "out" / p.key[:16], errors.get(p.key[:16]), toolchain, start) for p in pending]
 
 
-def _finish(job: _Job, arch: str, staged: Path, export_error: str | None, registry_dir: Path | None,
-            toolchain: CuteToolchain, start: float) -> ScoreBuild:
-    family = job.plan.family
+def _finish(pending: _Pending, staged: Path, export_error: str | None, toolchain: CuteToolchain,
+            start: float) -> BuildOutcome:
+    job = pending.job
     if export_error:
-        return ScoreBuild(family, arch, "failed", None, job.key, time.perf_counter() - start, export_error)
+        return BuildOutcome(job.family, job.arch, job.backend, "failed", time.perf_counter() - start, None,
+                            pending.key, export_error)
     try:
-        meta, hit = get_or_build(job.entry, job.key, lambda tmp: _build_into(tmp, job, staged, arch, toolchain))
+        meta, hit = get_or_build(pending.entry, pending.key,
+                                 lambda tmp: _link_into(tmp, pending, staged, toolchain))
     except (CuteCompileError, OSError) as exc:
-        return ScoreBuild(family, arch, "failed", None, job.key, time.perf_counter() - start, str(exc))
-    artifact = job.entry / meta["artifact"]
-    if registry_dir is not None:
-        artifact = publish_score_library(registry_dir, arch, artifact, meta)
-    return ScoreBuild(family, arch, "hit" if hit else "built", artifact, job.key, time.perf_counter() - start)
-
-
-def build_score_library(spec: FamilySpec, arch: str, cache_dir: Path, registry_dir: Path = Path("build/registry"),
-                        *, params: Mapping[str, int] | None = None, toolchain: CuteToolchain | None = None,
-                        generated_dir: Path | None = None) -> Path:
-    """One family's score library for one arch: the path of the registry copy (built if needed).
-    Raises ``CuteCompileError`` on failure, ``GeometryError`` for a family it cannot score."""
-    require_scorable(spec)
-    builds = build_score_libraries([spec], [arch], cache_dir, registry_dir, params=lambda _f, _a: dict(params or {}),
-                                   toolchain=toolchain, jobs=1, generated_dir=generated_dir)
-    (build,) = builds
-    if build.status == "failed":
-        raise CuteCompileError(f"{spec.name} score library for {arch} failed", build.error)
-    return build.artifact
+        return BuildOutcome(job.family, job.arch, job.backend, "failed", time.perf_counter() - start, None,
+                            pending.key, str(exc))
+    return BuildOutcome(job.family, job.arch, job.backend, "hit" if hit else "built", time.perf_counter() - start,
+                        pending.entry / meta["artifact"], pending.key, sha256=meta["artifact_sha256"],
+                        toolchain=dict(toolchain.dsl_versions))
 
 
 def embedded_sm_versions(path: Path) -> list[int]:

@@ -1,24 +1,26 @@
-"""``kvgen build``: render every family, compile one shared library per (family, arch), publish.
+"""``kvgen build``: render every family, compile every artifact per (family, arch), publish.
 
-Flow: specs -> ``render_family`` -> ``generated/<family>/`` (write_if_different) -> per (family,
-arch) a cache key over the rendered text, the hand-written headers, flags, toolchain identity and
-arch -> ``cache.get_or_build`` (nvcc in a worker thread) -> artifact copied into
-``<registry>/<arch>/`` and listed in its ``manifest.json``. Nothing here reads the environment or
-prints; the CLI passes paths and toolchains in and shows progress through ``BuildProgress``.
+Flow: specs -> ``render_family`` -> ``generated/<family>/`` (write_if_different) -> the tuned
+parameters valid for this build (``kvgen.lower.tuned``, checked against
+``kvgen.build.environment``) -> per (family, arch) one ``BuildJob`` per backend
+(``kvgen.build.job.family_jobs``: the nvcc library, and for TriAttention families the CuTe DSL
+score library and the Triton packer) -> ``compile_many`` (cached) -> ``publish``: every artifact
+copied into ``<registry>/<arch>/`` and listed, with its sha256, in that arch's ``manifest.json``.
+
+A Python caller of ``build()`` gets exactly what ``kvgen build`` makes. Nothing here prints; the
+CLI passes paths and toolchains in and shows progress through ``BuildProgress``.
 """
 
 from __future__ import annotations
 
-import hashlib
-import time
-from concurrent.futures import ThreadPoolExecutor, as_completed
-from dataclasses import asdict, dataclass, field
+from collections.abc import Collection
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Mapping, Protocol, Sequence
+from typing import Mapping, Protocol, Sequence
 
-from kvgen import __version__
 from kvgen.artifacts.manifest import (
-    LibraryEntry,
+    ArtifactEntry,
+    FamilyEntry,
     Manifest,
     OpEntry,
     RegistryError,
@@ -26,44 +28,16 @@ from kvgen.artifacts.manifest import (
     parse_manifest,
     write_manifest,
 )
-from kvgen.build.cache import CACHE_SCHEMA_VERSION, entry_dir, failed_dir, get_or_build
-from kvgen.build.nvcc import CompileError, Toolchain, cache_key, compile_shared_library, nvcc_flags, toolchain_for
+from kvgen.build.compile import Toolchains, compile_many
+from kvgen.build.cute_aot import CuteToolchain
+from kvgen.build.environment import build_environments, gpu_name
+from kvgen.build.job import BACKENDS, Backend, BuildJob, BuildOutcome, SpecSource, Status, family_jobs, load_spec_source
+from kvgen.build.nvcc import Toolchain
 from kvgen.files import copy_if_different
 from kvgen.kernels import KERNELS_DIR
 from kvgen.lower.layout import family_layout, to_json
-from kvgen.lower.plan import KernelPlan, plans_for
-from kvgen.lower.tuned import TunedParams
+from kvgen.lower.tuned import TunedParams, load_tuned
 from kvgen.render.source import TEMPLATES_DIR, render_family, stale_files, write_rendered
-from kvgen.spec.schema import FamilySpec, load_spec
-
-HEADER_SUFFIXES = (".cuh", ".h", ".hpp", ".inl")
-Status = Literal["hit", "built", "failed", "skipped"]
-
-
-@dataclass(frozen=True)
-class SpecSource:
-    """A parsed spec with the sha256 of its file text (the manifest records which spec built it)."""
-
-    spec: FamilySpec
-    sha256: str
-    path: Path | None = None
-
-
-def load_spec_source(path: Path) -> SpecSource:
-    path = Path(path)
-    spec = load_spec(path)
-    return SpecSource(spec, hashlib.sha256(path.read_bytes()).hexdigest(), path)
-
-
-@dataclass(frozen=True)
-class BuildOutcome:
-    family: str
-    arch: str
-    status: Status
-    seconds: float = 0.0
-    artifact: Path | None = None          # in the registry
-    key: str = ""
-    error: str = ""
 
 
 @dataclass
@@ -71,6 +45,7 @@ class BuildReport:
     outcomes: list[BuildOutcome] = field(default_factory=list)
     rendered: list[Path] = field(default_factory=list)      # generated files that changed
     manifests: list[Path] = field(default_factory=list)
+    tuning_notes: list[str] = field(default_factory=list)   # tuned files not used (or overrides), one line each
 
     def with_status(self, status: Status) -> list[BuildOutcome]:
         return [o for o in self.outcomes if o.status == status]
@@ -92,23 +67,6 @@ class _NoProgress:
 
     def advance(self, outcome: BuildOutcome) -> None:
         pass
-
-
-@dataclass(frozen=True)
-class BuildJob:
-    source: SpecSource
-    arch: str
-    toolchain: Toolchain
-    plans: tuple[KernelPlan, ...]
-    rendered: Mapping[str, str]           # "<family>/<name>" -> text
-
-    @property
-    def family(self) -> str:
-        return self.source.spec.name
-
-    @property
-    def library(self) -> str:
-        return f"lib{self.plans[0].symbol()}.so"
 
 
 # ---------------------------------------------------------------- render
@@ -134,160 +92,121 @@ def check_generated(specs: Sequence[SpecSource | Path], out_generated: Path,
     return differ
 
 
-# ---------------------------------------------------------------- compile one (family, arch)
-
-
-def header_texts(kernels_dir: Path) -> dict[str, str]:
-    """Hand-written headers the generated sources include; part of every cache key."""
-    if not kernels_dir.is_dir():
-        return {}
-    paths = sorted(p for p in kernels_dir.rglob("*") if p.is_file() and p.suffix in HEADER_SUFFIXES)
-    return {f"kernels/{p.relative_to(kernels_dir).as_posix()}": p.read_text(encoding="utf-8") for p in paths}
-
-
-def _compile_into(tmp: Path, job: BuildJob, texts: Mapping[str, str], kernels_dir: Path,
-                  extra_flags: Sequence[str]) -> dict[str, Any]:
-    """Build function for ``get_or_build``: sources copied in, so the entry holds exactly what
-    was hashed and a failed build keeps them for inspection."""
-    src = tmp / "src"
-    src.mkdir()
-    for rel, text in job.rendered.items():
-        (src / Path(rel).name).write_text(text, encoding="utf-8")
-    sources = sorted(Path("src") / p.name for p in src.iterdir() if p.suffix == ".cu")
-    includes = [d.resolve() for d in (kernels_dir / "include", kernels_dir / "cuda") if d.is_dir()] + [Path("src")]
-    try:
-        result = compile_shared_library(sources, job.arch, includes, Path(job.library), job.toolchain, extra_flags,
-                                        cwd=tmp)
-    except CompileError as exc:
-        (tmp / "build.log").write_text(exc.log, encoding="utf-8")
-        raise
-    (tmp / "build.log").write_text(result.log, encoding="utf-8")
-    return {
-        "artifact": job.library,
-        "family": job.family,
-        "arch": job.arch,
-        "toolchain": job.toolchain.identity(),
-        "flags": nvcc_flags(job.arch, extra_flags),
-        "sources_sha256": {rel: hashlib.sha256(t.encode()).hexdigest() for rel, t in sorted(texts.items())},
-        "ptxas": {name: asdict(r) for name, r in sorted(result.kernels.items())},
-        "compile_seconds": round(result.seconds, 3),
-        "kvgen_version": __version__,
-    }
-
-
-def _kept_error(exc: CompileError, entry: Path) -> str:
-    kept = failed_dir(entry)
-    sources = [kept / s for s in exc.sources]
-    return str(CompileError(f"{entry.name}: compile failed; sources and build.log kept in {kept}", exc.log,
-                            exc.command, sources))
-
-
-def _run_job(job: BuildJob, cache_dir: Path, kernels_dir: Path, extra_flags: Sequence[str]) -> tuple[BuildOutcome, dict]:
-    texts = {**job.rendered, **header_texts(kernels_dir)}
-    key = cache_key(texts, nvcc_flags(job.arch, extra_flags), job.toolchain, job.arch, CACHE_SCHEMA_VERSION)
-    entry = entry_dir(cache_dir, __version__, job.arch, job.family, key)
-    start = time.perf_counter()
-    try:
-        meta, hit = get_or_build(entry, key, lambda tmp: _compile_into(tmp, job, texts, kernels_dir, extra_flags))
-    except CompileError as exc:
-        return BuildOutcome(job.family, job.arch, "failed", time.perf_counter() - start, None, key,
-                            _kept_error(exc, entry)), {}
-    status: Status = "hit" if hit else "built"
-    outcome = BuildOutcome(job.family, job.arch, status, time.perf_counter() - start, entry / meta["artifact"], key)
-    return outcome, meta
-
-
 # ---------------------------------------------------------------- registry
 
 
-def _library_entry(job: BuildJob, meta: Mapping[str, Any]) -> LibraryEntry:
-    ops = tuple(OpEntry(p.op, p.template, p.key(), dict(p.params)) for p in job.plans)
-    spec = job.source.spec
-    return LibraryEntry(family=job.family, arch=job.arch, symbol=job.plans[0].symbol(), ops=ops,
-                        spec_sha256=job.source.sha256, artifact=job.library,
-                        artifact_sha256=meta["artifact_sha256"], cache_key=meta["key"],
-                        toolchain=meta["toolchain"]["version"], layout=to_json(spec, family_layout(spec)))
+def _family_entry(built: Sequence[tuple[BuildJob, BuildOutcome]]) -> FamilyEntry:
+    """The manifest entry of one family from its built artifacts (an op whose artifact failed is
+    not listed: the runtime then refuses that op with the rebuild command)."""
+    source, arch = built[0][0].source, built[0][0].arch
+    ops, artifacts = [], []
+    for job, outcome in built:
+        artifacts.append(ArtifactEntry(job.artifact, outcome.sha256, job.backend, outcome.key,
+                                       dict(outcome.toolchain)))
+        ops += [OpEntry(p.op, job.artifact, p.template, p.key(), dict(p.params)) for p in job.plans]
+    spec = source.spec
+    return FamilyEntry(family=spec.name, arch=arch, symbol=built[0][0].symbol, spec_sha256=source.sha256,
+                       ops=tuple(sorted(ops, key=lambda op: op.op)), artifacts=tuple(artifacts),
+                       layout=to_json(spec, family_layout(spec)))
 
 
-def publish(registry_dir: Path, arch: str, results: Sequence[tuple[BuildJob, BuildOutcome, dict]]) -> Path:
-    """Copy this arch's artifacts into the registry and rewrite its manifest: entries of families
-    built now are replaced (or dropped if they failed), other families' entries are kept."""
+def publish(registry_dir: Path, arch: str, results: Sequence[tuple[BuildJob, BuildOutcome]]) -> Path:
+    """Copy this arch's built artifacts into the registry (each atomically), then rewrite its
+    manifest (last, atomically): the families built now get new entries listing what built (a
+    family nothing of which built is dropped), other families' entries are kept."""
     path = manifest_path(registry_dir, arch)
     try:
-        kept = list(parse_manifest(path).libraries) if path.exists() else []
+        kept = list(parse_manifest(path).families) if path.exists() else []
     except RegistryError:
         kept = []   # unreadable old manifest: start over rather than carry garbage forward
-    touched = {job.family for job, _, _ in results}
-    libraries = [lib for lib in kept if lib.family not in touched]
-    for job, outcome, meta in results:
-        if outcome.status in ("hit", "built"):
-            copy_if_different(outcome.artifact, path.parent / job.library, meta["artifact_sha256"])
-            libraries.append(_library_entry(job, meta))
-    write_manifest(path, Manifest(arch=arch, libraries=tuple(sorted(libraries, key=lambda lib: lib.family))))
+    by_family: dict[str, list[tuple[BuildJob, BuildOutcome]]] = {}
+    for job, outcome in results:
+        by_family.setdefault(job.family, [])
+        if outcome.ok:
+            copy_if_different(outcome.artifact, path.parent / job.artifact, outcome.sha256,
+                              mode=0o644 if job.backend == "triton" else 0o755)
+            by_family[job.family].append((job, outcome))
+    entries = [entry for entry in kept if entry.family not in by_family]
+    entries += [_family_entry(built) for built in by_family.values() if built]
+    write_manifest(path, Manifest(arch=arch, families=tuple(sorted(entries, key=lambda e: e.family))))
     return path
 
 
 # ---------------------------------------------------------------- entry
 
 
-def _jobs(sources: Sequence[SpecSource], archs: Sequence[str] | None, rendered: Mapping[str, Mapping[str, str]],
-          toolchains: Sequence[Toolchain], tuned: TunedParams, templates_dir: Path) -> tuple[list[BuildJob],
-                                                                                           list[BuildOutcome]]:
-    jobs, skipped = [], []
+def _pairs(sources: Sequence[SpecSource], archs: Sequence[str] | None) -> tuple[list[tuple[SpecSource, str]],
+                                                                               list[BuildOutcome]]:
+    """(source, arch) to build, and a skipped outcome for each arch a spec does not target."""
+    pairs, skipped = [], []
     for source in sources:
-        spec = source.spec
-        for arch in archs or spec.targets:
-            if arch not in spec.targets:
-                skipped.append(BuildOutcome(spec.name, arch, "skipped", error=f"{arch} is not in the spec's targets"))
-                continue
-            params = tuned.for_family(arch, spec.name)
-            plans = tuple(plans_for(spec, params))
-            texts = render_family(spec, templates_dir, params) if params else rendered[spec.name]
-            jobs.append(BuildJob(source, arch, toolchain_for(arch, toolchains), plans, texts))
-    return jobs, skipped
+        for arch in archs or source.spec.targets:
+            if arch in source.spec.targets:
+                pairs.append((source, arch))
+            else:
+                skipped.append(BuildOutcome(source.spec.name, arch, None, "skipped",
+                                            error=f"{arch} is not in the spec's targets"))
+    return pairs, skipped
+
+
+def _needs_score(pairs: Sequence[tuple[SpecSource, str]], backends: Collection[Backend]) -> bool:
+    """Every spec target is one the CuTe DSL exports for (``kvgen.arch.ARCHS``), so a TriAttention
+    family always gets a score library."""
+    return "cute" in backends and any(source.spec.triattention.enabled for source, _ in pairs)
 
 
 def build(specs: Sequence[SpecSource | Path], archs: Sequence[str] | None, out_generated: Path, cache_dir: Path,
-          jobs: int = 1, tuned_params: TunedParams | None = None, progress: BuildProgress | None = None, *,
-          toolchains: Sequence[Toolchain], registry_dir: Path = Path("build/registry"),
-          templates_dir: Path = TEMPLATES_DIR, kernels_dir: Path = KERNELS_DIR,
-          extra_flags: Sequence[str] = ()) -> BuildReport:
-    """Render, compile (cached, ``jobs`` nvcc processes at once) and publish to the registry.
+          jobs: int = 1, progress: BuildProgress | None = None, *, toolchains: Sequence[Toolchain],
+          cute_toolchain: CuteToolchain | None = None, registry_dir: Path = Path("build/registry"),
+          tuning_dir: Path = Path("tuning"), tuning_environ: Mapping[str, str] | None = None,
+          templates_dir: Path = TEMPLATES_DIR, kernels_dir: Path = KERNELS_DIR, extra_flags: Sequence[str] = (),
+          backends: Collection[Backend] = BACKENDS) -> BuildReport:
+    """Render, compile every artifact (cached, ``jobs`` compiles at once) and publish to the registry.
 
-    ``tuned_params`` gives each (arch, family) its tuned launch parameters (``kvgen.lower.tuned``;
-    default: the safe defaults). ``archs=None`` builds each spec's targets; an arch a spec does not target is skipped. A
-    missing toolchain raises ``ToolchainError`` before anything compiles; a compile failure is
-    reported in its outcome and the other pairs still build.
+    ``archs=None`` builds each spec's targets; an arch a spec does not target is skipped. Tuned
+    launch parameters come from ``tuning_dir`` where they match this build's environment
+    (``KVGEN_TUNING`` / ``KVGEN_TUNED_PARAMS`` read from ``tuning_environ``, default the process
+    environment, exactly as ``kvgen build`` does). The CuTe DSL toolchain is probed when a score
+    library is due and ``cute_toolchain`` is None. ``backends`` narrows what is compiled (tests
+    of one backend). A missing nvcc raises ``ToolchainError`` before anything compiles; a compile
+    failure is reported in its outcome and everything else still builds and publishes.
     """
     sources = _as_sources(specs)
-    tuned = tuned_params or TunedParams()
     progress = progress or _NoProgress()
-    rendered = render_all(sources, templates_dir)
     report = BuildReport()
-    for files in rendered.values():
+    for files in render_all(sources, templates_dir).values():
         report.rendered += write_rendered(files, Path(out_generated))
-    todo, skipped = _jobs(sources, archs, rendered, toolchains, tuned, templates_dir)
-    report.outcomes += skipped
+    pairs, report.outcomes = _pairs(sources, archs)
+    compilers = Toolchains(tuple(toolchains), cute_toolchain)
+    if _needs_score(pairs, backends):
+        compilers = compilers.probe_cute()    # once, before the tuned files are checked against its version
+    tuned = _tuned(sources, pairs, toolchains, compilers.cute, tuning_dir, tuning_environ)
+    report.tuning_notes = tuned.notes
+    todo = [job for source, arch in pairs
+            for job in family_jobs(source, arch, tuned.for_family(arch, source.spec.name), templates_dir)
+            if job.backend in backends]
     progress.start(len(todo))
-    results: dict[str, list[tuple[BuildJob, BuildOutcome, dict]]] = {}
-    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        futures = {pool.submit(_run_job, job, Path(cache_dir), Path(kernels_dir), extra_flags): job for job in todo}
-        for future in as_completed(futures):
-            job = futures[future]
-            outcome, meta = future.result()
-            results.setdefault(job.arch, []).append((job, outcome, meta))
-            progress.advance(outcome)
-    for arch in sorted(results):
-        path = publish(Path(registry_dir), arch, results[arch])
+    outcomes = compile_many(todo, Path(cache_dir), compilers, workers=jobs,
+                            kernels_dir=Path(kernels_dir), extra_flags=extra_flags, on_done=progress.advance)
+    for arch in sorted({job.arch for job in todo}):
+        results = [(job, outcome) for job, outcome in zip(todo, outcomes) if job.arch == arch]
+        path = publish(Path(registry_dir), arch, results)
         report.manifests.append(path)
-        report.outcomes += [_registry_outcome(path, o) for _, o, _ in results[arch]]
-    report.outcomes.sort(key=lambda o: (o.family, o.arch))
+        report.outcomes += [_registry_outcome(path, job, outcome) for job, outcome in results]
+    report.outcomes.sort(key=lambda o: (o.family, o.arch, o.backend or ""))
     return report
 
 
-def _registry_outcome(manifest: Path, outcome: BuildOutcome) -> BuildOutcome:
+def _tuned(sources: Sequence[SpecSource], pairs: Sequence[tuple[SpecSource, str]], toolchains: Sequence[Toolchain],
+           cute: CuteToolchain | None, tuning_dir: Path, environ: Mapping[str, str] | None) -> TunedParams:
+    archs = sorted({arch for _, arch in pairs})
+    envs = build_environments(archs, toolchains, cute, gpu_name())
+    return load_tuned(Path(tuning_dir), envs, [s.spec.name for s in sources], environ)
+
+
+def _registry_outcome(manifest: Path, job: BuildJob, outcome: BuildOutcome) -> BuildOutcome:
     """Report the registry copy (what the runtime loads), not the cache entry."""
-    if outcome.artifact is None:
+    if not outcome.ok:
         return outcome
-    return BuildOutcome(outcome.family, outcome.arch, outcome.status, outcome.seconds,
-                        manifest.parent / outcome.artifact.name, outcome.key, outcome.error)
+    return BuildOutcome(outcome.family, outcome.arch, outcome.backend, outcome.status, outcome.seconds,
+                        manifest.parent / job.artifact, outcome.key, outcome.error, outcome.sha256, outcome.toolchain)

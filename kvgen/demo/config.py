@@ -65,7 +65,6 @@ class DemoConfig:
     registry: Path
     arch: str | None
     specs_dir: Path
-    generated_dir: Path
     disk: Path | None
     seed: int
     out: Path
@@ -145,7 +144,7 @@ def config_from_args(args: argparse.Namespace, environ: dict[str, str] | None = 
     out = args.out or paths.results_dir(environ=environ) / "demo.json"
     specs = paths.specs_dir(getattr(args, "specs", None), environ)
     return DemoConfig(device=torch.device(device), registry=Path(args.registry), arch=args.arch,
-                      specs_dir=specs, generated_dir=paths.generated_dir(), disk=args.disk,
+                      specs_dir=specs, disk=args.disk,
                       seed=args.seed, out=Path(out), small=args.small, sizes=sizes)
 
 

@@ -25,7 +25,6 @@ from kvgen.demo.config import (
 from kvgen.demo.synthetic import CacheGeometry, KVGenerator
 from kvgen.lower import triattention as spec_tri
 from kvgen.lower.layout import family_layout
-from kvgen.measure.libraries import op_artifact
 from kvgen.measure.timing import clock_for, time_once
 from kvgen.reference import triattention as oracle
 from kvgen.reference.codec import HOT_TORCH_DTYPES
@@ -76,24 +75,22 @@ def eviction_backends(config: DemoConfig, spec: FamilySpec, spec_path: Path, cal
                   "compact": "oracle compact_paged (cpu)"}
         return {"score_library": oracle_scorer}, labels
     from kvgen.runtime.eviction import generated_backends
-    from kvgen.runtime.pack import pack_module_path
     from kvgen.runtime.score import ScoreLibrary
 
     resolved = runtime_registry(config).resolve(spec.name, config.arch, spec_path)
     kwargs: dict[str, Any] = {}
     labels = {}
     try:
-        kwargs["score_library"] = ScoreLibrary(op_artifact(resolved, "score"), family=spec.name)
+        kwargs["score_library"] = ScoreLibrary(resolved.artifact("score"), family=spec.name)
         labels["score"] = f"generated CuTe DSL ({kwargs['score_library'].path})"
     except Exception as exc:  # noqa: BLE001 - recorded in the report, never silent
         kwargs["score_library"] = oracle_scorer
         labels["score"] = f"oracle score_keys (generated unavailable: {exc})"
     try:
-        compact = op_artifact(resolved, "compact")
-        packer, compactor = generated_backends(spec.name, k_pools, v_pools,
-                                               pack_module_path(config.generated_dir, spec.name), compact)
+        pack, compact = resolved.artifact("pack"), resolved.artifact("compact")
+        packer, compactor = generated_backends(spec.name, k_pools, v_pools, pack, compact)
         kwargs.update(packer=packer, compactor=compactor)
-        labels["pack"] = f"generated Triton ({pack_module_path(config.generated_dir, spec.name)})"
+        labels["pack"] = f"generated Triton ({pack})"
         labels["compact"] = f"generated CUDA ({compact})"
     except Exception as exc:  # noqa: BLE001 - recorded in the report, never silent
         labels["pack"] = f"oracle pack_moves (generated unavailable: {exc})"

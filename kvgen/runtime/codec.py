@@ -4,20 +4,26 @@ Hot pools are any tensors whose dim 0 indexes pages (``[num_pages, ...one page..
 strided view such as ``kv_pool[:, 0]`` for K inside a combined K/V pool). Cold storage is a uint8
 tensor on the GPU or in pinned host memory (the kernel then writes and reads it over the bus
 directly). Page pairs are ``int32 [n, 2]`` tensors of ``(dst, src)``.
+
+The torch custom ops ``kvgen::cold_encode`` / ``kvgen::cold_decode`` (``register_codec``,
+``cold_encode``, ``cold_decode``, ``register_ops``) wrap a configured codec; they live here, beside it.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
+import itertools
+import weakref
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvgen.runtime.library import FamilyLibrary, LibraryError, PoolDesc
 
-if TYPE_CHECKING:  # the layout module needs the spec (pydantic); the runtime only reads attributes
-    from kvgen.lower.layout import FamilyLayout
+if TYPE_CHECKING:  # only attributes are read: kvgen.lower.layout.FamilyLayout (build side) works too
+    from kvgen.runtime.lookup import RegistryLayout
 
 INDEX_LOCATIONS = {"host": 0, "device": 1}
 
@@ -41,7 +47,7 @@ def _stream_handle(stream: torch.cuda.Stream | None) -> int:
 class ColdPageCodec:
     """One configured codec instance (C ABI ``kvgen_codec``), owning its device tables."""
 
-    def __init__(self, library: FamilyLibrary, layout: "FamilyLayout", pools: Sequence[Sequence[torch.Tensor]],
+    def __init__(self, library: FamilyLibrary, layout: "RegistryLayout", pools: Sequence[Sequence[torch.Tensor]],
                  index_location: str = "host"):
         if library.family != layout.family:
             raise LibraryError(f"{library.path}: built for {library.family!r}, layout is {layout.family!r}")
@@ -98,3 +104,70 @@ class ColdPageCodec:
     def decode(self, cold: torch.Tensor, pairs: torch.Tensor, lifecycle: int = 0, stream=None) -> None:
         """Enqueue: cold slot ``src`` → hot page ``dst`` of every layer of the lifecycle."""
         self._run(self.library.kvgen_codec_decode, lifecycle, cold, pairs, stream)
+
+
+# ---------------------------------------------------------------- torch custom ops
+#
+# kvgen::cold_encode / kvgen::cold_decode make the codec one opaque node for torch.compile (no
+# tracing into ctypes) whose mutations are declared: encode writes `cold`, decode writes the hot
+# pools. A configured codec is not a tensor, so ops name it by an integer id from `register_codec`.
+# The work is only enqueued on the current stream, so the ops can be captured in a CUDA graph
+# (use device index arrays: host ones are read while capturing).
+
+_codecs: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+_next_id = itertools.count(1)
+ENCODE_SCHEMA = "(int codec_id, Tensor(a!) cold, Tensor pairs, int lifecycle, Tensor[] hot) -> ()"
+DECODE_SCHEMA = "(int codec_id, Tensor cold, Tensor pairs, int lifecycle, Tensor(a!)[] hot) -> ()"
+
+
+def register_codec(codec: Any) -> int:
+    """An id naming ``codec`` in the ops; held weakly (the caller keeps the codec alive)."""
+    codec_id = next(_next_id)
+    _codecs[codec_id] = codec
+    return codec_id
+
+
+def _codec(codec_id: int) -> Any:
+    try:
+        return _codecs[codec_id]
+    except KeyError:
+        raise LibraryError(f"no live codec with id {codec_id} (register it with register_codec)") from None
+
+
+def _encode_impl(codec_id, cold, pairs, lifecycle, hot) -> None:  # noqa: ANN001 - schema above
+    _codec(codec_id).encode(cold, pairs, lifecycle)
+
+
+def _decode_impl(codec_id, cold, pairs, lifecycle, hot) -> None:  # noqa: ANN001 - schema above
+    _codec(codec_id).decode(cold, pairs, lifecycle)
+
+
+def _no_output(*args: Any) -> None:
+    """Fake (meta) kernel: the ops only mutate their inputs."""
+    return None
+
+
+@functools.cache
+def register_ops() -> None:
+    """Define ``kvgen::cold_encode`` and ``kvgen::cold_decode`` once (on first use, not at import)."""
+    encode = torch.library.custom_op("kvgen::cold_encode", _encode_impl, mutates_args=("cold",), schema=ENCODE_SCHEMA)
+    decode = torch.library.custom_op("kvgen::cold_decode", _decode_impl, mutates_args=("hot",), schema=DECODE_SCHEMA)
+    encode.register_fake(_no_output)
+    decode.register_fake(_no_output)
+
+
+def _hot_tensors(codec: Any) -> list[Any]:
+    """Every hot pool the codec was configured with (they are what decode writes)."""
+    return [pool for layer in codec._pools for pool in layer]
+
+
+def cold_encode(codec_id: int, cold: Any, pairs: Any, lifecycle: int = 0) -> None:
+    """``torch.ops.kvgen.cold_encode`` on a registered codec (its hot pools passed as read inputs)."""
+    register_ops()
+    torch.ops.kvgen.cold_encode(codec_id, cold, pairs, lifecycle, _hot_tensors(_codec(codec_id)))
+
+
+def cold_decode(codec_id: int, cold: Any, pairs: Any, lifecycle: int = 0) -> None:
+    """``torch.ops.kvgen.cold_decode`` on a registered codec (its hot pools declared as written)."""
+    register_ops()
+    torch.ops.kvgen.cold_decode(codec_id, cold, pairs, lifecycle, _hot_tensors(_codec(codec_id)))

@@ -12,9 +12,11 @@ with ``importlib.util.find_spec``: nothing from the wheel is imported or run.
 
 Lookup order for ``resolve(family, arch)``: the exact arch in every directory, then the arch's
 family target (``sm_100f`` for 10.x) in every directory. The first manifest listing the family
-wins and is then checked, never skipped: another kvgen version (the wheel's message names both
-versions and the ``pip install`` fix), another ABI, or an artifact whose sha256 differs is an
-error naming the file and the command that fixes it. Nothing here writes a file.
+wins and is then checked, never skipped: another format, another kvgen version (the wheel's
+message names both versions and the ``pip install`` fix) or another ABI is an error naming the
+file and the command that fixes it. Each op's artifact (``Resolved.artifact(op)``: codec, compact,
+score, pack) is sha256-checked against the manifest when it is handed out, so a missing or
+altered file is refused before anything loads it. Nothing here writes a file.
 """
 
 from __future__ import annotations
@@ -23,9 +25,7 @@ import functools
 import hashlib
 import importlib.metadata
 import importlib.util
-import itertools
 import os
-import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +34,8 @@ from typing import Any
 from kvgen import __version__
 from kvgen.arch import arch_for_capability, family_target, parse_arch
 from kvgen.artifacts.manifest import (
-    LibraryEntry,
+    FORMAT_VERSION,
+    FamilyEntry,
     Manifest,
     OpEntry,
     RegistryError,
@@ -42,8 +43,7 @@ from kvgen.artifacts.manifest import (
     manifest_path,
     parse_manifest,
     read_manifest,
-    score_library_name,
-    verify_artifact,
+    verify_op,
 )
 from kvgen.artifacts.packages import ENTRY_POINT_GROUP, distribution_name, pip_fix
 from kvgen.runtime.library import FamilyLibrary, LibraryError
@@ -105,7 +105,7 @@ def spec_file_sha256(spec_path: Path) -> str:
     return hashlib.sha256(Path(spec_path).read_bytes()).hexdigest()
 
 
-def check_spec(entry: LibraryEntry, spec_path: Path) -> None:
+def check_spec(entry: FamilyEntry, spec_path: Path) -> None:
     """Refuse a library built from another version of the spec file (the spec changed since)."""
     actual = spec_file_sha256(spec_path)
     if actual != entry.spec_sha256:
@@ -129,28 +129,27 @@ def _check_wheel_version(source: RegistrySource, path: Path, manifest: Manifest,
 
 @dataclass(frozen=True)
 class Resolved:
-    """A verified library entry: where it was found and the artifact to load."""
+    """A family's manifest entry (format, kvgen version and ABI checked): where it was found and,
+    through ``artifact(op)``, the verified file serving each op."""
 
     source: RegistrySource
     manifest_path: Path
     manifest: Manifest
-    entry: LibraryEntry
-    artifact: Path
+    entry: FamilyEntry
 
     @property
     def arch(self) -> str:
         return self.manifest.arch
 
     def op(self, name: str) -> OpEntry | None:
-        return next((op for op in self.entry.ops if op.op == name), None)
+        return self.entry.op(name)
 
-    def score_library(self) -> Path:
-        """The family's score library (its sidecar ``.json`` carries the sha256 ScoreLibrary checks)."""
-        path = self.artifact.parent / score_library_name(self.entry.symbol)
-        if self.op("score") is None or not path.is_file():
-            raise RegistryError(f"{self.manifest_path}: no score library for {self.entry.family} beside it; "
-                                f"rebuild with: {fix_command(self.arch, self.entry.family)}")
-        return path
+    def artifact(self, op: str) -> Path:
+        """The file serving ``op`` (``codec``, ``compact``: the family library; ``score``: the CuTe
+        DSL score library; ``pack``: the Triton packer module), inside the registry directory,
+        its sha256 checked against the manifest now. A family without the op, or a missing or
+        altered file, is a ``RegistryError`` naming the manifest and the rebuild command."""
+        return verify_op(self.manifest_path, self.manifest, self.entry, op)
 
     def layout(self) -> RegistryLayout:
         if self.entry.layout is None:
@@ -185,9 +184,9 @@ class RuntimeRegistry:
         raise RegistryError(self._missing_message(family, arch))
 
     def load(self, family: str, arch: str | None = None, spec_path: Path | None = None) -> FamilyLibrary:
-        """The family's library, loaded once per (path, sha256). No GPU call happens here."""
+        """The family's codec library, verified, loaded once per (path, sha256). No GPU call happens here."""
         resolved = self.resolve(family, arch, spec_path)
-        return load_library(resolved.artifact, resolved.entry.artifact_sha256, family)
+        return _codec_library(resolved)
 
     def _lookup(self, source: RegistrySource, arch: str, family: str) -> Resolved | None:
         path = manifest_path(source.path, arch)
@@ -197,12 +196,11 @@ class RuntimeRegistry:
             manifest = parse_manifest(path)
         except RegistryError as exc:
             raise RegistryError(f"{exc}; rebuild with: {fix_command(arch, family)}") from None
-        if manifest.library(family) is None:
-            return None
+        if manifest.format_version == FORMAT_VERSION and manifest.family(family) is None:
+            return None   # another format is refused below: it cannot say which families it holds
         _check_wheel_version(source, path, manifest, family)
-        manifest = read_manifest(path, verify=False)   # format, kvgen version, ABI
-        entry = manifest.library(family)
-        return Resolved(source, path, manifest, entry, verify_artifact(path, manifest, entry))
+        manifest = read_manifest(path, verify=False)   # format, kvgen version, ABI; artifacts when asked for
+        return Resolved(source, path, manifest, manifest.family(family))
 
     def available(self) -> dict[str, dict[str, list[str]]]:
         """source description -> arch -> families, for messages and listings."""
@@ -232,10 +230,15 @@ def _families_by_arch(root: Path) -> dict[str, list[str]]:
     found = {}
     for arch_dir in sorted(d for d in root.iterdir() if d.is_dir()):
         try:
-            found[arch_dir.name] = [lib.family for lib in parse_manifest(manifest_path(root, arch_dir.name)).libraries]
+            found[arch_dir.name] = [e.family for e in parse_manifest(manifest_path(root, arch_dir.name)).families]
         except RegistryError:
             continue
     return found
+
+
+def _codec_library(resolved: Resolved) -> FamilyLibrary:
+    path = resolved.artifact("codec")   # verified now; a family without a codec raises
+    return load_library(path, resolved.entry.artifact_of("codec").sha256, resolved.entry.family)
 
 
 @functools.cache
@@ -306,79 +309,6 @@ def codec_from_registry(registry: RuntimeRegistry, family: str, pools: Sequence[
 
     resolved = registry.resolve(family, arch, spec_path)
     layout = resolved.layout()
-    library = load_library(resolved.artifact, resolved.entry.artifact_sha256, family)
+    library = _codec_library(resolved)
     require_cuda()
     return ColdPageCodec(library, layout, pools, index_location=index_location)
-
-
-# ---------------------------------------------------------------- torch custom ops
-#
-# kvgen::cold_encode / kvgen::cold_decode make the codec one opaque node for torch.compile (no
-# tracing into ctypes) whose mutations are declared: encode writes `cold`, decode writes the hot
-# pools. A configured codec is not a tensor, so ops name it by an integer id from `register_codec`.
-# The work is only enqueued on the current stream, so the ops can be captured in a CUDA graph
-# (use device index arrays: host ones are read while capturing).
-
-_codecs: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
-_next_id = itertools.count(1)
-ENCODE_SCHEMA = "(int codec_id, Tensor(a!) cold, Tensor pairs, int lifecycle, Tensor[] hot) -> ()"
-DECODE_SCHEMA = "(int codec_id, Tensor cold, Tensor pairs, int lifecycle, Tensor(a!)[] hot) -> ()"
-
-
-def register_codec(codec: Any) -> int:
-    """An id naming ``codec`` in the ops; held weakly (the caller keeps the codec alive)."""
-    codec_id = next(_next_id)
-    _codecs[codec_id] = codec
-    return codec_id
-
-
-def _codec(codec_id: int) -> Any:
-    try:
-        return _codecs[codec_id]
-    except KeyError:
-        raise LibraryError(f"no live codec with id {codec_id} (register it with register_codec)") from None
-
-
-def _encode_impl(codec_id, cold, pairs, lifecycle, hot) -> None:  # noqa: ANN001 - schema above
-    _codec(codec_id).encode(cold, pairs, lifecycle)
-
-
-def _decode_impl(codec_id, cold, pairs, lifecycle, hot) -> None:  # noqa: ANN001 - schema above
-    _codec(codec_id).decode(cold, pairs, lifecycle)
-
-
-def _no_output(*args: Any) -> None:
-    """Fake (meta) kernel: the ops only mutate their inputs."""
-    return None
-
-
-@functools.cache
-def register_ops() -> None:
-    """Define ``kvgen::cold_encode`` and ``kvgen::cold_decode`` once (on first use, not at import)."""
-    import torch
-
-    encode = torch.library.custom_op("kvgen::cold_encode", _encode_impl, mutates_args=("cold",), schema=ENCODE_SCHEMA)
-    decode = torch.library.custom_op("kvgen::cold_decode", _decode_impl, mutates_args=("hot",), schema=DECODE_SCHEMA)
-    encode.register_fake(_no_output)
-    decode.register_fake(_no_output)
-
-
-def _hot_tensors(codec: Any) -> list[Any]:
-    """Every hot pool the codec was configured with (they are what decode writes)."""
-    return [pool for layer in codec._pools for pool in layer]
-
-
-def cold_encode(codec_id: int, cold: Any, pairs: Any, lifecycle: int = 0) -> None:
-    """``torch.ops.kvgen.cold_encode`` on a registered codec (its hot pools passed as read inputs)."""
-    import torch
-
-    register_ops()
-    torch.ops.kvgen.cold_encode(codec_id, cold, pairs, lifecycle, _hot_tensors(_codec(codec_id)))
-
-
-def cold_decode(codec_id: int, cold: Any, pairs: Any, lifecycle: int = 0) -> None:
-    """``torch.ops.kvgen.cold_decode`` on a registered codec (its hot pools declared as written)."""
-    import torch
-
-    register_ops()
-    torch.ops.kvgen.cold_decode(codec_id, cold, pairs, lifecycle, _hot_tensors(_codec(codec_id)))

@@ -1,7 +1,10 @@
-"""The generated Triton move packer of a family (``generated/<family>/pack.py``), loaded from its file.
+"""The generated Triton move packer of a family, loaded from its file: the registry's ``pack``
+artifact (``RuntimeRegistry.resolve(family, arch).artifact("pack")``, sha256-verified), which a
+kernel wheel ships too.
 
-The generated module needs only torch and Triton; it carries the family's layers, KV heads and
-windows, so nothing here reads a spec. ``load_pack_module`` imports a file once per path;
+The generated module needs only torch, Triton and ``kvgen.kernels.triton``; it carries the
+family's layers, KV heads and windows, so nothing here reads a spec. Triton compiles its kernels
+on the GPU at the first call. ``load_pack_module`` imports a file once per path;
 ``MovePacker`` calls its ``pack_moves`` (signature of ``kvgen.reference.triattention.pack_moves``
 without the geometry, plus ``capacity`` for graph capture).
 """
@@ -23,16 +26,12 @@ class PackModuleError(RuntimeError):
     """A file that is not a generated packer; the message names it."""
 
 
-def pack_module_path(generated_dir: str | Path, family: str) -> Path:
-    return Path(generated_dir) / family / "pack.py"
-
-
 def import_pack_module(path: str | Path) -> ModuleType:
     """Execute the file as a fresh module (Triton decides JIT or interpreter here, from
     TRITON_INTERPRET at import time)."""
     path = Path(path).resolve()
     if not path.is_file():
-        raise PackModuleError(f"{path}: no generated packer; render it with: kvgen build --render-only")
+        raise PackModuleError(f"{path}: no generated packer; build it with: kvgen build")
     name = "kvgen_pack_" + hashlib.sha256(str(path).encode()).hexdigest()[:16]
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)

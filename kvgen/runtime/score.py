@@ -1,17 +1,15 @@
 """ctypes bindings of a TriAttention score library (``kvgen/csrc/kvgen_score.h``), torch in, no CUTLASS.
 
-``ScoreLibrary(path)`` loads ``lib<kvgen_family>_score.so`` (as published by
-``kvgen.build.cute_aot`` into ``<registry>/<arch>/``, with its ``.json`` sidecar), checks the ABI
-version, the family and, when the sidecar is there, the sha256; ``check_geometry`` compares the
-kernel's compile-time geometry with a family's ``TriGeometry``; ``score`` launches it on torch
-tensors after checking their shapes, dtypes, devices and contiguity.
+``ScoreLibrary(path)`` loads ``lib<kvgen_family>_score.so`` from the path the registry hands out
+(``RuntimeRegistry.resolve(family, arch).artifact("score")``, which checked its sha256 against the
+manifest), checks the ABI version and the family; ``check_geometry`` compares the kernel's
+compile-time geometry with a family's ``TriGeometry``; ``score`` launches it on torch tensors after
+checking their shapes, dtypes, devices and contiguity.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import json
 from pathlib import Path
 from typing import Sequence
 
@@ -55,22 +53,11 @@ _SIGNATURES = {
 }
 
 
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 class ScoreLibrary:
-    """A loaded score library: typed entry points; ABI, family and sha256 checked at load."""
+    """A loaded score library: typed entry points; ABI and family checked at load."""
 
-    def __init__(self, path: str | Path, family: str | None = None, verify: bool = True):
+    def __init__(self, path: str | Path, family: str | None = None):
         self.path = Path(path)
-        sidecar = self.path.with_suffix(".json")
-        self.meta = json.loads(sidecar.read_text()) if sidecar.is_file() else {}
-        if verify and self.meta.get("artifact_sha256") and self.path.is_file():
-            actual = _sha256(self.path)
-            if actual != self.meta["artifact_sha256"]:
-                raise LibraryError(f"{self.path}: sha256 {actual} differs from its sidecar's "
-                                   f"{self.meta['artifact_sha256']}; rebuild with kvgen build")
         self._lib = load_typed(self.path, _SIGNATURES, "not a kvgen score library")
         abi = self._lib.kvgen_score_abi_version()
         if abi != ABI_VERSION:
@@ -144,9 +131,3 @@ def _check(name: str, tensor: torch.Tensor, dtype: torch.dtype, shape: Sequence[
                          f"{'' if tensor.is_contiguous() else ' (not contiguous)'}")
     if tensor.device != device:
         raise ValueError(f"{name} is on {tensor.device}, scores on {device}")
-
-
-def score_library_path(registry_dir: str | Path, arch: str, family: str) -> Path:
-    """Where ``kvgen.build.cute_aot`` publishes a family's score library (same rule)."""
-    symbol = "kvgen_" + "".join(ch if ch.isalnum() else "_" for ch in family)
-    return Path(registry_dir) / arch / f"lib{symbol}_score.so"

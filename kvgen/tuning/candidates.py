@@ -14,17 +14,16 @@ import json
 import shutil
 import subprocess
 import tarfile
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
 from kvgen import __version__
+from kvgen.build.compile import Toolchains, compile_many
+from kvgen.build.cute_aot import find_cute_toolchain
+from kvgen.build.job import BuildJob, BuildOutcome, SpecSource, family_jobs
 from kvgen.build.nvcc import Toolchain, toolchain_for
-from kvgen.build.pipeline import BuildJob, SpecSource, _run_job
-from kvgen.kernels import KERNELS_DIR
-from kvgen.lower.plan import Op, plans_for, score_plan
-from kvgen.render.source import render_family
+from kvgen.lower.plan import Op
 from kvgen.tuning.space import config_id
 
 BUNDLE_INDEX = "bundle.json"
@@ -53,14 +52,11 @@ class Request:
     params: dict[str, int]
 
 
-def _build_family_library(request: Request, arch: str, toolchain: Toolchain, cache_dir: Path) -> tuple[str, Path | None,
-                                                                                                         str, str]:
-    """(status, artifact in the cache, key, error) of the family library with ``op``'s params."""
-    spec = request.source.spec
-    rendered = render_family(spec, params={request.op: request.params})
-    plans = tuple(plans_for(spec, {request.op: request.params}))
-    outcome, _ = _run_job(BuildJob(request.source, arch, toolchain, plans, rendered), cache_dir, KERNELS_DIR, ())
-    return outcome.status, outcome.artifact, outcome.key, outcome.error
+def candidate_job(request: Request, arch: str) -> BuildJob:
+    """The job of the artifact that serves ``request.op``, built with its params (the family
+    library for ``codec``/``compact``, the score library for ``score``), as ``kvgen build`` makes it."""
+    jobs = family_jobs(request.source, arch, {request.op: request.params})
+    return next(job for job in jobs if request.op in job.ops)
 
 
 def build_candidates(requests: Sequence[Request], arch: str, out_dir: Path, cache_dir: Path, *,
@@ -69,34 +65,26 @@ def build_candidates(requests: Sequence[Request], arch: str, out_dir: Path, cach
     """Build every request for ``arch`` into the bundle directory ``out_dir`` and write its index
     (candidates already in the bundle stay, unless rebuilt now).
 
-    nvcc candidates build ``jobs`` at a time; score candidates go through one CuTe DSL export
-    process per call (the DSL import dominates a single export). A failed build is a candidate
-    with status "failed" (its error kept), never an exception: the tuner records it and moves on.
+    Compiled through ``kvgen.build.compile.compile_many``: nvcc candidates ``jobs`` at a time,
+    score candidates in one CuTe DSL export process (the DSL import dominates a single export).
+    A failed build is a candidate with status "failed" (its error kept), never an exception: the
+    tuner records it and moves on.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     done = on_done or (lambda _c: None)
-    candidates: list[Candidate] = []
     versions = {"kvgen": __version__}
-    nvcc_requests = [r for r in requests if r.op in ("codec", "compact")]
-    score_requests = [r for r in requests if r.op == "score"]
-    if nvcc_requests:
-        toolchain = toolchain_for(arch, toolchains)
-        versions["nvcc"] = toolchain.version
-        with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-            futures = [(r, pool.submit(_build_family_library, r, arch, toolchain, cache_dir)) for r in nvcc_requests]
-            for request, future in futures:
-                status, artifact, key, error = future.result()
-                candidates.append(_publish(out_dir, request, arch, status, artifact, key, error))
-                done(candidates[-1])
-    if score_requests:
-        from kvgen.build.cute_aot import build_score_candidates, find_cute_toolchain
-
-        cute = find_cute_toolchain()
-        versions["cutlass_dsl"] = dict(cute.dsl_versions).get("nvidia-cutlass-dsl", "")
-        plans = [score_plan(r.source.spec, r.params) for r in score_requests]
-        for request, built in zip(score_requests, build_score_candidates(plans, arch, cache_dir, toolchain=cute)):
-            candidates.append(_publish(out_dir, request, arch, built.status, built.artifact, built.key, built.error))
-            done(candidates[-1])
+    compilers = Toolchains(tuple(toolchains))
+    if any(r.op in ("codec", "compact") for r in requests):
+        versions["nvcc"] = toolchain_for(arch, toolchains).version
+    if any(r.op == "score" for r in requests):
+        compilers = Toolchains(tuple(toolchains), find_cute_toolchain())
+        versions["cutlass_dsl"] = dict(compilers.cute.dsl_versions).get("nvidia-cutlass-dsl", "")
+    todo = [candidate_job(r, arch) for r in requests]
+    outcomes = compile_many(todo, cache_dir, compilers, workers=jobs)
+    candidates = []
+    for request, outcome in zip(requests, outcomes):
+        candidates.append(_publish(out_dir, request, outcome))
+        done(candidates[-1])
     previous = read_bundle(out_dir) if (out_dir / BUNDLE_INDEX).exists() else {"candidates": [], "toolchains": {}}
     rebuilt = {(c.family, c.op, c.config) for c in candidates}
     kept = [Candidate(**c) for c in previous["candidates"] if (c["family"], c["op"], c["config"]) not in rebuilt]
@@ -104,15 +92,14 @@ def build_candidates(requests: Sequence[Request], arch: str, out_dir: Path, cach
     return candidates
 
 
-def _publish(out_dir: Path, request: Request, arch: str, status: str, artifact: Path | None, key: str,
-             error: str) -> Candidate:
+def _publish(out_dir: Path, request: Request, outcome: BuildOutcome) -> Candidate:
     config = config_id(request.op, request.params)
     name = ""
-    if artifact is not None and status != "failed":
-        name = f"{request.source.spec.name}.{request.op}.{key[:16]}{artifact.suffix}"
-        shutil.copyfile(artifact, out_dir / name)
-    return Candidate(request.source.spec.name, request.op, arch, config, dict(request.params), status, name, key,
-                     "\n".join(error.splitlines()[:40]))
+    if outcome.ok:
+        name = f"{request.source.spec.name}.{request.op}.{outcome.key[:16]}{outcome.artifact.suffix}"
+        shutil.copyfile(outcome.artifact, out_dir / name)
+    return Candidate(request.source.spec.name, request.op, outcome.arch, config, dict(request.params), outcome.status,
+                     name, outcome.key, "\n".join(outcome.error.splitlines()[:40]))
 
 
 def write_index(out_dir: Path, arch: str, candidates: Iterable[Candidate], toolchains: dict[str, str]) -> Path:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvgen.artifacts.manifest import manifest_path, read_manifest, verify_artifact
+from kvgen.artifacts.manifest import manifest_path, read_manifest, verify_op
 from kvgen.lower.layout import family_layout
 from kvgen.spec.schema import load_spec
 
@@ -18,15 +18,15 @@ ARCH = os.environ.get("KVGEN_TEST_ARCH", "sm_90a")
 
 
 def library_path(family: str) -> Path:
-    """The verified library of a family, or a skip naming the build command that makes it."""
+    """The verified codec library of a family, or a skip naming the build command that makes it."""
     path = manifest_path(REGISTRY, ARCH)
     if not path.exists():
         pytest.skip(f"no registry at {path}; run: kvgen build --arch {ARCH}")
     manifest = read_manifest(path, verify=False)
-    entry = manifest.library(family)
+    entry = manifest.family(family)
     if entry is None:
         pytest.skip(f"{family} not in {path}; run: kvgen build --arch {ARCH} --family {family}")
-    return verify_artifact(path, manifest, entry)
+    return verify_op(path, manifest, entry, "codec")
 
 
 def spec_and_layout(family: str):

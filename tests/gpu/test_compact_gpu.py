@@ -26,11 +26,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvgen.artifacts.manifest import RegistryError, manifest_path, read_manifest
+from kvgen.artifacts.manifest import RegistryError, manifest_path, read_manifest, verify_op
 from kvgen.kernels import INCLUDE_DIRS
 from kvgen.reference.triattention import MODES, Moves, check_moves, compact_paged, pack_moves
 from kvgen.runtime.compact import CompactLibrary, Compactor
-from kvgen.runtime.pack import MovePacker, pack_module_path
+from kvgen.runtime.pack import MovePacker
 from tests.move_cases import Batch, geometry, random_batch, random_page_table
 
 from .conftest import ARCH, REGISTRY
@@ -39,7 +39,6 @@ pytestmark = pytest.mark.gpu
 
 ROOT = Path(__file__).resolve().parents[2]
 MANIFEST = manifest_path(REGISTRY, ARCH)
-GENERATED = ROOT / "generated"
 WINDOW = 32        # synthetic sliding window of every third layer
 BUDGET = 48        # >= WINDOW
 POOL_DTYPE = {2: torch.bfloat16, 1: torch.float8_e4m3fn}  # by element bytes: compaction copies bytes
@@ -47,15 +46,15 @@ DEVICE = "cuda"
 
 
 def _registry() -> tuple[dict[str, Path], str]:
-    """family -> library path for families built with compaction, or ({}, why not)."""
+    """family -> verified library path for families built with compaction, or ({}, why not)."""
     if not MANIFEST.is_file():
         return {}, f"no registry at {MANIFEST}; run: kvgen build --arch {ARCH} (and carry build/registry)"
     try:
         manifest = read_manifest(MANIFEST)
     except RegistryError as exc:
         return {}, str(exc)
-    libraries = {lib.family: MANIFEST.parent / lib.artifact for lib in manifest.libraries
-                 if any(op.op == "compact" for op in lib.ops)}
+    libraries = {entry.family: verify_op(MANIFEST, manifest, entry, "compact") for entry in manifest.families
+                 if entry.op("compact") is not None}
     return libraries, "" if libraries else f"{MANIFEST} lists no family with compaction"
 
 
@@ -185,10 +184,12 @@ def test_fp8_and_long_blocks_equal_oracle(synthetic_libraries: dict, name: str) 
 
 
 def _packer(family: str) -> MovePacker:
-    path = pack_module_path(GENERATED, family)
-    if not path.is_file():
-        pytest.skip(f"no {path.relative_to(ROOT)}: run `kvgen build --render-only` and carry generated/")
-    return MovePacker(path, family)
+    """The family's packer as the registry ships it (sha256-verified ``pack`` artifact)."""
+    manifest = read_manifest(MANIFEST, verify=False)
+    entry = manifest.family(family)
+    if entry is None or entry.op("pack") is None:
+        pytest.skip(f"{MANIFEST} lists no packer for {family}; run: kvgen build --arch {ARCH} --family {family}")
+    return MovePacker(verify_op(MANIFEST, manifest, entry, "pack"), family)
 
 
 def _packer_geometry(packer: MovePacker):

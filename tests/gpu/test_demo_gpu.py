@@ -45,7 +45,7 @@ def require_registry() -> None:
         pytest.skip(f"no registry at {path}; run: kvgen build --arch {ARCH} (and carry build/registry)")
     manifest = read_manifest(path, verify=False)
     for family in demo.CODEC_FAMILIES:
-        if manifest.library(family) is None:
+        if manifest.family(family) is None:
             pytest.skip(f"{family} not in {path}; run: kvgen build --arch {ARCH} --family {family}")
 
 

@@ -51,7 +51,8 @@ from kvgen.reference.triattention import (
     zscore,
 )
 from kvgen.runtime.eviction import TriAttentionManager, generated_backends
-from kvgen.runtime.score import ScoreLibrary, score_library_path
+from kvgen.runtime.lookup import RegistryError, RuntimeRegistry
+from kvgen.runtime.score import ScoreLibrary
 from kvgen.spec.schema import load_spec
 
 from ..conftest import ROOT, SPECS_DIR
@@ -70,11 +71,10 @@ SCORE_REGISTRY = Path(os.environ.get("KVGEN_SCORE_REGISTRY", REGISTRY))
 
 
 def score_library(family: str) -> ScoreLibrary:
-    path = score_library_path(SCORE_REGISTRY, ARCH, family)
-    if not path.is_file():
-        pytest.skip(f"{path} missing; build it on the CPU machine: python -c \"from pathlib import Path; "
-                    f"from kvgen.spec.schema import load_spec; from kvgen.build.cute_aot import build_score_library; "
-                    f"build_score_library(load_spec('specs/{family}.yaml'), '{ARCH}', Path('.kvgen-cache'))\"")
+    try:
+        path = RuntimeRegistry([SCORE_REGISTRY]).resolve(family, ARCH).artifact("score")
+    except RegistryError as exc:
+        pytest.skip(f"no score library ({exc}); build it on the CPU machine and carry {SCORE_REGISTRY}")
     return ScoreLibrary(path, family=family)
 
 

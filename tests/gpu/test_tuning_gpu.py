@@ -13,10 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from kvgen.build.pipeline import BuildJob, _run_job, load_spec_source
-from kvgen.kernels import KERNELS_DIR
+from kvgen.build.compile import Toolchains, compile_one
+from kvgen.build.job import BuildJob, load_spec_source, render_plans
 from kvgen.lower.plan import f32_literal, plans_for
-from kvgen.render.source import render
 from kvgen.tuning.candidates import Candidate, Request, build_candidates, read_bundle, write_index
 from kvgen.tuning.measure import measure_bundle, read_records
 from kvgen.tuning.space import BUCKETS
@@ -42,18 +41,13 @@ def toolchains():
 def _wrong_library(tmp: Path, toolchains) -> Path:
     """The family's library with the key buffer's global encode scale doubled: same name, ABI and
     layout, different bytes: only the oracle comparison can tell."""
-    from kvgen.build.nvcc import toolchain_for
-
     source = load_spec_source(SPECS_DIR / f"{FAMILY}.yaml")
-    plans = plans_for(source.spec)
-    codec = plans[0]
+    codec, compact = [p for p in plans_for(source.spec) if p.op in ("codec", "compact")]
     geometry = json.loads(json.dumps(codec.as_dict()["geometry"]))
     geometry["buffers"][0]["G"] = f32_literal(2.0)
-    bad = replace(codec, geometry=geometry)
-    rendered = {f"{FAMILY}/codec.cu": render(bad), **{f"{FAMILY}/{p.template[:-3]}": render(p)
-                                                      for p in plans[1:] if p.template.endswith(".cu.j2")}}
-    job = BuildJob(source, "sm_90a", toolchain_for("sm_90a", toolchains), (bad, *plans[1:]), rendered)
-    outcome, _ = _run_job(job, tmp / "cache", KERNELS_DIR, ())
+    plans = [replace(codec, geometry=geometry), compact]
+    job = BuildJob(source, "sm_90a", "nvcc", tuple(plans), render_plans(plans))
+    outcome = compile_one(job, tmp / "cache", Toolchains(tuple(toolchains)))
     assert outcome.status != "failed", outcome.error
     return outcome.artifact
 

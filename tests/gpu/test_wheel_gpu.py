@@ -10,7 +10,7 @@ and once into pinned host memory with device index arrays (the library's two lau
 custom ops captured in one CUDA graph and replayed; compaction of a three-request batch whose
 moves cross pages. The all-family codec grid is test_codec_gpu.py's job; the point here is the
 packaging, so the helpers below are this file's own (no build-side fixtures).
-Imports go through kvgen.runtime.lookup, not kvgen.runtime, so they also work where
+Imports go through kvgen.runtime.lookup and kvgen.runtime.codec, not kvgen.runtime, so they also work where
 tests/gpu/conftest.py registers the kvgen packages bare (no pydantic).
 """
 
@@ -24,7 +24,8 @@ import pytest
 import torch
 
 from kvgen import __version__
-from kvgen.runtime.lookup import RuntimeRegistry, codec_from_registry, register_codec, register_ops
+from kvgen.runtime.codec import register_codec, register_ops
+from kvgen.runtime.lookup import RuntimeRegistry, codec_from_registry
 
 from ..conftest import SPECS_DIR
 
@@ -62,8 +63,11 @@ def test_resolves_from_the_installed_wheel_without_a_compiler(registry: RuntimeR
     resolved = registry.resolve(FAMILY)                      # arch from the device
     assert resolved.arch == "sm_90a"
     assert (resolved.source.package, resolved.source.version) == (PACKAGE, __version__)
+    ops = [op.op for op in resolved.entry.ops]
+    assert ops == ["codec", "compact", "pack", "score"], "the wheel ships every artifact of the family"
     if TARGET:
-        assert resolved.artifact.is_relative_to(Path(TARGET)), resolved.artifact
+        for op in ops:
+            assert resolved.artifact(op).is_relative_to(Path(TARGET)), resolved.artifact(op)
         assert shutil.which("nvcc") is None, "the proof must run without nvcc on PATH"
     assert registry.load(FAMILY).family == FAMILY
 
@@ -228,7 +232,7 @@ def test_compaction_from_the_wheel_matches_the_oracle(registry: RuntimeRegistry)
         from ..move_cases import geometry, random_batch, random_page_table, random_pools
     except ImportError as exc:
         pytest.skip(f"compaction runtime not available: {exc}")
-    library = CompactLibrary(resolved.artifact)       # the path resolve() verified
+    library = CompactLibrary(resolved.artifact("compact"))       # verified against the manifest
     info = library.info
     geo = geometry(info["num_layers"], info["kv_heads"], head_dim=info["head_dim"],
                    tokens_per_block=info["tokens_per_block"], layout=info["layout"])

@@ -11,7 +11,6 @@ import torch
 
 from kvgen.measure.timing import rotation_sets
 from kvgen.measure.workloads.base import Failure, Inputs, launch, loading, timed
-from kvgen.measure.workloads.pages import geometry_page_shape
 from kvgen.reference.triattention import Moves, TriGeometry, compact_paged, pack_moves
 from kvgen.runtime.compact import CompactLibrary, Compactor
 from kvgen.runtime.score import TORCH_DTYPES
@@ -63,7 +62,7 @@ class CompactWorkload:
         return math.ceil((PROMPT + decode + MAX_TAIL) / self.geometry.tokens_per_block)
 
     def _page_bytes(self) -> int:
-        return math.prod(geometry_page_shape(self.geometry)) * self.elem_bytes
+        return math.prod(self.geometry.page_shape) * self.elem_bytes
 
     def moves(self, batch: int, decode: int, budget: int, seed: int) -> tuple[Moves, torch.Tensor, int]:
         """The oracle's moves for ``batch`` due requests keeping a random ``budget`` of their tokens, a
@@ -84,7 +83,7 @@ class CompactWorkload:
 
     def pools(self, pages: int, fill: bool, seed: int = 0) -> tuple[list, list]:
         """K and V pools of every layer; with ``fill``, random bytes (else uninitialized)."""
-        shape = (pages, *geometry_page_shape(self.geometry))
+        shape = (pages, *self.geometry.page_shape)
         gen = torch.Generator(device="cuda").manual_seed(seed)
         pools: tuple[list, list] = ([], [])
         for _ in range(self.geometry.num_layers):

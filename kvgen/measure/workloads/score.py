@@ -12,7 +12,6 @@ import torch
 
 from kvgen.measure.timing import rotation_sets
 from kvgen.measure.workloads.base import Failure, Inputs, launch, loading, timed
-from kvgen.measure.workloads.pages import geometry_page_shape
 from kvgen.reference.triattention import TriGeometry, mean_phase_table, score_paged, synthetic_calibration
 from kvgen.runtime.score import TORCH_DTYPES, ScoreLibrary
 
@@ -48,7 +47,7 @@ class ScoreCache:
         layers = range(g.num_layers) if all_layers else g.scored_layers
         if only_layer is not None:
             layers = [only_layer]
-        shape = (pages, *geometry_page_shape(g))
+        shape = (pages, *g.page_shape)
         self.k_pools = {layer: torch.empty(shape, dtype=dtype, device="cuda").normal_() for layer in layers}
         self.v_pools = ({layer: torch.empty_like(self.k_pools[layer]).normal_() for layer in layers}
                         if with_v else {})
@@ -106,7 +105,7 @@ class ScoreWorkload:
 
     def load(self, path: Path) -> ScoreLibrary:
         # tuning candidates are not published: no sidecar sha256 to verify against
-        return loading(lambda: ScoreLibrary(path, family=self.family.name, verify=False))
+        return loading(lambda: ScoreLibrary(path, family=self.family.name))
 
     def inputs(self, size: dict[str, Any], seed: int) -> Inputs:
         torch.manual_seed(seed)

@@ -1,0 +1,103 @@
+"""What one compile is: a ``BuildJob`` (one artifact of one family for one arch, any backend) and
+its ``BuildOutcome``. ``kvgen build`` and the tuner both make jobs here and compile them with
+``kvgen.build.compile.compile_one`` / ``compile_many``.
+
+A family's plans split by backend: ``codec`` and ``compact`` compile together into the nvcc
+library ``lib<symbol>.so``; ``score`` is the CuTe DSL library ``lib<symbol>_score.so``; ``pack``
+is the Triton module ``<symbol>_pack.py``. The artifact names are decided here and recorded in the
+manifest: nothing downstream derives them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, Mapping
+
+from kvgen.lower.plan import KernelPlan, Op, plans_for
+from kvgen.render.source import TEMPLATES_DIR, output_name, render
+from kvgen.spec.schema import FamilySpec, load_spec
+
+Backend = Literal["nvcc", "cute", "triton"]
+BACKENDS: tuple[Backend, ...] = ("nvcc", "cute", "triton")
+OP_BACKEND: dict[Op, Backend] = {"codec": "nvcc", "compact": "nvcc", "score": "cute", "pack": "triton"}
+ARTIFACT_SUFFIX: dict[Backend, str] = {"nvcc": ".so", "cute": "_score.so", "triton": "_pack.py"}
+Status = Literal["hit", "built", "failed", "skipped"]
+
+
+@dataclass(frozen=True)
+class SpecSource:
+    """A parsed spec with the sha256 of its file text (the manifest records which spec built it)."""
+
+    spec: FamilySpec
+    sha256: str
+    path: Path | None = None
+
+
+def load_spec_source(path: Path) -> SpecSource:
+    path = Path(path)
+    spec = load_spec(path)
+    return SpecSource(spec, hashlib.sha256(path.read_bytes()).hexdigest(), path)
+
+
+@dataclass(frozen=True)
+class BuildJob:
+    """One artifact to make: the plans it serves (all of one backend) and their rendered texts."""
+
+    source: SpecSource
+    arch: str
+    backend: Backend
+    plans: tuple[KernelPlan, ...]
+    rendered: Mapping[str, str]           # "<family>/<name>" -> text
+
+    @property
+    def family(self) -> str:
+        return self.source.spec.name
+
+    @property
+    def symbol(self) -> str:
+        return self.plans[0].symbol()
+
+    @property
+    def ops(self) -> tuple[Op, ...]:
+        return tuple(plan.op for plan in self.plans)
+
+    @property
+    def artifact(self) -> str:
+        """The artifact's file name, in the cache entry and in ``<registry>/<arch>/``."""
+        stem = f"lib{self.symbol}" if self.backend != "triton" else self.symbol
+        return stem + ARTIFACT_SUFFIX[self.backend]
+
+
+@dataclass(frozen=True)
+class BuildOutcome:
+    family: str
+    arch: str
+    backend: Backend | None               # None: skipped before a job was made
+    status: Status
+    seconds: float = 0.0
+    artifact: Path | None = None          # the cache entry's file; the registry copy once published
+    key: str = ""
+    error: str = ""
+    sha256: str = ""
+    toolchain: Mapping[str, str] = field(default_factory=dict)   # versions recorded in the manifest
+
+    @property
+    def ok(self) -> bool:
+        return self.status in ("hit", "built")
+
+
+def family_jobs(source: SpecSource, arch: str, params: Mapping[Op, Mapping[str, int]] | None = None,
+                templates_dir: Path = TEMPLATES_DIR) -> list[BuildJob]:
+    """One job per backend the family needs for ``arch``, ``params`` (tuned, per op) over the
+    safe defaults, each job's plans rendered for exactly those parameters."""
+    by_backend: dict[Backend, list[KernelPlan]] = {}
+    for plan in plans_for(source.spec, params):
+        by_backend.setdefault(OP_BACKEND[plan.op], []).append(plan)
+    return [BuildJob(source, arch, backend, tuple(plans), render_plans(plans, templates_dir))
+            for backend, plans in by_backend.items()]
+
+
+def render_plans(plans: list[KernelPlan], templates_dir: Path = TEMPLATES_DIR) -> dict[str, str]:
+    return {f"{plan.family}/{output_name(plan.template)}": render(plan, templates_dir) for plan in plans}
