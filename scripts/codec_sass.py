@@ -7,8 +7,10 @@ cuobjdump that Triton's wheel ships, and counts the instructions of the loop tha
 blocks: in the encode kernel the loop holding the hot loads (LDG) and the scale store (STS.U8), in
 the decode kernel the loop holding the scale load (LDS.U8) and the hot stores (STG). Each
 iteration handles as many 16-element blocks as it stores (encode) or loads (decode) scale bytes,
-so dividing by that gives instructions per block. The counts are static: both sides of the few
-branches inside the loop (the division's rare slow path, a fast-path test) are counted once.
+so dividing by that gives instructions per block. Two counts: ``static`` is every instruction
+of the loop body (both sides of its branches), ``path`` the instructions along the loop's
+shortest path, which is what a block of finite values executes (the division's fast path, the
+fallbacks for non-finite blocks skipped, the shorter packer taken).
 
 Pipe classes follow Nsight Compute's pipes on sm_90: ``alu`` (integer/logic, compares, selects,
 float min/max, PRMT), ``imad`` (IMAD/IMUL: integer work that issues on the FMA-heavy pipe),
@@ -59,8 +61,8 @@ def pipe_class(opcode: str) -> str:
     return _CLASS_OF.get(base, "other")
 
 
-def parse_functions(sass: str) -> dict[str, list[tuple[int, str, str]]]:
-    """Function name -> [(address, opcode, operands)]."""
+def parse_functions(sass: str) -> dict[str, list[tuple[int, str, str, bool]]]:
+    """Function name -> [(address, opcode, operands, predicated)]."""
     functions: dict[str, list[tuple[int, str, str]]] = {}
     current = None
     for line in sass.splitlines():
@@ -68,14 +70,14 @@ def parse_functions(sass: str) -> dict[str, list[tuple[int, str, str]]]:
             current = line.split("Function :", 1)[1].strip()
             functions[current] = []
         elif current is not None and (m := _INSN.search(line)):
-            functions[current].append((int(m.group(1), 16), m.group(3), m.group(4)))
+            functions[current].append((int(m.group(1), 16), m.group(3), m.group(4), bool(m.group(2))))
     return functions
 
 
-def loops(insns: list[tuple[int, str, str]]) -> list[list[tuple[int, str, str]]]:
+def loops(insns):
     """Bodies of the loops: a backward BRA closes [target, branch]."""
     bodies = []
-    for addr, op, args in insns:
+    for addr, op, args, _ in insns:
         if op == "BRA" and (m := re.search(r"0x([0-9a-f]+)", args)) and int(m.group(1), 16) < addr:
             start = int(m.group(1), 16)
             bodies.append([i for i in insns if start <= i[0] <= addr])
@@ -85,7 +87,7 @@ def loops(insns: list[tuple[int, str, str]]) -> list[list[tuple[int, str, str]]]
 def block_loop(insns, direction: str):
     """The first plain-block loop of a kernel and the blocks one iteration handles."""
     for body in loops(insns):
-        ops = [op for _, op, _ in body]
+        ops = [insn[1] for insn in body]
         if direction == "encode" and any(o.startswith("LDG") for o in ops):
             blocks = sum(o == "STS.U8" for o in ops)
         elif direction == "decode" and any(o.startswith(("STG", "ST.")) for o in ops):
@@ -95,6 +97,34 @@ def block_loop(insns, direction: str):
         if blocks:
             return body, blocks
     raise SystemExit(f"no {direction} block loop found")
+
+
+def shortest_path(body: list[tuple[int, str, str, bool]]) -> list[tuple[int, str, str, bool]]:
+    """The instructions on the shortest way from the loop head to its backward branch (the body's
+    forward branches make it a DAG: dynamic programming from the end)."""
+    index = {insn[0]: i for i, insn in enumerate(body)}
+    best: list[list | None] = [None] * len(body)
+    best[-1] = [body[-1]]
+    for i in range(len(body) - 2, -1, -1):
+        addr, op, args, predicated = body[i]
+        nexts = []
+        target = re.search(r"0x([0-9a-f]+)", args) if op == "BRA" else None
+        if target and int(target.group(1), 16) in index and int(target.group(1), 16) > addr:
+            nexts.append(index[int(target.group(1), 16)])
+        if op != "BRA" or predicated or not target:
+            nexts.append(i + 1)  # falls through: not an unconditional branch
+        options = [best[j] for j in nexts if best[j] is not None]
+        best[i] = [body[i], *min(options, key=len)] if options else None
+    return best[0] or body
+
+
+def mix(insns, blocks: int) -> dict:
+    """Instructions per block: total, per pipe class, per opcode."""
+    per_class = Counter(pipe_class(insn[1]) for insn in insns)
+    per_op = Counter(insn[1] for insn in insns)
+    return {"total": round(len(insns) / blocks, 2),
+            "per_class": {cls: round(n / blocks, 2) for cls, n in sorted(per_class.items())},
+            "per_opcode": {op: round(n / blocks, 2) for op, n in per_op.most_common()}}
 
 
 def ptxas_info(log: str) -> dict[str, dict[str, int]]:
@@ -149,13 +179,10 @@ def analyse(tree: Path, family: str, tmp: Path) -> dict:
         if not name.endswith("PKNS0_8PagePairE") or "Lb1E" not in name:
             continue  # one instantiation per direction: device index arrays (host arrays: same loop)
         body, blocks = block_loop(insns, direction)
-        per_class = Counter(pipe_class(op) for _, op, _ in body)
-        per_op = Counter(op for _, op, _ in body)
         result[direction] = {
             "blocks_per_iteration": blocks,
-            "per_block": {cls: round(n / blocks, 2) for cls, n in sorted(per_class.items())},
-            "per_block_total": round(len(body) / blocks, 2),
-            "opcodes_per_block": {op: round(n / blocks, 2) for op, n in per_op.most_common()},
+            "path": mix(shortest_path(body), blocks),
+            "static": mix(body, blocks),
             "registers": resources[name]["registers"],
             "smem_per_cta_bytes": resources[name]["static_smem_bytes"] + record,
         }
