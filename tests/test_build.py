@@ -415,7 +415,7 @@ def test_tuned_parameters_are_compiled_per_arch_and_recorded(tmp_path: Path, tem
                    kernels_dir=tmp_path / "kernels")
     assert report.ok
     lib = read_manifest(tmp_path / "registry" / "sm_90a" / "manifest.json").library(FAMILY)
-    assert lib.ops[0].params == {"threads": 512, "in_flight": 2}
+    assert lib.ops[0].params == {"threads": 512, "in_flight": 2, "rounding": 1}
     assert "<<<(n + 256 - 1) / 256, 256" in (tmp_path / "generated" / FAMILY / "codec.cu").read_text()
     kept = next((tmp_path / "cache").rglob("src/codec.cu")).read_text()   # what was compiled
     assert "<<<(n + 512 - 1) / 512, 512" in kept
