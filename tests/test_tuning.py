@@ -48,7 +48,7 @@ def test_space_folds_configurations_that_compile_to_the_same_kernel() -> None:
     assert len(configs) == 27 and len({config_id("score", c) for c in configs}) == 27
     assert configs[0] == canonical("score", default_params("score"), QWEN)   # the default is first
     assert len(configurations("codec", QWEN)) == len(TUNABLES["codec"]["threads"][0]) * len(
-        TUNABLES["codec"]["in_flight"][0])
+        TUNABLES["codec"]["in_flight"][0]) * len(TUNABLES["codec"]["rounding"][0])
 
 
 # ---------------------------------------------------------------- studies over recorded measurements
@@ -66,7 +66,7 @@ def test_grid_finds_the_exact_best_and_never_picks_a_wrong_candidate(measurement
         assert result.best == best
         assert result.best_ms == pytest.approx(1.0)
         assert result.failures == {"wrong": 1} and config_id("codec", WRONG) not in result.measured
-        assert len(result.measured) == 15   # 16 distinct, one wrong; grid duplicates reused, not re-measured
+        assert len(result.measured) == 31   # 32 distinct, one wrong; grid duplicates reused, not re-measured
         assert result.default_ms == pytest.approx(bowl(default_params("codec"), bucket))
 
 
@@ -85,7 +85,7 @@ def test_missing_measurements_are_failed_trials_with_a_reason(tmp_path: Path, me
     partial = tmp_path / "partial.jsonl"
     partial.write_text("\n".join(json.dumps(r) for r in kept) + "\n")
     result = run_bucket(QWEN, "codec", "sm_90a", "large", RecordedEvaluator([partial]), strategy="grid")
-    assert result.failures.get("missing") == 4 and result.best["threads"] != 512
+    assert result.failures.get("missing") == 8 and result.best["threads"] != 512
 
 
 def test_a_killed_tune_resumes_without_losing_a_finished_trial(tmp_path: Path, measurements: Path) -> None:
@@ -158,7 +158,7 @@ def _write(tuning: Path, params: dict) -> Path:
 
 
 def test_tuned_configs_apply_only_where_their_environment_matches(tmp_path: Path) -> None:
-    params = {"threads": 512, "in_flight": 2}
+    params = {"threads": 512, "in_flight": 2, "rounding": 1}
     _write(tmp_path, params)
     tuned = load_tuned(tmp_path, {"sm_90a": _env()}, ["qwen3-8b"], environ={})
     assert tuned.for_family("sm_90a", "qwen3-8b") == {"codec": params} and not tuned.notes
@@ -173,7 +173,7 @@ def test_tuned_configs_apply_only_where_their_environment_matches(tmp_path: Path
 
 
 def test_a_tampered_tuned_config_is_named_and_the_defaults_are_used(tmp_path: Path) -> None:
-    path = _write(tmp_path, {"threads": 512, "in_flight": 2})
+    path = _write(tmp_path, {"threads": 512, "in_flight": 2, "rounding": 1})
     data = json.loads(path.read_text())
     data["ops"]["codec"]["params"]["threads"] = 96
     path.write_text(json.dumps(data))
@@ -205,7 +205,7 @@ def test_tune_writes_a_config_the_build_compiles(tmp_path: Path, measurements: P
     data = json.loads(tuning_path(tuning, "sm_90a", "qwen3-8b").read_text())
     entry = data["ops"]["codec"]
     assert {b: v["best"] for b, v in entry["buckets"].items()} == OPTIMUM
-    assert entry["params"] == {"threads": 512, "in_flight": 4}   # best geometric mean over the three bowls
+    assert entry["params"] == {"threads": 512, "in_flight": 4, "rounding": 1}   # best geometric mean over the three bowls
     env = entry["environment"]
     assert env["gpu"] == "NVIDIA H200" and env["toolchain"]["nvcc"] == "13.0.88"
     tuned = load_tuned(tuning, {"sm_90a": _env()}, ["qwen3-8b"], environ={})
@@ -226,8 +226,8 @@ def test_candidates_build_into_a_bundle_that_packs_and_unpacks(tmp_path: Path) -
     from kvgen.tuning.candidates import Request, build_candidates, pack_bundle, read_bundle, read_index, unpack_bundle
 
     source = load_spec_source(SPECS_DIR / "qwen3-8b-fp8.yaml")
-    requests = [Request(source, "codec", {"threads": 256, "in_flight": 4}),
-                Request(source, "codec", {"threads": 512, "in_flight": 8})]
+    requests = [Request(source, "codec", {"threads": 256, "in_flight": 4, "rounding": 1}),
+                Request(source, "codec", {"threads": 512, "in_flight": 8, "rounding": 0})]
     bundle = tmp_path / "bundle"
     built = build_candidates(requests, "sm_90a", bundle, tmp_path / "cache", toolchains=discover_toolchains())
     assert [c.status for c in built] == ["built", "built"] and len({c.artifact for c in built}) == 2

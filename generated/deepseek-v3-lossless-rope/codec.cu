@@ -2,20 +2,22 @@
 // family:   deepseek-v3-lossless-rope
 // op:       codec
 // template: codec.cu.j2
-// plan key: 8e1a122dde14f80563ae26d49e9665b6583cc520f41f4aea476818d76c04abb4
+// plan key: d1d4cf75a0ecdfabb35330e11d78843655b0497ab0be812b081748e9732e0a0e
 //
 // Cold-page codec of family deepseek-v3-lossless-rope (COLD_PAGE_FORMAT.md, version 1).
 // This file only describes the family; the kernels are kvgen/kernels/cuda/codec_kernels.cuh.
 //
 // Layer record: 13312 bytes (13312 before padding), hot dtype bf16, layout HND.
 // Launch: 256 threads per CTA, one CTA per (page pair, layer), the record staged in shared memory;
-// 4 16-byte loads in flight per thread when the record crosses the bus.
+// 4 16-byte loads in flight per thread when the record crosses the bus;
+// E2M1 rounding route 1 of the software path (nvfp4::Rounding).
 #include "codec_host.cuh"
 
 namespace kvgen {
 namespace family {
 
 using Hot = codec::HotBF16;
+constexpr auto kRounding = static_cast<nvfp4::Rounding>(1);
 
 // Quantized buffer "latent": 32 rows of 576 elements per page
 // = [lossless 0][quantized 512][lossless 64].
@@ -39,7 +41,7 @@ struct Buffer_latent {
   static constexpr float kQdec = 0x1.0000000000000p+0f;
 };
 
-using Layer = codec::Layer<13312, 13312, codec::Quantized<Buffer_latent, Hot>>;
+using Layer = codec::Layer<13312, 13312, codec::Quantized<Buffer_latent, Hot, kRounding>>;
 using CodecT = codec::Codec<Layer, 256, 4>;
 
 // Required alignment of each buffer's pool base and page stride.

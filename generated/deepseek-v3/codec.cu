@@ -2,20 +2,22 @@
 // family:   deepseek-v3
 // op:       codec
 // template: codec.cu.j2
-// plan key: 26f0f8ea27fdca350ce6e17e65f0eea9b5ef067214f3e7fc485d42f09297a672
+// plan key: f8a66c80a8ccfa2022ce8a1cd6ea1cbbdbf4d4900ccb3653945e89e4bc7bca14
 //
 // Cold-page codec of family deepseek-v3 (COLD_PAGE_FORMAT.md, version 1).
 // This file only describes the family; the kernels are kvgen/kernels/cuda/codec_kernels.cuh.
 //
 // Layer record: 20736 bytes (20736 before padding), hot dtype bf16, layout HND.
 // Launch: 256 threads per CTA, one CTA per (page pair, layer), the record staged in shared memory;
-// 4 16-byte loads in flight per thread when the record crosses the bus.
+// 4 16-byte loads in flight per thread when the record crosses the bus;
+// E2M1 rounding route 1 of the software path (nvfp4::Rounding).
 #include "codec_host.cuh"
 
 namespace kvgen {
 namespace family {
 
 using Hot = codec::HotBF16;
+constexpr auto kRounding = static_cast<nvfp4::Rounding>(1);
 
 // Quantized buffer "latent": 64 rows of 576 elements per page
 // = [lossless 0][quantized 576][lossless 0].
@@ -39,7 +41,7 @@ struct Buffer_latent {
   static constexpr float kQdec = 0x1.0000000000000p+0f;
 };
 
-using Layer = codec::Layer<20736, 20736, codec::Quantized<Buffer_latent, Hot>>;
+using Layer = codec::Layer<20736, 20736, codec::Quantized<Buffer_latent, Hot, kRounding>>;
 using CodecT = codec::Codec<Layer, 256, 4>;
 
 // Required alignment of each buffer's pool base and page stride.

@@ -2,20 +2,22 @@
 // family:   deepseek-v4-csa
 // op:       codec
 // template: codec.cu.j2
-// plan key: 67f39457c122e7ad2fa180b24b2bb4f1e2de474a22c117ab7f84dc8e9d5328a0
+// plan key: c1712032b7d6ae6e3ae273f46c5d375972fdb24373a9aaac3f3f7892c2ec4b41
 //
 // Cold-page codec of family deepseek-v4-csa (COLD_PAGE_FORMAT.md, version 1).
 // This file only describes the family; the kernels are kvgen/kernels/cuda/codec_kernels.cuh.
 //
 // Layer record: 10368 bytes (10368 before padding), hot dtype bf16, layout HND.
 // Launch: 256 threads per CTA, one CTA per (page pair, layer), the record staged in shared memory;
-// 4 16-byte loads in flight per thread when the record crosses the bus.
+// 4 16-byte loads in flight per thread when the record crosses the bus;
+// E2M1 rounding route 1 of the software path (nvfp4::Rounding).
 #include "codec_host.cuh"
 
 namespace kvgen {
 namespace family {
 
 using Hot = codec::HotBF16;
+constexpr auto kRounding = static_cast<nvfp4::Rounding>(1);
 
 // Quantized buffer "entry": 32 rows of 512 elements per page
 // = [lossless 0][quantized 512, 2FP4 64 from element 448][lossless 0].
@@ -39,7 +41,7 @@ struct Buffer_entry {
   static constexpr float kQdec = 0x1.0000000000000p+0f;
 };
 
-using Layer = codec::Layer<10368, 10368, codec::Quantized<Buffer_entry, Hot>>;
+using Layer = codec::Layer<10368, 10368, codec::Quantized<Buffer_entry, Hot, kRounding>>;
 using CodecT = codec::Codec<Layer, 256, 4>;
 
 // Required alignment of each buffer's pool base and page stride.

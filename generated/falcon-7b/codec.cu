@@ -2,20 +2,22 @@
 // family:   falcon-7b
 // op:       codec
 // template: codec.cu.j2
-// plan key: 80afff458c84277c23cb779a9be05fefe7fca4508504dbf8b835ad5d408c52d4
+// plan key: 33da87f122d5a35156b8cf27601356ebf8b9df0b42d19268f0d9c0e765219a4d
 //
 // Cold-page codec of family falcon-7b (COLD_PAGE_FORMAT.md, version 1).
 // This file only describes the family; the kernels are kvgen/kernels/cuda/codec_kernels.cuh.
 //
 // Layer record: 4608 bytes (4608 before padding), hot dtype bf16, layout NHD.
 // Launch: 256 threads per CTA, one CTA per (page pair, layer), the record staged in shared memory;
-// 4 16-byte loads in flight per thread when the record crosses the bus.
+// 4 16-byte loads in flight per thread when the record crosses the bus;
+// E2M1 rounding route 1 of the software path (nvfp4::Rounding).
 #include "codec_host.cuh"
 
 namespace kvgen {
 namespace family {
 
 using Hot = codec::HotBF16;
+constexpr auto kRounding = static_cast<nvfp4::Rounding>(1);
 
 // Quantized buffer "k": 64 rows of 64 elements per page
 // = [lossless 0][quantized 64][lossless 0].
@@ -61,7 +63,7 @@ struct Buffer_v {
   static constexpr float kQdec = 0x1.0000000000000p+0f;
 };
 
-using Layer = codec::Layer<4608, 4608, codec::Quantized<Buffer_k, Hot>, codec::Quantized<Buffer_v, Hot>>;
+using Layer = codec::Layer<4608, 4608, codec::Quantized<Buffer_k, Hot, kRounding>, codec::Quantized<Buffer_v, Hot, kRounding>>;
 using CodecT = codec::Codec<Layer, 256, 4>;
 
 // Required alignment of each buffer's pool base and page stride.

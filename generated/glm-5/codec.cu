@@ -2,20 +2,22 @@
 // family:   glm-5
 // op:       codec
 // template: codec.cu.j2
-// plan key: f43628e1de6a036d143a23fc9a27eb7dc7cdb771cd4ec741a89c02e9dbd18bda
+// plan key: 3121b35289fdb5cc4d6bf11caae42d56d9a60a1e20ca0aa26061c8a388028e7c
 //
 // Cold-page codec of family glm-5 (COLD_PAGE_FORMAT.md, version 1).
 // This file only describes the family; the kernels are kvgen/kernels/cuda/codec_kernels.cuh.
 //
 // Layer record: 29184 bytes (29184 before padding), hot dtype bf16, layout HND.
 // Launch: 256 threads per CTA, one CTA per (page pair, layer), the record staged in shared memory;
-// 4 16-byte loads in flight per thread when the record crosses the bus.
+// 4 16-byte loads in flight per thread when the record crosses the bus;
+// E2M1 rounding route 1 of the software path (nvfp4::Rounding).
 #include "codec_host.cuh"
 
 namespace kvgen {
 namespace family {
 
 using Hot = codec::HotBF16;
+constexpr auto kRounding = static_cast<nvfp4::Rounding>(1);
 
 // Quantized buffer "latent": 64 rows of 576 elements per page
 // = [lossless 0][quantized 576][lossless 0].
@@ -46,7 +48,7 @@ struct Side_indexer_k {
   static constexpr int kOffset = 20736;
 };
 
-using Layer = codec::Layer<29184, 29184, codec::Quantized<Buffer_latent, Hot>, codec::Side<Side_indexer_k>>;
+using Layer = codec::Layer<29184, 29184, codec::Quantized<Buffer_latent, Hot, kRounding>, codec::Side<Side_indexer_k>>;
 using CodecT = codec::Codec<Layer, 256, 4>;
 
 // Required alignment of each buffer's pool base and page stride.

@@ -2,20 +2,22 @@
 // family:   llama-3.1-8b
 // op:       codec
 // template: codec.cu.j2
-// plan key: d47d9f09a3c34578f57c74fbdb71427cf3480172fe9f032ec02012c1dd72ba8a
+// plan key: e8c61e0304e7f59a08c0fe2564dee8cf9fbd3ea4d21a428df78b35288cfc4654
 //
 // Cold-page codec of family llama-3.1-8b (COLD_PAGE_FORMAT.md, version 1).
 // This file only describes the family; the kernels are kvgen/kernels/cuda/codec_kernels.cuh.
 //
 // Layer record: 36864 bytes (36864 before padding), hot dtype bf16, layout HND.
 // Launch: 256 threads per CTA, one CTA per (page pair, layer), the record staged in shared memory;
-// 4 16-byte loads in flight per thread when the record crosses the bus.
+// 4 16-byte loads in flight per thread when the record crosses the bus;
+// E2M1 rounding route 1 of the software path (nvfp4::Rounding).
 #include "codec_host.cuh"
 
 namespace kvgen {
 namespace family {
 
 using Hot = codec::HotBF16;
+constexpr auto kRounding = static_cast<nvfp4::Rounding>(1);
 
 // Quantized buffer "k": 256 rows of 128 elements per page
 // = [lossless 0][quantized 128][lossless 0].
@@ -61,7 +63,7 @@ struct Buffer_v {
   static constexpr float kQdec = 0x1.0000000000000p+0f;
 };
 
-using Layer = codec::Layer<36864, 36864, codec::Quantized<Buffer_k, Hot>, codec::Quantized<Buffer_v, Hot>>;
+using Layer = codec::Layer<36864, 36864, codec::Quantized<Buffer_k, Hot, kRounding>, codec::Quantized<Buffer_v, Hot, kRounding>>;
 using CodecT = codec::Codec<Layer, 256, 4>;
 
 // Required alignment of each buffer's pool base and page stride.

@@ -2,20 +2,22 @@
 // family:   mistral-7b
 // op:       codec
 // template: codec.cu.j2
-// plan key: 871a5a2f80904d3a7a7426f6144f900cdc0ba6543b0b730a4f8024e10e7d0004
+// plan key: 2198d1f00bffeed150691cf29d712e15bd116141de949e8269ceef262c560ee3
 //
 // Cold-page codec of family mistral-7b (COLD_PAGE_FORMAT.md, version 1).
 // This file only describes the family; the kernels are kvgen/kernels/cuda/codec_kernels.cuh.
 //
 // Layer record: 18432 bytes (18432 before padding), hot dtype fp16, layout NHD.
 // Launch: 256 threads per CTA, one CTA per (page pair, layer), the record staged in shared memory;
-// 4 16-byte loads in flight per thread when the record crosses the bus.
+// 4 16-byte loads in flight per thread when the record crosses the bus;
+// E2M1 rounding route 1 of the software path (nvfp4::Rounding).
 #include "codec_host.cuh"
 
 namespace kvgen {
 namespace family {
 
 using Hot = codec::HotFP16;
+constexpr auto kRounding = static_cast<nvfp4::Rounding>(1);
 
 // Quantized buffer "k": 128 rows of 128 elements per page
 // = [lossless 0][quantized 128][lossless 0].
@@ -61,7 +63,7 @@ struct Buffer_v {
   static constexpr float kQdec = 0x1.0000000000000p+0f;
 };
 
-using Layer = codec::Layer<18432, 18432, codec::Quantized<Buffer_k, Hot>, codec::Quantized<Buffer_v, Hot>>;
+using Layer = codec::Layer<18432, 18432, codec::Quantized<Buffer_k, Hot, kRounding>, codec::Quantized<Buffer_v, Hot, kRounding>>;
 using CodecT = codec::Codec<Layer, 256, 4>;
 
 // Required alignment of each buffer's pool base and page stride.

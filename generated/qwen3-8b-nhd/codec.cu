@@ -2,20 +2,22 @@
 // family:   qwen3-8b-nhd
 // op:       codec
 // template: codec.cu.j2
-// plan key: 1bf89f32701dcc24f66ddebbb15501d57e4bced528c18d1004870a586eab1c22
+// plan key: e9c8ed97ed08b32a3f22406760a64779202e5092b274bc5e3b565783e820e30f
 //
 // Cold-page codec of family qwen3-8b-nhd (COLD_PAGE_FORMAT.md, version 1).
 // This file only describes the family; the kernels are kvgen/kernels/cuda/codec_kernels.cuh.
 //
 // Layer record: 36864 bytes (36864 before padding), hot dtype bf16, layout NHD.
 // Launch: 256 threads per CTA, one CTA per (page pair, layer), the record staged in shared memory;
-// 4 16-byte loads in flight per thread when the record crosses the bus.
+// 4 16-byte loads in flight per thread when the record crosses the bus;
+// E2M1 rounding route 1 of the software path (nvfp4::Rounding).
 #include "codec_host.cuh"
 
 namespace kvgen {
 namespace family {
 
 using Hot = codec::HotBF16;
+constexpr auto kRounding = static_cast<nvfp4::Rounding>(1);
 
 // Quantized buffer "k": 256 rows of 128 elements per page
 // = [lossless 0][quantized 128][lossless 0].
@@ -61,7 +63,7 @@ struct Buffer_v {
   static constexpr float kQdec = 0x1.0000000000000p+0f;
 };
 
-using Layer = codec::Layer<36864, 36864, codec::Quantized<Buffer_k, Hot>, codec::Quantized<Buffer_v, Hot>>;
+using Layer = codec::Layer<36864, 36864, codec::Quantized<Buffer_k, Hot, kRounding>, codec::Quantized<Buffer_v, Hot, kRounding>>;
 using CodecT = codec::Codec<Layer, 256, 4>;
 
 // Required alignment of each buffer's pool base and page stride.

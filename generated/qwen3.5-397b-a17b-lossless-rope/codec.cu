@@ -2,20 +2,22 @@
 // family:   qwen3.5-397b-a17b-lossless-rope
 // op:       codec
 // template: codec.cu.j2
-// plan key: 8eb59b1da37ac462ed34d1a44b2528626aa263a42ab54815edd0ea98f2c73545
+// plan key: d1388af15b7d0a1db14d9433cdc87598d3d2a2076e4e8f7bd34656822de16dc5
 //
 // Cold-page codec of family qwen3.5-397b-a17b-lossless-rope (COLD_PAGE_FORMAT.md, version 1).
 // This file only describes the family; the kernels are kvgen/kernels/cuda/codec_kernels.cuh.
 //
 // Layer record: 24320 bytes (24320 before padding), hot dtype bf16, layout HND.
 // Launch: 256 threads per CTA, one CTA per (page pair, layer), the record staged in shared memory;
-// 4 16-byte loads in flight per thread when the record crosses the bus.
+// 4 16-byte loads in flight per thread when the record crosses the bus;
+// E2M1 rounding route 1 of the software path (nvfp4::Rounding).
 #include "codec_host.cuh"
 
 namespace kvgen {
 namespace family {
 
 using Hot = codec::HotBF16;
+constexpr auto kRounding = static_cast<nvfp4::Rounding>(1);
 
 // Quantized buffer "k": 64 rows of 256 elements per page
 // = [lossless 64][quantized 192][lossless 0].
@@ -61,7 +63,7 @@ struct Buffer_v {
   static constexpr float kQdec = 0x1.0000000000000p+0f;
 };
 
-using Layer = codec::Layer<24320, 24320, codec::Quantized<Buffer_k, Hot>, codec::Quantized<Buffer_v, Hot>>;
+using Layer = codec::Layer<24320, 24320, codec::Quantized<Buffer_k, Hot, kRounding>, codec::Quantized<Buffer_v, Hot, kRounding>>;
 using CodecT = codec::Codec<Layer, 256, 4>;
 
 // Required alignment of each buffer's pool base and page stride.

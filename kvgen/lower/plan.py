@@ -26,6 +26,10 @@ TUNABLES: dict[str, dict[str, tuple[tuple[int, ...], int]]] = {
     "codec": {
         "threads": ((64, 128, 256, 512), 256),
         "in_flight": ((1, 2, 4, 8), 4),        # 16-byte record loads in flight per thread
+        # E2M1 rounding of the software path (sm_90a; the SM100-family hardware path has its cvt):
+        # 0 = integer bit arithmetic, 1 = FMA-pipe magic-add rounding (NaN-free blocks; others fall
+        # back to 0). Same bytes; 1 issues about half the integer-pipe instructions per block.
+        "rounding": ((0, 1), 1),
     },
     "compact": {
         "threads": ((64, 128, 256), 128),

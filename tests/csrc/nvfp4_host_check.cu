@@ -9,6 +9,10 @@
 //
 //   nvfp4_host_check --info            "key=value" lines (path macro, constants)
 //   nvfp4_host_check [--device] < in > out
+//   nvfp4_host_check --sweep-e2m1 [S]  the 2^32 float patterns (NaNs skipped), in groups of 8 taking
+//                                      every S-th group (default 1: all; about 3 minutes here),
+//                                      through both software roundings, one code and eight at a
+//                                      time; prints "mismatches=N" (and the first few), exit 1 if any
 //
 // Input: records of 72 bytes: float x[16], float G, float Q (little-endian).
 // Output: one record of kOutBytes per input record, fields in this order, no padding, LE:
@@ -19,7 +23,8 @@
 //     u8  e2m1_hw[16]   low nibble of e2m1x2_hw(x_i, 0)
 //     u8  e2m1_raw[16]  low nibble of e2m1x2_cvt_raw(x_i, 0): the bare instruction (model)
 //     u16 bf16_x[16], u16 fp16_x[16], u8 fp8_x[16]      round_to_*(x_i)
-//   then twice, for Path::Software and then Path::Hardware:
+//   then three times, for Path::Software, Path::Hardware, and Path::Software with the FMA-pipe
+//   rounding (Rounding::Fma):
 //     u8  scale, u8 packed[8]                            encode_block_path
 //     f32 y[16]                                          decode_block
 //     u16 bf16_y[16], u16 fp16_y[16], u8 fp8_y[16]
@@ -29,6 +34,7 @@
 // On the host, and on GPUs without the FP4 cvt, Path::Hardware runs the fix-up logic around
 // NVIDIA's software model of the instruction; on a Blackwell build it runs the instruction.
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -41,7 +47,7 @@ namespace {
 constexpr int kInFloats = 18;
 constexpr size_t kHotBytes = 16 * 2 + 16 * 2 + 16;
 constexpr size_t kPathBytes = 9 + 64 + kHotBytes + 18 + 64 + kHotBytes;
-constexpr size_t kOutBytes = 5 * 16 + kHotBytes + 2 * kPathBytes;
+constexpr size_t kOutBytes = 5 * 16 + kHotBytes + 3 * kPathBytes;
 
 // Byte writer usable on host and device (no std::vector in device code).
 struct Writer {
@@ -69,16 +75,16 @@ __host__ __device__ void put_hot(Writer& w, const float (&y)[16]) {
   for (int i = 0; i < 16; ++i) w.u8(kn::round_to_fp8_e4m3_bits(y[i]));
 }
 
-template <kn::Path P>
+template <kn::Path P, kn::Rounding R>
 __host__ __device__ void put_path(Writer& w, const float (&x)[16], float G, float Q) {
-  const kn::Block b = kn::encode_block_path<P>(x, G, Q);
+  const kn::Block b = kn::encode_block_path<P, R>(x, G, Q);
   float y[16];
   kn::decode_block(b, Q, y);
   put_block(w, b);
   for (int i = 0; i < 16; ++i) w.f32(y[i]);
   put_hot(w, y);
 
-  const kn::Block2FP4 b2 = kn::encode_block_2fp4_path<P>(x, G, Q);
+  const kn::Block2FP4 b2 = kn::encode_block_2fp4_path<P, R>(x, G, Q);
   float y2[16];
   kn::decode_block_2fp4(b2, Q, y2);
   put_block(w, b2.main);
@@ -98,8 +104,9 @@ __host__ __device__ void fill(const float* rec, unsigned char* out) {
   for (int i = 0; i < 16; ++i) w.u8(kn::e2m1x2_hw(x[i], 0.0f) & 0xFu);
   for (int i = 0; i < 16; ++i) w.u8(kn::e2m1x2_cvt_raw(x[i], 0.0f) & 0xFu);
   put_hot(w, x);
-  put_path<kn::Path::Software>(w, x, G, Q);
-  put_path<kn::Path::Hardware>(w, x, G, Q);
+  put_path<kn::Path::Software, kn::Rounding::Integer>(w, x, G, Q);
+  put_path<kn::Path::Hardware, kn::Rounding::Integer>(w, x, G, Q);
+  put_path<kn::Path::Software, kn::Rounding::Fma>(w, x, G, Q);
 }
 
 #if defined(KVGEN_CHECK_DEVICE)
@@ -141,6 +148,34 @@ bool run_device(const std::vector<float>& in, std::vector<unsigned char>& out, s
 }
 #endif
 
+// The FMA-pipe rounding against the integer one over every non-NaN float pattern: one code at a
+// time (magnitude and, through e2m1x8, sign), and eight at a time with pattern i at position i % 8
+// and again reversed, so every nibble position of the packer sees 2^29 patterns each way.
+int sweep_e2m1(uint64_t stride) {
+  uint64_t mismatches = 0;
+  auto report = [&](const char* what, uint32_t bits, uint32_t got, uint32_t want) {
+    if (mismatches++ < 8) printf("%s 0x%08X: fma 0x%08X integer 0x%08X\n", what, bits, got, want);
+  };
+  for (uint64_t base = 0; base < (1ull << 32); base += 8 * stride) {
+    float p[8], q[8];
+    for (int k = 0; k < 8; ++k) {
+      const uint32_t bits = (uint32_t)(base + k);
+      const float v = kn::is_nan(kn::bits_f32(bits)) ? 0.0f : kn::bits_f32(bits);
+      p[k] = v;
+      q[7 - k] = v;
+      const uint32_t got = kn::e2m1_magnitude_fma_bits(v) - 0x4B000000u;
+      const uint32_t want = kn::e2m1_magnitude_sw(v);
+      if (got != want) report("magnitude", bits, got, want);
+    }
+    const uint32_t got = kn::e2m1x8_fma(p), want = kn::e2m1x8_sw(p);
+    if (got != want) report("x8", (uint32_t)base, got, want);
+    const uint32_t got_r = kn::e2m1x8_fma(q), want_r = kn::e2m1x8_sw(q);
+    if (got_r != want_r) report("x8 reversed", (uint32_t)base, got_r, want_r);
+  }
+  printf("mismatches=%llu\n", (unsigned long long)mismatches);
+  return mismatches ? 1 : 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -159,6 +194,7 @@ int main(int argc, char** argv) {
 #endif
       return 0;
     }
+    if (strcmp(argv[a], "--sweep-e2m1") == 0) return sweep_e2m1(a + 1 < argc ? strtoull(argv[a + 1], nullptr, 10) : 1);
     if (strcmp(argv[a], "--device") == 0) device = true;
   }
   std::vector<float> in;

@@ -191,9 +191,10 @@ __device__ __forceinline__ nvfp4::Block get8(const uint8_t* p, uint8_t scale) {
 // Record parts.  B (generated) provides:
 //   kIndex, kRows, kRowDim, kPrefix, kQ, kSuffix, kR, kResStart,
 //   kData, kScales, kResidual, kResidualScales, kLossless (record offsets), kG, kQdec.
+// R is the software path's E2M1 rounding route (a tunable: both give the contract's bytes).
 // ---------------------------------------------------------------------------------------------
 
-template <class B, class Hot>
+template <class B, class Hot, nvfp4::Rounding R>
 struct Quantized {
   static constexpr int kIndex = B::kIndex;
   static constexpr int kBlocksPerRow = B::kQ / 16;
@@ -231,7 +232,7 @@ struct Quantized {
       HotBlock<Hot> hot;
       hot.load(hot_block(page, at.x, at.y));
       hot.widen(x);
-      const nvfp4::Block main = nvfp4::encode_block(x, B::kG, B::kQdec);
+      const nvfp4::Block main = nvfp4::encode_block<R>(x, B::kG, B::kQdec);
       put8<8>(rec + B::kData + t * 8, main);  // region offsets of packed data are multiples of 8
       rec[B::kScales + t] = main.scale;
     }
@@ -244,7 +245,7 @@ struct Quantized {
         HotBlock<Hot> hot;
         hot.load(hot_block(page, row, blk));
         hot.widen(x);
-        const nvfp4::Block2FP4 both = nvfp4::encode_block_2fp4(x, B::kG, B::kQdec);
+        const nvfp4::Block2FP4 both = nvfp4::encode_block_2fp4<R>(x, B::kG, B::kQdec);
         put8<8>(rec + B::kData + t * 8, both.main);
         rec[B::kScales + t] = both.main.scale;
         put8<align_of(B::kResidual)>(rec + B::kResidual + r * 8, both.residual);

@@ -360,6 +360,80 @@ KVGEN_NVFP4_HD uint32_t e2m1x8_path(const float (&p)[8]) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Software rounding on the FMA pipe (Rounding::Fma): same codes as e2m1_magnitude_sw for every
+// non-NaN product, with the integer ALU pipe (half the FMA pipe's issue rate on sm_90) left to
+// the packing.  The E2M1 magnitude code is the concave piecewise-linear function
+//     code(a) = min(2a, a + 2, a/2 + 4, 7)      (a = |p|: one line per binade, then saturation)
+// rounded to an integer with ties to even: rne is monotone, so rne(min(..)) = min(rne(2a),
+// rne(a) + 2, rne(a/2) + 4, 7), and each line's rne is one float add of the magic 2^23 + k
+// (k = 0, 2, 4 even, so the tie-to-even of the sum is the tie-to-even of the line): the code ends
+// up in the low byte of the float's bit pattern, 0x4B00000c.  2a and a/2 are exact (a/2 only
+// loses bits below every threshold), and +Inf gives 7.  A NaN would give 7 too, which is why
+// encode_block only takes this route for blocks without non-finite values (see there).
+// ---------------------------------------------------------------------------------------------
+
+enum class Rounding { Integer = 0, Fma = 1 };
+
+constexpr float kRoundMagic = 8388608.0f;  // 2^23: adding it rounds [0, 2^23) to an integer
+
+// Bits 0x4B000000 | code of any non-NaN p (code = e2m1_magnitude_sw(p)).
+KVGEN_NVFP4_HD uint32_t e2m1_magnitude_fma_bits(float p) {
+  const float a = fabsf(p);
+  const float by_half = add_rn(add_rn(a, a), kRoundMagic);       // codes 0..4: steps of 0.5
+  const float by_one = add_rn(a, kRoundMagic + 2.0f);            // codes 4..6: steps of 1
+  const float by_two = add_rn(mul_rn(a, 0.5f), kRoundMagic + 4.0f);  // codes 6..7: steps of 2
+  return f32_bits(fminf(fminf(by_half, by_one), fminf(by_two, kRoundMagic + 7.0f)));
+}
+
+// __byte_perm (PRMT) in device code; the same byte selection (default mode: selector nibble
+// bits 0-2 pick a byte of {b:a}, bit 3 replicates that byte's sign bit) on the host.
+KVGEN_NVFP4_HD uint32_t byte_perm(uint32_t a, uint32_t b, uint32_t selector) {
+#if defined(__CUDA_ARCH__)
+  return __byte_perm(a, b, selector);
+#else
+  const uint64_t both = ((uint64_t)b << 32) | a;
+  uint32_t out = 0;
+  for (int k = 0; k < 4; ++k) {
+    const uint32_t nib = (selector >> (4 * k)) & 0xFu;
+    uint32_t byte = (uint32_t)(both >> (8 * (nib & 7u))) & 0xFFu;
+    if (nib & 8u) byte = (byte & 0x80u) ? 0xFFu : 0u;
+    out |= byte << (8 * k);
+  }
+  return out;
+#endif
+}
+
+// Byte `kByte` of four words, gathered into one word (w0's in byte 0): three PRMTs.
+template <uint32_t kByte>
+KVGEN_NVFP4_HD uint32_t gather_bytes(uint32_t w0, uint32_t w1, uint32_t w2, uint32_t w3) {
+  constexpr uint32_t kPair = kByte | ((kByte + 4u) << 4);  // [a.kByte, b.kByte, .., ..]
+  return byte_perm(byte_perm(w0, w1, kPair), byte_perm(w2, w3, kPair), 0x5410u);
+}
+
+// Eight codes in one word (element k in nibble k), FMA-pipe rounding, for non-NaN products.  The
+// codes sit in byte 0 of each magnitude pattern and the signs in bit 7 of byte 3 of each product:
+// PRMT gathers the even and the odd elements' bytes (sign bytes through PRMT's sign-replicate mode:
+// 0x00 or 0xFF), one LOP3 interleaves the signs into bit 3 (even) and bit 7 (odd) of each byte,
+// and a sign survives only where its magnitude is non-zero (no negative zero), as in e2m1x8_sw.
+KVGEN_NVFP4_HD uint32_t e2m1x8_fma(const float (&p)[8]) {
+  uint32_t t[8];
+  uint32_t u[8];
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    t[k] = e2m1_magnitude_fma_bits(p[k]);
+    u[k] = f32_bits(p[k]);
+  }
+  const uint32_t even = gather_bytes<0>(t[0], t[2], t[4], t[6]);
+  const uint32_t odd = gather_bytes<0>(t[1], t[3], t[5], t[7]);
+  const uint32_t mags = even | (odd << 4);
+  const uint32_t sign_even = gather_bytes<8 | 3>(u[0], u[2], u[4], u[6]);
+  const uint32_t sign_odd = gather_bytes<8 | 3>(u[1], u[3], u[5], u[7]);
+  const uint32_t signs = (sign_even & 0x08080808u) | (sign_odd & 0x80808080u);
+  const uint32_t nonzero = ((mags << 1) | (mags << 2) | (mags << 3)) & 0x88888888u;
+  return mags | (signs & nonzero);
+}
+
+// ---------------------------------------------------------------------------------------------
 // One block of 16 elements
 // ---------------------------------------------------------------------------------------------
 
@@ -389,30 +463,71 @@ KVGEN_NVFP4_HD float finite_amax(const float (&x)[16]) {
   return best;
 }
 
-template <Path P>
-KVGEN_NVFP4_HD Block encode_block_path(const float (&x)[16], float G, float Q) {
-  Block blk;
-  // s = fl(fl(amax * SIXTH) * G); S = E4M3(s).  s >= 0 (possibly +Inf), so the byte has no sign.
-  const float s = mul_rn(mul_rn(finite_amax(x), kSixth), G);
-  const uint32_t sb = e4m3_from_f32_path<P>(s);
-  blk.scale = (uint8_t)sb;
-  // m = fl(1 / fl(S * Q)).  With S == 0 this is Inf and the codes are garbage: they are masked
-  // below instead of branching, so every lane does the same work.
-  const float m = div_rn(1.0f, mul_rn(e4m3_to_f32(sb), Q));
-  const uint32_t keep = sb != 0u ? 0xFFFFFFFFu : 0u;
+// max |x_i| propagating NaN (max.NaN.f32; an Inf stays Inf): finite exactly when every element is
+// finite, and then it is finite_amax(x).  The test of the FMA-pipe rounding's fast path.
+KVGEN_NVFP4_HD float raw_amax(const float (&x)[16]) {
+  float best = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+#if defined(__CUDA_ARCH__)
+    asm("max.NaN.f32 %0, %1, %2;" : "=f"(best) : "f"(best), "f"(fabsf(x[i])));
+#else
+    best = is_nan(x[i]) || is_nan(best) ? bits_f32(0x7FFFFFFFu) : fmaxf(best, fabsf(x[i]));
+#endif
+  }
+  return best;
+}
+
+// The codes of one block, 8 products at a time, with the path's packer or the FMA-pipe one.
+template <Path P, bool kFma>
+KVGEN_NVFP4_HD void pack_codes(Block& blk, const float (&x)[16], float m) {
 #pragma unroll
   for (int w = 0; w < 2; ++w) {
     float p[8];
 #pragma unroll
     for (int k = 0; k < 8; ++k) p[k] = mul_rn(x[w * 8 + k], m);
-    blk.packed[w] = e2m1x8_path<P>(p) & keep;
+    blk.packed[w] = kFma ? e2m1x8_fma(p) : e2m1x8_path<P>(p);
   }
+}
+
+// Rounding::Fma (software path only; the hardware path has its cvt) takes the FMA-pipe route when
+// every x_i is finite and m is finite: then no product is NaN (one may still overflow to +-Inf,
+// which rounds right).  Any other block -- garbage rows, or a tiny Q making S * Q underflow --
+// takes the integer route, which handles everything.  Both routes give the same bytes.
+template <Path P, Rounding R = Rounding::Integer>
+KVGEN_NVFP4_HD Block encode_block_path(const float (&x)[16], float G, float Q) {
+  constexpr bool kFmaRoute = P == Path::Software && R == Rounding::Fma;
+  Block blk;
+  bool all_finite = false;
+  float amax;
+  if constexpr (kFmaRoute) {
+    amax = raw_amax(x);
+    all_finite = is_finite(amax);
+    if (!all_finite) amax = finite_amax(x);
+  } else {
+    amax = finite_amax(x);
+  }
+  // s = fl(fl(amax * SIXTH) * G); S = E4M3(s).  s >= 0 (possibly +Inf), so the byte has no sign.
+  const uint32_t sb = e4m3_from_f32_path<P>(mul_rn(mul_rn(amax, kSixth), G));
+  blk.scale = (uint8_t)sb;
+  // m = fl(1 / fl(S * Q)).  With S == 0 this is Inf and the codes are garbage: they are masked
+  // below instead of branching, so every lane does the same work.
+  const float m = div_rn(1.0f, mul_rn(e4m3_to_f32(sb), Q));
+  if (kFmaRoute && all_finite && is_finite(m)) {
+    pack_codes<P, true>(blk, x, m);
+  } else {
+    pack_codes<P, false>(blk, x, m);
+  }
+  const uint32_t keep = sb != 0u ? 0xFFFFFFFFu : 0u;
+  blk.packed[0] &= keep;
+  blk.packed[1] &= keep;
   return blk;
 }
 
 // Encode one block with this pass's path.
+template <Rounding R = Rounding::Integer>
 KVGEN_NVFP4_HD Block encode_block(const float (&x)[16], float G, float Q) {
-  return encode_block_path<kPath>(x, G, Q);
+  return encode_block_path<kPath, R>(x, G, Q);
 }
 
 // y_i = fl(fl(e2m1(code_i) * S) * Q), binary32, before the hot rounding.  Decoding makes no
@@ -429,21 +544,22 @@ KVGEN_NVFP4_HD void decode_block(const Block& blk, float Q, float (&y)[16]) {
 
 // 2FP4: main block, then the residual d_i = fl(x_i - y_i) (0 for non-finite x_i) encoded as its
 // own block with the same G and Q.
-template <Path P>
+template <Path P, Rounding R = Rounding::Integer>
 KVGEN_NVFP4_HD Block2FP4 encode_block_2fp4_path(const float (&x)[16], float G, float Q) {
   Block2FP4 out;
-  out.main = encode_block_path<P>(x, G, Q);
+  out.main = encode_block_path<P, R>(x, G, Q);
   float y[16];
   decode_block(out.main, Q, y);
   float d[16];
 #pragma unroll
   for (int i = 0; i < 16; ++i) d[i] = is_finite(x[i]) ? sub_rn(x[i], y[i]) : 0.0f;
-  out.residual = encode_block_path<P>(d, G, Q);
+  out.residual = encode_block_path<P, R>(d, G, Q);
   return out;
 }
 
+template <Rounding R = Rounding::Integer>
 KVGEN_NVFP4_HD Block2FP4 encode_block_2fp4(const float (&x)[16], float G, float Q) {
-  return encode_block_2fp4_path<kPath>(x, G, Q);
+  return encode_block_2fp4_path<kPath, R>(x, G, Q);
 }
 
 // 2FP4 decode: fl(y_i + y'_i), binary32, before the (single) hot rounding.

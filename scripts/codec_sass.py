@@ -1,0 +1,225 @@
+#!/usr/bin/env python3
+"""SASS instruction mix of the codec's per-block loops, per pipe class, without a GPU.
+
+Compiles ``generated/<family>/codec.cu`` for sm_90a the way ``tests/test_generated.py`` does
+(``nvcc -cubin -O3 --fmad=false``, with ``-Xptxas -v`` for registers), disassembles it with the
+cuobjdump that Triton's wheel ships, and counts the instructions of the loop that quantizes plain
+blocks: in the encode kernel the loop holding the hot loads (LDG) and the scale store (STS.U8), in
+the decode kernel the loop holding the scale load (LDS.U8) and the hot stores (STG). Each
+iteration handles as many 16-element blocks as it stores (encode) or loads (decode) scale bytes,
+so dividing by that gives instructions per block. Two counts: ``static`` is every instruction
+of the loop body (both sides of its branches), ``path`` the instructions along the loop's
+shortest path, which is what a block of finite values executes (the division's fast path, the
+fallbacks for non-finite blocks skipped, the shorter packer taken).
+
+Pipe classes follow Nsight Compute's pipes on sm_90: ``alu`` (integer/logic, compares, selects,
+float min/max, PRMT), ``imad`` (IMAD/IMUL: integer work that issues on the FMA-heavy pipe),
+``fma`` (FP32 and packed FP16/BF16 arithmetic), ``conversion`` (F2F/F2I/I2F/F2FP/...), ``mufu``,
+``memory``, ``uniform`` (the U* datapath), ``control``.
+
+    python scripts/codec_sass.py                       # the working tree
+    python scripts/codec_sass.py --rev 0469adf         # a commit (its kernels and generated/)
+    python scripts/codec_sass.py --rev 0469adf --rev WORKTREE --out results/x.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+FAMILIES = ("qwen3-8b", "qwen3-8b-fp8")
+WORKTREE = "WORKTREE"
+
+CLASSES: dict[str, tuple[str, ...]] = {
+    "alu": ("IADD3", "LOP3", "SHF", "SHL", "SHR", "ISETP", "SEL", "PRMT", "IMNMX", "VIMNMX", "FSETP", "FSEL",
+            "FMNMX", "LEA", "IABS", "FLO", "POPC", "BMSK", "SGXT", "PLOP3", "P2R", "R2P", "MOV", "VIADD",
+            "IADD", "BREV", "HSETP2", "HMNMX2"),
+    "imad": ("IMAD", "IMUL"),
+    "fma": ("FFMA", "FMUL", "FADD", "HFMA2", "HMUL2", "HADD2", "FSWZADD"),
+    "conversion": ("F2F", "F2I", "I2F", "F2FP", "I2FP", "FRND", "F2IP"),
+    "mufu": ("MUFU",),
+    "memory": ("LDG", "STG", "LDS", "STS", "LD", "ST", "LDL", "STL", "LDC", "ATOM", "ATOMS", "RED"),
+    "control": ("BRA", "BSSY", "BSYNC", "EXIT", "CALL", "RET", "NOP", "BAR", "S2R", "CS2R", "S2UR", "WARPSYNC",
+                "DEPBAR", "YIELD"),
+}
+_CLASS_OF = {op: cls for cls, ops in CLASSES.items() for op in ops}
+
+_INSN = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)\s*([^;]*);")
+
+
+def pipe_class(opcode: str) -> str:
+    base = opcode.split(".")[0]
+    if base.startswith("U") and base not in _CLASS_OF:
+        return "uniform"
+    return _CLASS_OF.get(base, "other")
+
+
+def parse_functions(sass: str) -> dict[str, list[tuple[int, str, str, bool]]]:
+    """Function name -> [(address, opcode, operands, predicated)]."""
+    functions: dict[str, list[tuple[int, str, str]]] = {}
+    current = None
+    for line in sass.splitlines():
+        if "Function :" in line:
+            current = line.split("Function :", 1)[1].strip()
+            functions[current] = []
+        elif current is not None and (m := _INSN.search(line)):
+            functions[current].append((int(m.group(1), 16), m.group(3), m.group(4), bool(m.group(2))))
+    return functions
+
+
+def loops(insns):
+    """Bodies of the loops: a backward BRA closes [target, branch]."""
+    bodies = []
+    for addr, op, args, _ in insns:
+        if op == "BRA" and (m := re.search(r"0x([0-9a-f]+)", args)) and int(m.group(1), 16) < addr:
+            start = int(m.group(1), 16)
+            bodies.append([i for i in insns if start <= i[0] <= addr])
+    return bodies
+
+
+def block_loop(insns, direction: str):
+    """The first plain-block loop of a kernel and the blocks one iteration handles."""
+    for body in loops(insns):
+        ops = [insn[1] for insn in body]
+        if direction == "encode" and any(o.startswith("LDG") for o in ops):
+            blocks = sum(o == "STS.U8" for o in ops)
+        elif direction == "decode" and any(o.startswith(("STG", "ST.")) for o in ops):
+            blocks = sum(o.startswith("LDS.U8") for o in ops)
+        else:
+            continue
+        if blocks:
+            return body, blocks
+    raise SystemExit(f"no {direction} block loop found")
+
+
+def shortest_path(body: list[tuple[int, str, str, bool]]) -> list[tuple[int, str, str, bool]]:
+    """The instructions on the shortest way from the loop head to its backward branch (the body's
+    forward branches make it a DAG: dynamic programming from the end)."""
+    index = {insn[0]: i for i, insn in enumerate(body)}
+    best: list[list | None] = [None] * len(body)
+    best[-1] = [body[-1]]
+    for i in range(len(body) - 2, -1, -1):
+        addr, op, args, predicated = body[i]
+        nexts = []
+        target = re.search(r"0x([0-9a-f]+)", args) if op == "BRA" else None
+        if target and int(target.group(1), 16) in index and int(target.group(1), 16) > addr:
+            nexts.append(index[int(target.group(1), 16)])
+        if op != "BRA" or predicated or not target:
+            nexts.append(i + 1)  # falls through: not an unconditional branch
+        options = [best[j] for j in nexts if best[j] is not None]
+        best[i] = [body[i], *min(options, key=len)] if options else None
+    return best[0] or body
+
+
+def mix(insns, blocks: int) -> dict:
+    """Instructions per block: total, per pipe class, per opcode."""
+    per_class = Counter(pipe_class(insn[1]) for insn in insns)
+    per_op = Counter(insn[1] for insn in insns)
+    return {"total": round(len(insns) / blocks, 2),
+            "per_class": {cls: round(n / blocks, 2) for cls, n in sorted(per_class.items())},
+            "per_opcode": {op: round(n / blocks, 2) for op, n in per_op.most_common()}}
+
+
+def ptxas_info(log: str) -> dict[str, dict[str, int]]:
+    """Kernel name -> registers and static shared memory, from ``ptxas -v``."""
+    out: dict[str, dict[str, int]] = {}
+    name = None
+    for line in log.splitlines():
+        if m := re.search(r"Compiling entry function '([^']+)'", line):
+            name = m.group(1)
+            out[name] = {"registers": 0, "static_smem_bytes": 0}
+        elif name and (m := re.search(r"Used (\d+) registers", line)):
+            out[name]["registers"] = int(m.group(1))
+            if s := re.search(r"(\d+) bytes smem", line):
+                out[name]["static_smem_bytes"] = int(s.group(1))
+    return out
+
+
+def cuobjdump() -> Path:
+    import triton  # ships cuobjdump; the CUDA toolkit here has no disassembler for every target
+
+    return Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+
+
+def source_tree(rev: str, tmp: Path) -> Path:
+    """A tree holding the kernels and generated/ of ``rev`` (the working tree itself for WORKTREE)."""
+    if rev == WORKTREE:
+        return ROOT
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "kvgen/kernels", "generated"],
+                             capture_output=True, check=True).stdout
+    dest = tmp / rev
+    dest.mkdir()
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
+    return dest
+
+
+def analyse(tree: Path, family: str, tmp: Path) -> dict:
+    source = tree / "generated" / family / "codec.cu"
+    cubin = tmp / f"{tree.name}-{family}.cubin"
+    includes = [f"-I{tree / 'kvgen' / 'kernels' / d}" for d in ("include", "cuda")]
+    cmd = ["nvcc", "-cubin", "-O3", "-std=c++17", "--fmad=false", "-gencode", "arch=compute_90a,code=sm_90a",
+           "-Xptxas", "-v", *includes, "-o", str(cubin), str(source)]
+    build = subprocess.run(cmd, capture_output=True, text=True)
+    if build.returncode:
+        raise SystemExit(f"nvcc failed for {source}:\n{build.stderr}")
+    record = int(re.search(r"Layer record: (\d+) bytes", source.read_text()).group(1))
+    resources = ptxas_info(build.stderr)
+    sass = subprocess.run([str(cuobjdump()), "-sass", str(cubin)], capture_output=True, text=True,
+                          check=True).stdout
+    result = {}
+    for name, insns in parse_functions(sass).items():
+        direction = "encode" if "encode_kernel" in name else "decode"
+        if not name.endswith("PKNS0_8PagePairE") or "Lb1E" not in name:
+            continue  # one instantiation per direction: device index arrays (host arrays: same loop)
+        body, blocks = block_loop(insns, direction)
+        result[direction] = {
+            "blocks_per_iteration": blocks,
+            "path": mix(shortest_path(body), blocks),
+            "static": mix(body, blocks),
+            "registers": resources[name]["registers"],
+            "smem_per_cta_bytes": resources[name]["static_smem_bytes"] + record,
+        }
+    return result
+
+
+def git_commit(rev: str) -> str:
+    if rev == WORKTREE:
+        head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True)
+        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "kvgen/kernels", "generated"],
+                               capture_output=True, text=True).stdout.strip()
+        return head.stdout.strip() + ("+dirty" if dirty else "")
+    return subprocess.run(["git", "-C", str(ROOT), "rev-parse", rev], capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rev", action="append", help=f"git revision to analyse (default: {WORKTREE})")
+    parser.add_argument("--family", action="append", choices=FAMILIES, help="default: both")
+    parser.add_argument("--out", type=Path, help="write the JSON here (default: stdout)")
+    args = parser.parse_args(argv)
+    revs = args.rev or [WORKTREE]
+    report = {"arch": "sm_90a", "method": __doc__.split("\n\n")[1].replace("\n", " "), "revisions": {}}
+    with tempfile.TemporaryDirectory() as tmpdir:
+        tmp = Path(tmpdir)
+        for rev in revs:
+            tree = source_tree(rev, tmp)
+            report["revisions"][rev] = {"commit": git_commit(rev),
+                                        "families": {f: analyse(tree, f, tmp) for f in args.family or FAMILIES}}
+    text = json.dumps(report, indent=2) + "\n"
+    if args.out:
+        args.out.write_text(text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
