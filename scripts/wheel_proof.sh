@@ -3,7 +3,7 @@
 #   1. pip-install dist/kvgen_kernels_sm90-*.whl (built here with `kvgen wheel --arch sm_90a` and
 #      carried in dist/) with --no-deps --target /tmp/kvgen_wheel_env; kvgen itself is imported
 #      from this checkout;
-#   2. run tests/gpu/test_wheel_gpu.py with a PATH that holds no nvcc (only nvidia-smi, for the
+#   2. run tests/gpu/test_wheel_gpu.py with a PATH that holds no nvcc (only gcc and nvidia-smi, for the
 #      environment record), no $KVGEN_REGISTRY and no build/registry on the search path: the
 #      libraries can only come from the installed wheel, found through its entry point;
 #   3. write $OUT/wheel_proof.json (environment, wheel sha256, per-test outcomes) and keep the
@@ -52,10 +52,15 @@ if ! env -u PYTHONPATH "$PY" -c "import pydantic" >/dev/null 2>&1; then
   fi
 fi
 
-# A PATH with no compiler: a scratch bin directory holding only nvidia-smi.
+# A PATH with no CUDA compiler: a scratch bin directory holding only nvidia-smi and the C compiler.
 BIN=$(mktemp -d)
 trap 'rm -rf "$BIN"' EXIT
 if command -v nvidia-smi >/dev/null; then ln -s "$(command -v nvidia-smi)" "$BIN/nvidia-smi"; fi
+# Triton builds each kernel's small host launcher with the C compiler at run time (a Triton
+# requirement, not kvgen's): the packer needs gcc, never nvcc.
+for cc in gcc cc; do
+  if command -v "$cc" >/dev/null; then ln -s "$(command -v "$cc")" "$BIN/$cc"; fi
+done
 
 set +e
 env -u KVGEN_REGISTRY PATH="$BIN" PYTHONPATH="$TARGET:$DEPS:$PWD" KVGEN_WHEEL_TARGET="$TARGET" \
@@ -72,7 +77,7 @@ import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from kvgen.bench.common import environment, write_result
+from kvgen.measure.environment import environment, write_result
 
 wheel, target, junit, rc, installer, pydantic = sys.argv[1:]
 tests = []

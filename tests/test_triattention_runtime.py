@@ -74,7 +74,7 @@ def _scorer(spec, path: Path, sim: DecodeSim) -> tuple[OracleScorer, object]:
 
 
 def _manager(spec, tmp_path: Path, sim: DecodeSim, **kwargs) -> tuple[TriAttentionManager, object]:
-    path = save_synthetic_calibration(spec, tmp_path / "calib.pt")
+    path = save_synthetic_calibration(eviction_config(spec), tmp_path / "calib.pt")
     scorer, calibration = _scorer(spec, path, sim)
     return TriAttentionManager(eviction_config(spec), path, sim.k_pools, sim.v_pools, scorer, **kwargs), calibration
 
@@ -85,7 +85,7 @@ def _manager(spec, tmp_path: Path, sim: DecodeSim, **kwargs) -> tuple[TriAttenti
 @pytest.mark.parametrize("mode", MODES)
 def test_decide_is_the_oracle_decision_on_the_kernel_scores(tmp_path: Path, mode: str) -> None:
     spec = small_spec(load_spec(SPECS / "gpt-oss-20b.yaml"), 6)   # 3 scored, 3 sliding layers
-    sim = DecodeSim(spec, [5], [0], 64, torch.device("cpu"))
+    sim = DecodeSim(eviction_config(spec), [5], [0], 64, torch.device("cpu"))
     manager, _ = _manager(spec, tmp_path, sim, budget=130, eviction_mode=mode)
     g = manager.geometry
     gen = torch.Generator().manual_seed(3)
@@ -118,7 +118,7 @@ def test_rounds_are_byte_identical_to_the_oracle(tmp_path: Path, family: str, la
     spec = small_spec(load_spec(SPECS / f"{family}.yaml"), layers)
     prompts, tails = [13, 40, 77], [0, 1, 3]
     steps = budget + 3 * beta + 20
-    sim = DecodeSim(spec, prompts, tails, max(prompts) + max(tails) + steps + 30, torch.device("cpu"), seed=5,
+    sim = DecodeSim(eviction_config(spec), prompts, tails, max(prompts) + max(tails) + steps + 30, torch.device("cpu"), seed=5,
                     generated=[0, 5, 19], codebook=24 if family == "qwen3-8b" else None)
     manager, calibration = _manager(spec, tmp_path, sim, budget=budget, beta=beta, eviction_mode=mode)
     rounds = run_against_oracle(manager, sim, steps, calibration)
@@ -130,7 +130,7 @@ def test_rounds_are_byte_identical_to_the_oracle(tmp_path: Path, family: str, la
 
 def test_several_crossings_in_one_step_give_one_round(tmp_path: Path) -> None:
     spec = small_spec(load_spec(SPECS / "qwen3-8b.yaml"), 1)
-    sim = DecodeSim(spec, [10], [0], 400, torch.device("cpu"))
+    sim = DecodeSim(eviction_config(spec), [10], [0], 400, torch.device("cpu"))
     manager, _ = _manager(spec, tmp_path, sim, budget=32, beta=8)
     manager.on_request_init(_Request("a", 10))
     sim.lengths = [10 + 100]      # a speculative-style jump: many beta multiples crossed at once
@@ -150,11 +150,11 @@ def test_admission_predicates() -> None:
 def test_init_validates_calibration_library_and_pools(tmp_path: Path) -> None:
     spec = small_spec(load_spec(SPECS / "qwen3-8b.yaml"), 2)
     config = eviction_config(spec)
-    sim = DecodeSim(spec, [10], [0], 64, torch.device("cpu"))
+    sim = DecodeSim(eviction_config(spec), [10], [0], 64, torch.device("cpu"))
     manager, calibration = _manager(spec, tmp_path, sim)
     assert (manager.budget, manager.beta, manager.mode) == (2048, 128, "union")
     other = small_spec(load_spec(SPECS / "llama-3.1-8b.yaml"), 2)   # same shapes, another RoPE
-    wrong = save_synthetic_calibration(other, tmp_path / "llama.pt")
+    wrong = save_synthetic_calibration(eviction_config(other), tmp_path / "llama.pt")
     with pytest.raises(CalibrationError, match=r"llama\.pt.*omega.*disagrees"):
         TriAttentionManager(config, wrong, sim.k_pools, sim.v_pools, manager.library)
     with pytest.raises(ValueError, match="2 layers, got 1 K"):
@@ -174,7 +174,7 @@ def test_init_validates_calibration_library_and_pools(tmp_path: Path) -> None:
 ])
 def test_overrides_are_checked_like_the_config(tmp_path: Path, overrides: dict, message: str) -> None:
     spec = small_spec(load_spec(SPECS / "gpt-oss-20b.yaml"), 2)
-    sim = DecodeSim(spec, [10], [0], 64, torch.device("cpu"))
+    sim = DecodeSim(eviction_config(spec), [10], [0], 64, torch.device("cpu"))
     manager, _ = _manager(spec, tmp_path, sim)
     with pytest.raises(ValueError, match=message):
         TriAttentionManager(manager.config, tmp_path / "calib.pt", sim.k_pools, sim.v_pools, manager.library,
@@ -212,8 +212,8 @@ def _resolved(spec) -> _Resolved:
 
 def test_from_registry_runs_rounds_equal_to_the_oracle(tmp_path: Path) -> None:
     spec = small_spec(load_spec(SPECS / "gpt-oss-20b.yaml"), 4)
-    sim = DecodeSim(spec, [13, 40], [0, 2], 260, torch.device("cpu"), seed=5, generated=[0, 5])
-    path = save_synthetic_calibration(spec, tmp_path / "calib.pt")
+    sim = DecodeSim(eviction_config(spec), [13, 40], [0, 2], 260, torch.device("cpu"), seed=5, generated=[0, 5])
+    path = save_synthetic_calibration(eviction_config(spec), tmp_path / "calib.pt")
     scorer, calibration = _scorer(spec, path, sim)
     resolved = _resolved(spec)
     g = tri_geometry(spec)
@@ -229,8 +229,8 @@ def test_from_registry_runs_rounds_equal_to_the_oracle(tmp_path: Path) -> None:
 
 def test_from_registry_asks_for_the_artifacts_it_is_not_given(tmp_path: Path) -> None:
     spec = small_spec(load_spec(SPECS / "qwen3-8b.yaml"), 2)
-    sim = DecodeSim(spec, [10], [0], 64, torch.device("cpu"))
-    path = save_synthetic_calibration(spec, tmp_path / "calib.pt")
+    sim = DecodeSim(eviction_config(spec), [10], [0], 64, torch.device("cpu"))
+    path = save_synthetic_calibration(eviction_config(spec), tmp_path / "calib.pt")
     scorer, _ = _scorer(spec, path, sim)
     resolved = _resolved(spec)
     resolved.artifacts = {op: tmp_path / f"missing-{op}" for op in ("score", "pack", "compact")}

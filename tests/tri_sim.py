@@ -1,6 +1,9 @@
 """A synthetic long decode for TriAttention tests (CPU and GPU): paged K/V pools with scattered
 pages, requests with prompts of different lengths and protected tails, one token per request per
-step; the manager under test and the oracle's ``eviction_round`` run side by side on copies."""
+step; the manager under test and the oracle's ``eviction_round`` run side by side on copies.
+
+Spec-free (an ``EvictionConfig`` describes the family), so the wheel proof runs it where only the
+runtime, the oracle and an installed kernel wheel exist."""
 
 from __future__ import annotations
 
@@ -10,15 +13,20 @@ from pathlib import Path
 
 import torch
 
-from kvgen.lower.triattention import rope_scaling, tri_geometry
-from kvgen.reference.triattention import TriGeometry, eviction_round, is_due, save_calibration, synthetic_calibration
+from kvgen.reference.triattention import (
+    EvictionConfig,
+    TriGeometry,
+    eviction_round,
+    is_due,
+    save_calibration,
+    synthetic_calibration,
+)
 from kvgen.runtime.eviction import GenerationStep, TriAttentionManager
-from kvgen.spec.schema import FamilySpec
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def small_spec(spec: FamilySpec, layers: int) -> FamilySpec:
+def small_spec(spec, layers: int):  # noqa: ANN001 - a FamilySpec (pydantic), kept out of this module's imports
     """The family with fewer cache layers (the kernel does not depend on the count)."""
     return spec.model_copy(update={"layers": layers})
 
@@ -32,9 +40,9 @@ def write_rows(pool: torch.Tensor, geometry: TriGeometry, pages: torch.Tensor, s
         pool[pages, slots] = rows
 
 
-def save_synthetic_calibration(spec: FamilySpec, path: Path, seed: int = 0) -> Path:
-    geometry = tri_geometry(spec)
-    save_calibration(synthetic_calibration(geometry, seed, theta=spec.rope.theta, scaling=rope_scaling(spec)), path)
+def save_synthetic_calibration(config: EvictionConfig, path: Path, seed: int = 0) -> Path:
+    save_calibration(synthetic_calibration(config.geometry, seed, theta=config.rope_theta,
+                                           scaling=config.rope_scaling), path)
     return path
 
 
@@ -42,7 +50,7 @@ def save_synthetic_calibration(spec: FamilySpec, path: Path, seed: int = 0) -> P
 class DecodeSim:
     """Pools, page table and lengths of a batch; ``step()`` appends one token per request."""
 
-    spec: FamilySpec
+    config: EvictionConfig
     prompts: list[int]
     tails: list[int]
     max_tokens: int
@@ -54,7 +62,7 @@ class DecodeSim:
     geometry: TriGeometry = field(init=False)
 
     def __post_init__(self) -> None:
-        self.geometry = tri_geometry(self.spec)
+        self.geometry = self.config.geometry
         g = self.geometry
         self.gen = torch.Generator().manual_seed(self.seed)
         per_request = math.ceil(self.max_tokens / g.tokens_per_block)
@@ -62,7 +70,7 @@ class DecodeSim:
         order = torch.randperm(num_pages, generator=self.gen)          # scattered pages
         self.page_table = order[: len(self.prompts) * per_request].reshape(len(self.prompts), per_request)
         self.page_table = self.page_table.to(torch.int32).to(self.device)
-        dtype = TORCH_DTYPES[self.spec.dtype]
+        dtype = TORCH_DTYPES[self.config.dtype]
         shape = (num_pages, *g.page_shape)
         if self.combined:
             buffers = [self._random((num_pages, 2, *shape[1:])).to(dtype).to(self.device) for _ in range(g.num_layers)]
@@ -119,7 +127,7 @@ class DecodeSim:
         table = self.page_table.cpu().long()
         pages = table[torch.arange(len(self.lengths)), positions // g.tokens_per_block].to(self.device)
         slots = (positions % g.tokens_per_block).to(self.device)
-        dtype = TORCH_DTYPES[self.spec.dtype]
+        dtype = TORCH_DTYPES[self.config.dtype]
         for layer in range(g.num_layers):
             if self.codebook:
                 pick = torch.randint(self.codebook, (len(self.lengths),), generator=self.gen)

@@ -55,7 +55,7 @@ from kvgen.runtime.lookup import RegistryError, RuntimeRegistry
 from kvgen.runtime.score import ScoreLibrary
 from kvgen.spec.schema import load_spec
 
-from ..conftest import ROOT, SPECS_DIR
+from ..conftest import SPECS_DIR
 from ..tri_sim import DecodeSim, run_against_oracle, save_synthetic_calibration, small_spec
 from .conftest import ARCH, REGISTRY
 
@@ -83,10 +83,10 @@ def scenario(family: str) -> dict:
     """Kernel scores of one family's scenario (computed once per session)."""
     spec = small_spec(load_spec(SPECS_DIR / f"{family}.yaml"), 6)
     max_tokens = max(p + n + t for p, n, t in zip(PROMPTS, GENERATED, TAILS)) + 8
-    sim = DecodeSim(spec, PROMPTS, TAILS, max_tokens, torch.device("cuda"), seed=11, generated=GENERATED,
+    sim = DecodeSim(eviction_config(spec), PROMPTS, TAILS, max_tokens, torch.device("cuda"), seed=11, generated=GENERATED,
                     combined=family in COMBINED)
     sim.duplicate_rows(0, 1, range(10, 20))
-    path = save_synthetic_calibration(spec, Path(tempfile.mkdtemp(prefix="kvgen-calib-")) / f"{family}.pt", seed=4)
+    path = save_synthetic_calibration(eviction_config(spec), Path(tempfile.mkdtemp(prefix="kvgen-calib-")) / f"{family}.pt", seed=4)
     manager = TriAttentionManager(eviction_config(spec), path, sim.k_pools, sim.v_pools, score_library(family),
                                   budget=max(100, max((w for w in tri_geometry(spec).swa_window if w), default=0)))
     S = [n - t for n, t in zip(sim.lengths, TAILS)]
@@ -185,10 +185,11 @@ ROUND_CASES = [  # family, eviction mode, budget, beta
 def _backends(family: str, sim: DecodeSim, which: str):
     if which == "oracle":
         return {}
-    pack = ROOT / "generated" / family / "pack.py"
-    compact = REGISTRY / ARCH / ("libkvgen_" + "".join(ch if ch.isalnum() else "_" for ch in family) + ".so")
-    if not pack.is_file() or not compact.is_file():
-        pytest.skip(f"generated packer {pack} or compactor {compact} not built")
+    try:
+        resolved = RuntimeRegistry([REGISTRY]).resolve(family, ARCH)
+        pack, compact = resolved.artifact("pack"), resolved.artifact("compact")
+    except RegistryError as exc:
+        pytest.skip(f"generated packer or compactor of {family} not in {REGISTRY}: {exc}")
     packer, compactor = generated_backends(family, sim.k_pools, sim.v_pools, pack, compact)
     return {"packer": packer, "compactor": compactor}
 
@@ -200,9 +201,9 @@ def test_full_rounds_are_byte_identical_to_the_oracle(tmp_path: Path, family: st
     spec = load_spec(SPECS_DIR / f"{family}.yaml")
     prompts, tails, generated = [13, 150, 61, 7], [0, 1, 3, 2], [0, 9, 20, 31]
     steps = budget + 3 * beta + 24
-    sim = DecodeSim(spec, prompts, tails, max(prompts) + max(tails) + max(generated) + steps + 8,
+    sim = DecodeSim(eviction_config(spec), prompts, tails, max(prompts) + max(tails) + max(generated) + steps + 8,
                     torch.device("cuda"), seed=23, generated=generated, codebook=24)
-    calibration_path = save_synthetic_calibration(spec, tmp_path / "calib.pt", seed=9)
+    calibration_path = save_synthetic_calibration(eviction_config(spec), tmp_path / "calib.pt", seed=9)
     manager = TriAttentionManager(eviction_config(spec), calibration_path, sim.k_pools, sim.v_pools,
                                   score_library(family), budget=budget, beta=beta, eviction_mode=mode,
                                   **_backends(family, sim, backend))

@@ -16,8 +16,11 @@ tests/gpu/conftest.py registers the kvgen packages bare (no pydantic).
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -248,3 +251,41 @@ def test_compaction_from_the_wheel_matches_the_oracle(registry: RuntimeRegistry)
     for layer in range(geo.num_layers):
         assert torch.equal(k_gpu[layer].cpu().view(torch.uint8), k_pools[layer].view(torch.uint8)), f"K {layer}"
         assert torch.equal(v_gpu[layer].cpu().view(torch.uint8), v_pools[layer].view(torch.uint8)), f"V {layer}"
+
+
+# ---------------------------------------------------------------- an eviction round from the wheel alone
+
+RUNTIME_SIDE = ("__init__.py", "arch.py", "files.py", "paths.py", "artifacts", "kernels", "reference", "runtime")
+
+
+def test_eviction_round_from_the_wheel_alone(tmp_path: Path) -> None:
+    """Score -> select -> pack -> compact with every kernel from the installed wheel, in a child
+    process holding only kvgen's run-time side, ``tri_sim`` and the wheel (tests/gpu/wheel_eviction.py
+    says what is blocked); byte-identical to the oracle's ``eviction_round`` after every step."""
+    if not TARGET:
+        pytest.skip("needs the wheel installed by scripts/wheel_proof.sh (KVGEN_WHEEL_TARGET)")
+    root = Path(__file__).resolve().parents[2]
+    site = tmp_path / "site"
+    for name in RUNTIME_SIDE:
+        source = root / "kvgen" / name
+        if source.is_dir():
+            shutil.copytree(source, site / "kvgen" / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            (site / "kvgen").mkdir(parents=True, exist_ok=True)
+            shutil.copy(source, site / "kvgen" / name)
+    for script in (root / "tests" / "tri_sim.py", Path(__file__).with_name("wheel_eviction.py")):
+        shutil.copy(script, site / script.name)
+    empty = tmp_path / "cwd"
+    empty.mkdir()
+    environ = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "KVGEN_REGISTRY")}
+    environ["PYTHONPATH"] = os.pathsep.join([str(site), TARGET])
+    proc = subprocess.run([sys.executable, str(site / "wheel_eviction.py")], cwd=empty, env=environ,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    record = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert record["byte_identical"] and record["rounds"] >= 3
+    assert record["score_library"].startswith(TARGET), record
+    assert set(record["kvgen_packages_loaded"]) <= {"arch", "files", "paths", "artifacts", "kernels", "reference",
+                                                     "runtime"}, record
+    if (out := os.environ.get("OUT")):
+        Path(out, "wheel_eviction.json").write_text(json.dumps(record, indent=2) + "\n")
