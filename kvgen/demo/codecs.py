@@ -80,7 +80,7 @@ def open_codec(config: DemoConfig, spec_path: Path, family: str, layout: FamilyL
     resolved = registry.resolve(family, config.arch, spec_path)
     codec = codec_from_registry(registry, family, pools, arch=config.arch, index_location="host",
                                 spec_path=spec_path)
-    return codec, {"backend": GENERATED_BACKEND, "library": str(resolved.artifact), "arch": resolved.arch}
+    return codec, {"backend": GENERATED_BACKEND, "library": str(resolved.artifact("codec")), "arch": resolved.arch}
 
 
 def family_dtype(layout: FamilyLayout, pools: Sequence[Sequence[torch.Tensor]]) -> str:

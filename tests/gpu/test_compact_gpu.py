@@ -29,6 +29,7 @@ import torch
 from kvgen.artifacts.manifest import RegistryError, manifest_path, read_manifest, verify_op
 from kvgen.kernels import INCLUDE_DIRS
 from kvgen.reference.triattention import MODES, Moves, check_moves, compact_paged, pack_moves
+from kvgen.render.source import TEMPLATES_DIR
 from kvgen.runtime.compact import CompactLibrary, Compactor
 from kvgen.runtime.pack import MovePacker
 from tests.move_cases import Batch, geometry, random_batch, random_page_table
@@ -142,7 +143,7 @@ def _render_synthetic(name: str, geometry_: dict) -> str:
     """compact.cu.j2 with the context kvgen.render.source gives it (that module needs the spec, so pydantic)."""
     import jinja2
 
-    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(ROOT / "kvgen" / "templates")),
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES_DIR)),
                              undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True,
                              keep_trailing_newline=True)
     plan = SimpleNamespace(family=name)

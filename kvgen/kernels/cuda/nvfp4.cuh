@@ -385,8 +385,9 @@ KVGEN_NVFP4_HD uint32_t e2m1_magnitude_fma_bits(float p) {
   return f32_bits(fminf(fminf(by_half, by_one), fminf(by_two, kRoundMagic + 7.0f)));
 }
 
-// __byte_perm (PRMT) in device code; the same byte selection (default mode: selector nibble
-// bits 0-2 pick a byte of {b:a}, bit 3 replicates that byte's sign bit) on the host.
+// __byte_perm (PRMT) in device code, the same byte selection on the host: selector nibble k
+// picks byte (nibble & 7) of {b:a} for result byte k.  Only the low 3 bits of each nibble are
+// used (the intrinsic is specified on them alone; its sign-replicate bit is never relied on).
 KVGEN_NVFP4_HD uint32_t byte_perm(uint32_t a, uint32_t b, uint32_t selector) {
 #if defined(__CUDA_ARCH__)
   return __byte_perm(a, b, selector);
@@ -394,10 +395,8 @@ KVGEN_NVFP4_HD uint32_t byte_perm(uint32_t a, uint32_t b, uint32_t selector) {
   const uint64_t both = ((uint64_t)b << 32) | a;
   uint32_t out = 0;
   for (int k = 0; k < 4; ++k) {
-    const uint32_t nib = (selector >> (4 * k)) & 0xFu;
-    uint32_t byte = (uint32_t)(both >> (8 * (nib & 7u))) & 0xFFu;
-    if (nib & 8u) byte = (byte & 0x80u) ? 0xFFu : 0u;
-    out |= byte << (8 * k);
+    const uint32_t nib = (selector >> (4 * k)) & 7u;
+    out |= (uint32_t)((both >> (8 * nib)) & 0xFFu) << (8 * k);
   }
   return out;
 #endif
@@ -412,9 +411,9 @@ KVGEN_NVFP4_HD uint32_t gather_bytes(uint32_t w0, uint32_t w1, uint32_t w2, uint
 
 // Eight codes in one word (element k in nibble k), FMA-pipe rounding, for non-NaN products.  The
 // codes sit in byte 0 of each magnitude pattern and the signs in bit 7 of byte 3 of each product:
-// PRMT gathers the even and the odd elements' bytes (sign bytes through PRMT's sign-replicate mode:
-// 0x00 or 0xFF), one LOP3 interleaves the signs into bit 3 (even) and bit 7 (odd) of each byte,
-// and a sign survives only where its magnitude is non-zero (no negative zero), as in e2m1x8_sw.
+// PRMT gathers the even and the odd elements' bytes, a shift and LOP3s move the signs to bit 3
+// (even) and bit 7 (odd) of each byte, and a sign survives only where its magnitude is non-zero
+// (no negative zero), as in e2m1x8_sw.
 KVGEN_NVFP4_HD uint32_t e2m1x8_fma(const float (&p)[8]) {
   uint32_t t[8];
   uint32_t u[8];
@@ -426,9 +425,9 @@ KVGEN_NVFP4_HD uint32_t e2m1x8_fma(const float (&p)[8]) {
   const uint32_t even = gather_bytes<0>(t[0], t[2], t[4], t[6]);
   const uint32_t odd = gather_bytes<0>(t[1], t[3], t[5], t[7]);
   const uint32_t mags = even | (odd << 4);
-  const uint32_t sign_even = gather_bytes<8 | 3>(u[0], u[2], u[4], u[6]);
-  const uint32_t sign_odd = gather_bytes<8 | 3>(u[1], u[3], u[5], u[7]);
-  const uint32_t signs = (sign_even & 0x08080808u) | (sign_odd & 0x80808080u);
+  const uint32_t sign_even = gather_bytes<3>(u[0], u[2], u[4], u[6]);
+  const uint32_t sign_odd = gather_bytes<3>(u[1], u[3], u[5], u[7]);
+  const uint32_t signs = ((sign_even >> 4) & 0x08080808u) | (sign_odd & 0x80808080u);
   const uint32_t nonzero = ((mags << 1) | (mags << 2) | (mags << 3)) & 0x88888888u;
   return mags | (signs & nonzero);
 }
