@@ -5,6 +5,9 @@
 #                                        # device NVFP4 arithmetic), compute-sanitizer, wheel proof
 #   bash scripts/device_check.sh bench   # kvgen bench run: codec, compaction and scorer benchmarks
 #                                        # in one process, ceilings measured once -> $OUT/bench.json
+#   bash scripts/device_check.sh ncu [FAMILY...]
+#                                        # Nsight Compute (clock control off) of one encode and one
+#                                        # decode per family -> $OUT/ncu_codec.csv
 #   bash scripts/device_check.sh tune BUNDLE.tar.xz [DONE.jsonl]
 #                                        # kvgen.tuning.measure: every candidate of a bundle (kvgen tune
 #                                        # --build-only) checked and timed -> $OUT/measurements.jsonl;
@@ -51,6 +54,18 @@ run_bench() {
     ${default[@]+"${default[@]}"} 2>&1 | grep -v "^W" | tee "$OUT/bench.log" | tail -15
 }
 
+run_ncu() {
+  local families=("$@")
+  [ "${#families[@]}" -gt 0 ] || families=(qwen3-8b qwen3-8b-fp8)
+  for family in "${families[@]}"; do
+    timeout 150 ncu --clock-control none -k 'regex:encode_kernel|decode_kernel' -c 2 --csv --page details \
+      --section SpeedOfLight --section ComputeWorkloadAnalysis --section Occupancy --section WarpStateStats \
+      python3 scripts/ncu_codec.py "$family" 2>&1 | grep -v "^==PROF==" | sed "s/^/$family,/" >> "$OUT/ncu_codec.csv"
+  done
+  grep -E "Compute \(SM\) Throughput|DRAM Throughput|Memory Throughput|Achieved Occupancy|Issue Slots Busy" \
+    "$OUT/ncu_codec.csv" | cut -c1-160 | head -40
+}
+
 run_tune() {
   local bundle=$1 done=${2:-}
   if [ -n "$done" ]; then cp "$done" "$OUT/measurements.jsonl"; fi
@@ -60,6 +75,7 @@ run_tune() {
 case "${1:-}" in
   tests) run_tests ;;
   bench) run_bench ;;
+  ncu) shift; run_ncu "$@" ;;
   tune) shift; run_tune "$@" ;;
-  *) echo "usage: $0 tests|bench|tune BUNDLE [DONE.jsonl]" >&2; exit 2 ;;
+  *) echo "usage: $0 tests|bench|ncu [FAMILY...]|tune BUNDLE [DONE.jsonl]" >&2; exit 2 ;;
 esac

@@ -57,8 +57,8 @@ BIN=$(mktemp -d)
 trap 'rm -rf "$BIN"' EXIT
 if command -v nvidia-smi >/dev/null; then ln -s "$(command -v nvidia-smi)" "$BIN/nvidia-smi"; fi
 # Triton builds each kernel's small host launcher with the C compiler at run time (a Triton
-# requirement, not kvgen's): the packer needs gcc, never nvcc.
-for cc in gcc cc; do
+# requirement, not kvgen's): the packer needs gcc and its assembler and linker, never nvcc.
+for cc in gcc cc as ld; do
   if command -v "$cc" >/dev/null; then ln -s "$(command -v "$cc")" "$BIN/$cc"; fi
 done
 

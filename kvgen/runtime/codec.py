@@ -49,6 +49,7 @@ class ColdPageCodec:
 
     def __init__(self, library: FamilyLibrary, layout: "RegistryLayout", pools: Sequence[Sequence[torch.Tensor]],
                  index_location: str = "host"):
+        self._handle = None   # close() and __del__ work on a codec whose configuration failed
         if library.family != layout.family:
             raise LibraryError(f"{library.path}: built for {library.family!r}, layout is {layout.family!r}")
         self.library = library

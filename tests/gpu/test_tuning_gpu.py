@@ -15,10 +15,10 @@ import pytest
 
 from kvgen.build.compile import Toolchains, compile_one
 from kvgen.build.job import BuildJob, load_spec_source, render_plans
-from kvgen.lower.plan import f32_literal, plans_for
+from kvgen.lower.plan import default_params, f32_literal, plans_for
 from kvgen.tuning.candidates import Candidate, Request, build_candidates, read_bundle, write_index
 from kvgen.tuning.measure import measure_bundle, read_records
-from kvgen.tuning.space import BUCKETS
+from kvgen.tuning.space import BUCKETS, config_id
 
 from ..conftest import SPECS_DIR
 
@@ -52,34 +52,39 @@ def _wrong_library(tmp: Path, toolchains) -> Path:
     return outcome.artifact
 
 
+def codec_params(threads: int, in_flight: int) -> dict[str, int]:
+    """A codec configuration with the other tunables at their defaults."""
+    return {**default_params("codec"), "threads": threads, "in_flight": in_flight}
+
+
 def test_the_gate_records_each_broken_candidate_with_its_failure_kind(tmp_path: Path, toolchains) -> None:
     source = load_spec_source(SPECS_DIR / f"{FAMILY}.yaml")
     other = load_spec_source(SPECS_DIR / "qwen3-8b-nhd.yaml")
     bundle = tmp_path / "bundle"
-    good = build_candidates([Request(source, "codec", {"threads": 256, "in_flight": 4}),
-                             Request(other, "codec", {"threads": 256, "in_flight": 4})], "sm_90a", bundle,
+    good = build_candidates([Request(source, "codec", codec_params(256, 4)),
+                             Request(other, "codec", codec_params(256, 4))], "sm_90a", bundle,
                             tmp_path / "cache", toolchains=toolchains)
     shutil.copyfile(_wrong_library(tmp_path, toolchains), bundle / "wrong.so")
     (bundle / "corrupt.so").write_bytes(b"\x7fELF not really")
     base = good[0]
-    broken = [replace(base, config="threads=128,in_flight=4", params={"threads": 128, "in_flight": 4},
+    broken = [replace(base, config=config_id("codec", codec_params(128, 4)), params=codec_params(128, 4),
                       artifact="wrong.so"),
-              replace(base, config="threads=512,in_flight=4", params={"threads": 512, "in_flight": 4},
+              replace(base, config=config_id("codec", codec_params(512, 4)), params=codec_params(512, 4),
                       artifact=good[1].artifact),                       # another family's library
-              replace(base, config="threads=64,in_flight=4", params={"threads": 64, "in_flight": 4},
+              replace(base, config=config_id("codec", codec_params(64, 4)), params=codec_params(64, 4),
                       artifact="corrupt.so"),
-              Candidate(FAMILY, "codec", "sm_90a", "threads=256,in_flight=8", {"threads": 256, "in_flight": 8},
+              Candidate(FAMILY, "codec", "sm_90a", config_id("codec", codec_params(256, 8)), codec_params(256, 8),
                         "failed", error="ptxas error: too many resources requested")]
     write_index(bundle, "sm_90a", [base, *broken], read_bundle(bundle)["toolchains"])
     out = tmp_path / "m.jsonl"
     measure_bundle(bundle, out, families={FAMILY}, reps=5)
     status = {(r["config"], r["bucket"]): r["status"] for r in read_records(out)}
     buckets = [b.name for b in BUCKETS["codec"]]
-    assert {status[("threads=256,in_flight=4", b)] for b in buckets} == {"ok"}
-    assert {status[("threads=128,in_flight=4", b)] for b in buckets} == {"wrong"}
-    assert {status[("threads=512,in_flight=4", b)] for b in buckets} == {"load"}
-    assert {status[("threads=64,in_flight=4", b)] for b in buckets} == {"load"}
-    assert {status[("threads=256,in_flight=8", b)] for b in buckets} == {"build"}
+    assert {status[(config_id("codec", codec_params(256, 4)), b)] for b in buckets} == {"ok"}
+    assert {status[(config_id("codec", codec_params(128, 4)), b)] for b in buckets} == {"wrong"}
+    assert {status[(config_id("codec", codec_params(512, 4)), b)] for b in buckets} == {"load"}
+    assert {status[(config_id("codec", codec_params(64, 4)), b)] for b in buckets} == {"load"}
+    assert {status[(config_id("codec", codec_params(256, 8)), b)] for b in buckets} == {"build"}
     ok = [r for r in read_records(out) if r["status"] == "ok"]
     assert all(r["median_ms"] > 0 and r["environment"]["toolchain"]["nvcc"] for r in ok)
 
