@@ -29,7 +29,7 @@ if ! python3 -c "import pydantic" >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/kvgen_site .whl/*.whl
   export PYTHONPATH="/tmp/kvgen_site:$PWD"
 else
-  export PYTHONPATH="$PWD"
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 

@@ -43,6 +43,7 @@ from kvgen.measure.timing import measure_ceilings, require_cuda, time_ms
 from kvgen.measure.workloads.score import PROMPT, ScoreCache, ScoreFamily
 from kvgen.reference.triattention import save_calibration, score_paged
 from kvgen.runtime.eviction import TriAttentionManager, generated_backends
+from kvgen.runtime.lookup import RuntimeRegistry
 from kvgen.runtime.score import ScoreLibrary
 from kvgen.spec.schema import load_spec
 
@@ -78,7 +79,8 @@ def bench_score(family: str, batch: int, width: int, copy: dict, registries: lis
     reference = None
     for registry in registries:
         try:
-            path = registry_artifact(registry, family, arch, "score")
+            resolved = RuntimeRegistry([registry]).resolve(family, arch)
+            path, params = resolved.artifact("score"), dict(resolved.op("score").params)
         except RegistryError as exc:
             if registry == default_registry:
                 result["default_error"] = f"{registry}: no score library ({str(exc).splitlines()[0]})"
@@ -97,7 +99,7 @@ def bench_score(family: str, batch: int, width: int, copy: dict, registries: lis
         k_bytes = len(g.scored_layers) * batch * g.kv_heads * width * g.rotary_dim * elem * passes
         gbps = (k_bytes + score_bytes) / t["median_ms"] / 1e6
         role = "tuned" if registry == registries[0] else "default" if registry == default_registry else "variant"
-        variant = {"registry": str(registry), "role": role, "params": lib.meta.get("params", {}), "passes": passes,
+        variant = {"registry": str(registry), "role": role, "params": params, "passes": passes,
                    "k_bytes": k_bytes, "gbps": gbps, "fraction_of_copy": gbps / copy["gbps_read_plus_write"],
                    **{k: v for k, v in t.items()}}
         if reference is None:
