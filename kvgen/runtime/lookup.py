@@ -2,7 +2,7 @@
 
 Search path. ``RuntimeRegistry(search_path)`` takes registry directories (each holding
 ``<arch>/manifest.json``, as ``kvgen build --registry DIR`` writes them) from its caller and
-searches them in order. ``RuntimeRegistry.default(paths, environ)`` builds the usual path: the
+searches them in order. ``RuntimeRegistry.default(search_path, environ)`` builds the usual path: the
 caller's paths, then ``$KVGEN_REGISTRY`` (``kvgen.paths.registry_search_path``: os.pathsep-separated,
 read from the mapping passed in, default the process environment), then installed kernel wheels.
 A local build therefore overrides an installed wheel.
