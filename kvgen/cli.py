@@ -1,26 +1,46 @@
-"""The ``kvgen`` command line. The only place that reads the environment and prints."""
+"""The ``kvgen`` command line: parses arguments, runs a verb, prints what it did.
+
+``kvgen.paths`` reads the environment; a verb gets every value as an argument. Exit statuses:
+0 ok, 1 a check failed (an invalid spec, a failed compile, a registry problem), 2 bad usage (an
+unknown arch, family or option value, a missing specs folder, a missing extra). ``--json``
+prints one JSON document on stdout and nothing else there; messages and progress go to stderr.
+Text from files and tools (paths, spec errors, compiler logs) is printed as plain text, never
+read as rich markup.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
 from kvgen import paths
+from kvgen.arch import ARCHS, ArchError, canonical_arch, parse_arch_list
 from kvgen.lower.layout import family_layout, to_json
 from kvgen.spec.schema import FamilySpec, SpecError, load_spec
 
-# Build-side modules (render, backends, cache, registry) are imported inside their verbs so that
-# `kvgen validate` stays fast and works without them.
+# Build-side modules (render, backends, cache, registry) and the tools (tune, demo, bench) are
+# imported inside their verbs so that `kvgen validate` stays fast and every verb that needs no
+# extra runs on a base install.
 
-console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
-err_console = Console(stderr=True, highlight=False)
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+EPILOG = ("exit status: 0 ok, 1 a check failed (invalid spec, failed compile, registry problem), "
+          "2 bad usage (unknown arch, family or folder, missing extra)")
+# Modules of the optional extras (pyproject.toml) -> the extra that installs them.
+EXTRAS = {"optuna": "tune", "psycopg2": "tune", "triton": "triton", "cutlass": "cute", "matplotlib": "report"}
+
+console = Console(highlight=False, emoji=False, width=None if sys.stdout.isatty() else 160)
+err_console = Console(stderr=True, highlight=False, emoji=False)
+
+
+class UsageError(Exception):
+    """Bad usage (exit 2): the message names the argument, file or folder at fault."""
 
 
 def default_specs_dir() -> Path:
@@ -29,7 +49,13 @@ def default_specs_dir() -> Path:
 
 
 def spec_files(specs_dir: Path) -> list[Path]:
-    return sorted(specs_dir.glob("*.yaml"))
+    """The specs in ``specs_dir``; a missing or empty folder is bad usage, never an empty list."""
+    if not specs_dir.is_dir():
+        raise UsageError(f"{specs_dir}: no such specs folder (pass --specs DIR or set {paths.ENV_SPECS})")
+    files = sorted(specs_dir.glob("*.yaml"))
+    if not files:
+        raise UsageError(f"{specs_dir}: no spec files (*.yaml) in this folder")
+    return files
 
 
 def find_spec(name: str, specs_dir: Path) -> Path:
@@ -40,14 +66,8 @@ def find_spec(name: str, specs_dir: Path) -> Path:
     candidate = specs_dir / f"{name}.yaml"
     if candidate.exists():
         return candidate
-    known = ", ".join(p.stem for p in spec_files(specs_dir)) or "none"
-    raise SpecError(str(candidate), [_issue(f"no family {name!r} in {specs_dir}; known families: {known}")])
-
-
-def _issue(message: str):
-    from kvgen.spec.schema import SpecIssue
-
-    return SpecIssue(line=1, key="(file)", message=message)
+    known = ", ".join(p.stem for p in sorted(specs_dir.glob("*.yaml"))) or "none"
+    raise UsageError(f"no family {name!r} in {specs_dir}; known families: {known}")
 
 
 def load_all(paths: list[Path]) -> tuple[list[FamilySpec], list[SpecError]]:
@@ -60,35 +80,68 @@ def load_all(paths: list[Path]) -> tuple[list[FamilySpec], list[SpecError]]:
     return specs, errors
 
 
+def _print_json(document: Any) -> None:
+    """``--json``: the verb's one document on stdout (plain print: no rich wrapping or markup)."""
+    print(json.dumps(document, indent=2, default=str))
+
+
+def _spec_error_json(exc: SpecError) -> dict[str, Any]:
+    return {"file": exc.path, "issues": [issue.model_dump() for issue in exc.issues]}
+
+
 # ---------------------------------------------------------------- verbs
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    paths = [Path(p) for p in args.files] or spec_files(args.specs)
-    if not paths:
-        err_console.print(f"no spec files found in {args.specs}")
-        return 2
-    specs, errors = load_all(paths)
-    for spec in specs:
-        console.print(f"[green]ok[/green] {spec.name}")
-    for exc in errors:
-        err_console.print(f"[red]error[/red] {exc}", markup=True, soft_wrap=True)
-    console.print(f"{len(specs)} valid, {len(errors)} invalid")
-    return 1 if errors else 0
+    files = [Path(p) for p in args.files] or spec_files(args.specs)
+    specs, errors = load_all(files)
+    if args.json:
+        _print_json({"valid": [s.name for s in specs], "invalid": [_spec_error_json(e) for e in errors]})
+    else:
+        for spec in specs:
+            console.print("[green]ok[/green]", Text(spec.name))
+        for exc in errors:
+            _print_error(str(exc))
+        console.print(f"{len(specs)} valid, {len(errors)} invalid")
+    return EXIT_FAILED if errors else EXIT_OK
+
+
+def _family_row(s: FamilySpec) -> dict[str, Any]:
+    return {"family": s.name, "attention": s.attention, "layers": s.layers, "query_heads": s.query_heads,
+            "kv_heads": s.kv_heads, "row_dim": s.row_dim, "dtype": s.dtype, "layout": s.layout,
+            "rope": {"placement": s.rope.placement, "start": s.rope_start, "width": s.rotary_dim,
+                     "pairing": s.rope.pairing},
+            "cold_rope": s.cold_page.rope, "triattention": s.triattention.enabled, "targets": list(s.targets)}
 
 
 def cmd_list(args: argparse.Namespace) -> int:
     specs, errors = load_all(spec_files(args.specs))
+    rows = [_family_row(s) for s in specs]
+    if args.json:
+        _print_json({"specs": str(args.specs), "families": rows, "invalid": [_spec_error_json(e) for e in errors]})
+        return EXIT_FAILED if errors else EXIT_OK
     table = Table("family", "attention", "layers", "heads q/kv", "row", "dtype", "layout", "rope", "cold rope",
-                  "tri", title=f"families in {args.specs}")
-    for s in specs:
-        table.add_row(s.name, s.attention, str(s.layers), f"{s.query_heads}/{s.kv_heads}", str(s.row_dim), s.dtype,
-                      s.layout, f"{s.rope.placement} {s.rotary_dim} {s.rope.pairing}", s.cold_page.rope,
-                      "yes" if s.triattention.enabled else "no")
+                  "tri", title=Text(f"families in {args.specs}"))
+    for r in rows:
+        rope = r["rope"]
+        table.add_row(r["family"], r["attention"], str(r["layers"]), f"{r['query_heads']}/{r['kv_heads']}",
+                      str(r["row_dim"]), r["dtype"], r["layout"], f"{rope['placement']} {rope['width']} "
+                      f"{rope['pairing']}", r["cold_rope"], "yes" if r["triattention"] else "no")
     console.print(table)
     for exc in errors:
-        err_console.print(f"[red]error[/red] {exc}", soft_wrap=True)
-    return 1 if errors else 0
+        _print_error(str(exc))
+    return EXIT_FAILED if errors else EXIT_OK
+
+
+def _rope_line(spec: FamilySpec) -> str:
+    """Where RoPE sits in a K row and how the cold page stores it (lossless, 2FP4 or quantized)."""
+    if spec.rope.placement == "none":
+        return "rope: none (the whole row is quantized)"
+    policy = spec.cold_page.rope
+    if policy == "2fp4":
+        policy += f" (residual width {spec.cold_page.residual_width or spec.rotary_dim})"
+    return (f"rope: {spec.rope.placement}, span start {spec.rope_start} width {spec.rotary_dim}, "
+            f"pairing {spec.rope.pairing}; cold page stores it {policy}")
 
 
 def _saving(cold: int, hot: int) -> str:
@@ -102,8 +155,9 @@ def cmd_show(args: argparse.Namespace) -> int:
         print(json.dumps(to_json(spec, layout), indent=2))
         return 0
     record = layout.record
-    console.print(f"[bold]{spec.name}[/bold] ({spec.model or 'no model id'}): {spec.attention}, {spec.dtype}, "
-                  f"{spec.layout}, {spec.tokens_per_block} tokens/block")
+    console.print(Text(f"{spec.name} ({spec.model or 'no model id'}): {spec.attention}, {spec.dtype}, "
+                       f"{spec.layout}, {spec.tokens_per_block} tokens/block", style="bold"))
+    console.print(_rope_line(spec))
     spans = Table("buffer", "rows", "row", "lossless prefix", "quantized", "2FP4", "lossless suffix", "G", "Q",
                   title="row schema")
     for b in record.buffers:
@@ -139,7 +193,7 @@ def _split(values: list[str] | None) -> list[str]:
 
 
 def discover_toolchains() -> list:
-    """Toolchains from $KVGEN_NVCC, $CUDA_HOME, $PATH and pip wheels (the only env read for it)."""
+    """Toolchains from $KVGEN_NVCC, $CUDA_HOME, $PATH (``paths.toolchain_search``) and pip wheels."""
     from kvgen.build.nvcc import (
         ToolchainError,
         default_host_compiler,
@@ -148,12 +202,11 @@ def discover_toolchains() -> list:
         probe_toolchain,
     )
 
-    path = os.environ.get("PATH", "")
-    host_cc = default_host_compiler(path)
-    explicit = os.environ.get("KVGEN_NVCC")
-    if explicit:
-        probe_toolchain(explicit, host_cc)   # a broken $KVGEN_NVCC is an error, not a silent skip
-    candidates = default_nvcc_candidates(explicit, os.environ.get("CUDA_HOME"), path)
+    search = paths.toolchain_search()
+    host_cc = default_host_compiler(search.path)
+    if search.nvcc:
+        probe_toolchain(search.nvcc, host_cc)   # a broken $KVGEN_NVCC is an error, not a silent skip
+    candidates = default_nvcc_candidates(search.nvcc, search.cuda_home, search.path)
     toolchains = find_toolchains(candidates, host_cc)
     if not toolchains:
         raise ToolchainError("no nvcc found (looked at: " + ", ".join(map(str, candidates)) + "); set KVGEN_NVCC "
@@ -168,13 +221,28 @@ def _selected_spec_paths(args: argparse.Namespace) -> list[Path]:
     return [find_spec(name, args.specs) for name in families]
 
 
-def _build_archs(args: argparse.Namespace) -> list[str] | None:
-    archs = _split(args.arch) or paths.cuda_arch_list()
-    return archs or None
+def _requested_archs(args: argparse.Namespace) -> list[str]:
+    """``--arch`` (repeatable; ``;``, ``,`` or space separated, as TORCH_CUDA_ARCH_LIST), else
+    ``$KVGEN_CUDA_ARCH_LIST``; empty: none asked for. An unknown arch raises ``ArchError``."""
+    if args.arch:
+        try:
+            return parse_arch_list(";".join(args.arch))
+        except ArchError as exc:
+            raise ArchError(f"--arch: {exc}") from None
+    return paths.cuda_arch_list()
+
+
+def _check_targeted(archs: list[str], specs: list[FamilySpec]) -> None:
+    """An arch that none of the selected specs targets would build nothing: bad usage, not a skip."""
+    for arch in archs:
+        if not any(arch in spec.targets for spec in specs):
+            targets = [a for a in ARCHS if any(a in spec.targets for spec in specs)]
+            raise UsageError(f"no selected spec targets {arch} (their targets: {', '.join(targets)}); "
+                             "add it to a spec's targets or pick another --arch")
 
 
 class _RichProgress:
-    """Adapts ``kvgen.build.pipeline.BuildProgress`` to a rich progress bar."""
+    """Adapts ``kvgen.build.pipeline.BuildProgress`` to a rich progress bar (stderr is a TTY)."""
 
     def __init__(self, progress) -> None:  # noqa: ANN001 - rich.progress.Progress
         self.progress = progress
@@ -186,6 +254,29 @@ class _RichProgress:
     def advance(self, outcome) -> None:  # noqa: ANN001 - kvgen.build.job.BuildOutcome
         self.progress.update(self.task, advance=1,
                              description=f"{outcome.family} {outcome.arch} {outcome.backend}: {outcome.status}")
+
+
+class _LineProgress:
+    """``BuildProgress`` for a log (stderr is not a TTY): one plain line per finished job, flushed
+    at once, so a cold build written to a file shows where it is."""
+
+    def __init__(self, stream) -> None:  # noqa: ANN001 - a text stream
+        self.stream = stream
+        self.total = 0
+        self.done = 0
+
+    def start(self, total: int) -> None:
+        self.total = total
+
+    def advance(self, outcome) -> None:  # noqa: ANN001 - kvgen.build.job.BuildOutcome
+        self.done += 1
+        print(f"[{self.done}/{self.total}] {outcome.family} {outcome.arch} {outcome.backend}: {outcome.status} "
+              f"({outcome.seconds:.1f} s)", file=self.stream, flush=True)
+
+
+def _outcome_json(o) -> dict[str, Any]:  # noqa: ANN001 - kvgen.build.job.BuildOutcome
+    return {"family": o.family, "arch": o.arch, "backend": o.backend, "status": o.status, "seconds": o.seconds,
+            "artifact": str(o.artifact) if o.artifact else None, "sha256": o.sha256, "error": o.error or None}
 
 
 def _summary(report) -> Table:  # noqa: ANN001 - kvgen.build.pipeline.BuildReport
@@ -202,42 +293,82 @@ def _render_check(sources: list, args: argparse.Namespace) -> int:
     from kvgen.build.pipeline import check_generated
 
     differ = check_generated(sources, args.generated, args.templates)
+    status = EXIT_FAILED if differ else EXIT_OK
+    if args.json:
+        _print_json({"generated": str(args.generated), "current": not differ, "differ": differ})
+        return status
     for rel in differ:
-        console.print(f"[red]differs[/red] {args.generated / rel}")
+        console.print("[red]differs[/red]", Text(str(args.generated / rel)))
     if differ:
         console.print(f"{len(differ)} generated files are not current; run: kvgen build --render-only")
-        return 1
-    console.print(f"{args.generated} is current")
-    return 0
+    else:
+        console.print(Text(f"{args.generated} is current"))
+    return status
+
+
+def _render_only(sources: list, args: argparse.Namespace) -> int:
+    from kvgen.build.pipeline import render_all
+    from kvgen.render.source import write_rendered
+
+    changed = [p for files in render_all(sources, args.templates).values() for p in write_rendered(files, args.generated)]
+    if args.json:
+        _print_json({"generated": str(args.generated), "families": [s.spec.name for s in sources],
+                     "changed": [str(p) for p in changed]})
+    else:
+        console.print(Text(f"rendered {len(sources)} families into {args.generated}: {len(changed)} files changed"))
+    return EXIT_OK
+
+
+def _build_report_json(report) -> dict[str, Any]:  # noqa: ANN001 - kvgen.build.pipeline.BuildReport
+    return {"ok": report.ok, "outcomes": [_outcome_json(o) for o in report.outcomes],
+            "manifests": [str(p) for p in report.manifests], "tuning_notes": report.tuning_notes,
+            "counts": _counts(report)}
+
+
+def _counts(report) -> dict[str, int]:  # noqa: ANN001 - kvgen.build.pipeline.BuildReport
+    return {s: len(report.with_status(s)) for s in ("built", "hit", "failed", "skipped")}
 
 
 def cmd_build(args: argparse.Namespace) -> int:
-    from rich.progress import Progress
+    from kvgen.build.pipeline import load_spec_source
 
-    from kvgen.build.pipeline import build, load_spec_source, render_all
-    from kvgen.render.source import write_rendered
-
+    archs = _requested_archs(args)   # a bad --arch fails before any spec is read or rendered
     sources = [load_spec_source(p) for p in _selected_spec_paths(args)]
     if args.check:
         return _render_check(sources, args)
     if args.render_only:
-        changed = [p for files in render_all(sources, args.templates).values()
-                   for p in write_rendered(files, args.generated)]
-        console.print(f"rendered {len(sources)} families into {args.generated}: {len(changed)} files changed")
-        return 0
-    with Progress(console=err_console, transient=True) as bar:
-        report = build(sources, _build_archs(args), args.generated, args.cache_dir, args.jobs,
-                       progress=_RichProgress(bar), toolchains=discover_toolchains(), registry_dir=args.registry,
-                       tuning_dir=args.tuning, templates_dir=args.templates)
+        return _render_only(sources, args)
+    _check_targeted(archs, [s.spec for s in sources])
+    toolchains = discover_toolchains()
+    report = _run_build(args, sources, archs or None, toolchains)
     for note in report.tuning_notes:
-        err_console.print(f"[yellow]tuning[/yellow] {note}", markup=True, soft_wrap=True, highlight=False)
+        err_console.print("[yellow]tuning[/yellow]", Text(note), soft_wrap=True)
+    if args.json:
+        _print_json(_build_report_json(report))
+        return EXIT_OK if report.ok else EXIT_FAILED
     console.print(_summary(report))
     for outcome in report.with_status("failed"):
         _print_error(f"{outcome.family} {outcome.arch} {outcome.backend}:\n{outcome.error}")
-    counts = {s: len(report.with_status(s)) for s in ("built", "hit", "failed", "skipped")}
-    console.print(", ".join(f"{n} {s}" for s, n in counts.items()) + "; manifests: "
-                  + (", ".join(map(str, report.manifests)) or "none"))
-    return 0 if report.ok else 1
+    console.print(Text(", ".join(f"{n} {s}" for s, n in _counts(report).items()) + "; manifests: "
+                       + (", ".join(map(str, report.manifests)) or "none")))
+    return EXIT_OK if report.ok else EXIT_FAILED
+
+
+def _run_build(args: argparse.Namespace, sources: list, archs: list[str] | None, toolchains: list):
+    """``kvgen.build.pipeline.build`` with a progress bar on a TTY, else one line per finished job."""
+    from rich.progress import Progress
+
+    from kvgen.build.pipeline import build
+
+    def run(progress) -> Any:  # noqa: ANN001 - a BuildProgress
+        return build(sources, archs, args.generated, args.cache_dir, args.jobs, progress=progress,
+                     toolchains=toolchains, registry_dir=args.registry, tuning_dir=args.tuning,
+                     templates_dir=args.templates)
+
+    if not err_console.is_terminal:
+        return run(_LineProgress(sys.stderr))
+    with Progress(console=err_console, transient=True) as bar:
+        return run(_RichProgress(bar))
 
 
 def _installed(dist: str) -> str:
@@ -249,29 +380,45 @@ def _installed(dist: str) -> str:
         return "not installed"
 
 
-def cmd_show_config(args: argparse.Namespace) -> int:
+def _config(args: argparse.Namespace) -> dict[str, Any]:
+    """What ``show-config`` reports: toolchains (or why none), paths and versions."""
     from kvgen import __version__
     from kvgen.build.nvcc import ToolchainError
     from kvgen.render.source import TEMPLATES_DIR
 
     try:
-        toolchains = discover_toolchains()
+        toolchains, warnings = discover_toolchains(), []
     except ToolchainError as exc:
-        toolchains = []
-        err_console.print(f"[yellow]warning[/yellow] {exc}", soft_wrap=True)
+        toolchains, warnings = [], [str(exc)]
+    return {
+        "toolchains": [{"nvcc": str(t.nvcc), "version": t.version, "archs": list(t.archs),
+                        "host_cc": str(t.host_cc) if t.host_cc else None, "host_cc_version": t.host_cc_version}
+                       for t in toolchains],
+        "warnings": warnings,
+        "paths": {"cache dir": str(args.cache_dir / __version__), "registry": str(args.registry),
+                  "specs": str(args.specs), "templates": str(TEMPLATES_DIR), "max jobs": default_jobs()},
+        "versions": {"kvgen": __version__, "python": sys.version.split()[0],
+                     **{d: _installed(d) for d in ("torch", "triton", "nvidia-cutlass-dsl", "nvidia-cuda-nvcc")}},
+    }
+
+
+def cmd_show_config(args: argparse.Namespace) -> int:
+    config = _config(args)
+    if args.json:
+        _print_json(config)
+        return EXIT_OK
+    for warning in config["warnings"]:
+        err_console.print("[yellow]warning[/yellow]", Text(warning), soft_wrap=True)
     table = Table("nvcc", "version", "archs", "host compiler", title="toolchains (first match wins per arch)")
-    for t in toolchains:
-        table.add_row(t.nvcc, t.version, " ".join(t.archs), f"{t.host_cc} ({t.host_cc_version})" if t.host_cc else "-")
+    for t in config["toolchains"]:
+        host = f"{t['host_cc']} ({t['host_cc_version']})" if t["host_cc"] else "-"
+        table.add_row(Text(t["nvcc"]), t["version"], " ".join(t["archs"]), Text(host))
     console.print(table)
-    paths = {"cache dir": args.cache_dir / __version__, "registry": args.registry, "specs": args.specs,
-             "templates": TEMPLATES_DIR, "max jobs": default_jobs()}
-    for name, value in paths.items():
-        console.print(f"{name:>10}: {value}")
-    versions = {"kvgen": __version__, "python": sys.version.split()[0]}
-    versions |= {dist: _installed(dist) for dist in ("torch", "triton", "nvidia-cutlass-dsl", "nvidia-cuda-nvcc")}
-    for name, value in versions.items():
-        console.print(f"{name:>18}: {value}")
-    return 0
+    for name, value in config["paths"].items():
+        console.print(Text(f"{name:>10}: {value}"))
+    for name, value in config["versions"].items():
+        console.print(Text(f"{name:>18}: {value}"))
+    return EXIT_OK
 
 
 def cmd_clear_cache(args: argparse.Namespace) -> int:
@@ -279,9 +426,9 @@ def cmd_clear_cache(args: argparse.Namespace) -> int:
 
     removed = clear_cache(args.cache_dir)
     for path in removed:
-        console.print(f"removed {path}")
-    console.print(f"cleared {len(removed)} cache version directories in {args.cache_dir}")
-    return 0
+        console.print(Text(f"removed {path}"))
+    console.print(Text(f"cleared {len(removed)} cache version directories in {args.cache_dir}"))
+    return EXIT_OK
 
 
 def verify_registry(registry: Path, specs_dir: Path) -> list[str]:
@@ -307,27 +454,34 @@ def verify_registry(registry: Path, specs_dir: Path) -> list[str]:
     return problems
 
 
-def cmd_verify(args: argparse.Namespace) -> int:
+def _verify_counts(manifests: list[Path]) -> dict[str, int]:
+    """Manifests, families and artifacts of the manifests that parse (the others are problems)."""
     from kvgen.artifacts.manifest import RegistryError, parse_manifest
 
-    manifests = sorted(Path(args.registry).glob("*/manifest.json"))
-    if not manifests:
-        _print_error(f"{args.registry}: no manifests; run: kvgen build")
-        return 1
-    problems = verify_registry(args.registry, args.specs)
-    for line in problems:
-        _print_error(line)
     counted = []
     for path in manifests:
         try:
             counted.append(parse_manifest(path))
         except RegistryError:
-            continue   # already reported above
-    families = sum(len(m.families) for m in counted)
-    artifacts = sum(len(e.artifacts) for m in counted for e in m.families)
-    console.print(f"{len(manifests)} manifests, {families} families, {artifacts} artifacts: "
-                  + ("all verified" if not problems else f"{len(problems)} problems"))
-    return 1 if problems else 0
+            continue   # reported by verify_registry
+    return {"manifests": len(manifests), "families": sum(len(m.families) for m in counted),
+            "artifacts": sum(len(e.artifacts) for m in counted for e in m.families)}
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    manifests = sorted(Path(args.registry).glob("*/manifest.json"))
+    problems = (verify_registry(args.registry, args.specs) if manifests
+                else [f"{args.registry}: no manifests; run: kvgen build"])
+    counts = _verify_counts(manifests)
+    if args.json:
+        _print_json({"registry": str(args.registry), "ok": not problems, **counts, "problems": problems})
+        return EXIT_FAILED if problems else EXIT_OK
+    for line in problems:
+        _print_error(line)
+    if manifests:
+        console.print(f"{counts['manifests']} manifests, {counts['families']} families, {counts['artifacts']} "
+                      "artifacts: " + ("all verified" if not problems else f"{len(problems)} problems"))
+    return EXIT_FAILED if problems else EXIT_OK
 
 
 def _add_paths(p: argparse.ArgumentParser) -> None:
@@ -336,13 +490,20 @@ def _add_paths(p: argparse.ArgumentParser) -> None:
     p.add_argument("--registry", type=Path, default=Path("build/registry"), help="registry (default: build/registry)")
 
 
+def _add_json(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="one JSON document on stdout (messages go to stderr)")
+
+
+ARCH_HELP = "repeatable; sm_90a, 90a or 9.0a, separated by ; , or spaces (default: $KVGEN_CUDA_ARCH_LIST, else "
+
+
 def _add_build_parsers(sub) -> None:  # noqa: ANN001 - argparse's private subparsers type
     from kvgen.render.source import TEMPLATES_DIR
 
-    p = sub.add_parser("build", help="render, compile and publish kernel libraries")
+    p = sub.add_parser("build", help="render, compile and publish kernel libraries", epilog=EPILOG)
     _add_paths(p)
-    p.add_argument("--arch", action="append", help="comma list (default: $KVGEN_CUDA_ARCH_LIST, else each "
-                                                    "spec's targets)")
+    _add_json(p)
+    p.add_argument("--arch", action="append", help=ARCH_HELP + "each spec's targets)")
     p.add_argument("--family", action="append", help="family name(s), repeatable or comma list (default: all)")
     p.add_argument("--generated", type=Path, default=Path("generated"), help="rendered sources (default: generated)")
     p.add_argument("--templates", type=Path, default=TEMPLATES_DIR, help=argparse.SUPPRESS)
@@ -357,14 +518,17 @@ def _add_build_parsers(sub) -> None:  # noqa: ANN001 - argparse's private subpar
 
     p = sub.add_parser("show-config", help="toolchains, paths and versions")
     _add_paths(p)
+    _add_json(p)
     p.set_defaults(func=cmd_show_config)
 
     p = sub.add_parser("clear-cache", help="delete the build cache")
     _add_paths(p)
     p.set_defaults(func=cmd_clear_cache)
 
-    p = sub.add_parser("verify", help="check a registry: artifact sha256, versions, specs unchanged since the build")
+    p = sub.add_parser("verify", help="check a registry: artifact sha256, versions, specs unchanged since the build",
+                       epilog=EPILOG)
     _add_paths(p)
+    _add_json(p)
     p.set_defaults(func=cmd_verify)
 
 
@@ -374,24 +538,23 @@ def _add_build_parsers(sub) -> None:  # noqa: ANN001 - argparse's private subpar
 def cmd_wheel(args: argparse.Namespace) -> int:
     from kvgen.artifacts.wheel import WheelError, build_wheels, registry_archs
 
-    archs = _build_archs(args) or registry_archs(args.registry)
+    archs = _requested_archs(args) or registry_archs(args.registry)
     if not archs:
         _print_error(f"no manifests in {args.registry}; run: kvgen build --arch sm_90a --registry {args.registry}")
-        return 1
+        return EXIT_FAILED
     try:
-        paths = build_wheels(args.registry, archs, args.out)
+        wheels = build_wheels(args.registry, archs, args.out)
     except (WheelError, ValueError) as exc:
         _print_error(str(exc))
-        return 1
-    for path in paths:
-        console.print(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB)")
-    return 0
+        return EXIT_FAILED
+    for path in wheels:
+        console.print(Text(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB)"))
+    return EXIT_OK
 
 
 def _add_wheel_parser(sub) -> None:  # noqa: ANN001 - argparse's private subparsers type
     p = sub.add_parser("wheel", help="package registry libraries as kernel wheels, one per arch family")
-    p.add_argument("--arch", action="append", help="comma list (default: $KVGEN_CUDA_ARCH_LIST, else every arch "
-                                                    "in the registry)")
+    p.add_argument("--arch", action="append", help=ARCH_HELP + "every arch in the registry)")
     p.add_argument("--registry", type=Path, default=Path("build/registry"), help="registry (default: build/registry)")
     p.add_argument("--out", type=Path, default=Path("dist"), help="output directory (default: dist)")
     p.set_defaults(func=cmd_wheel)
@@ -404,6 +567,10 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from kvgen.build.job import load_spec_source
     from kvgen.tuning.run import run
 
+    try:
+        args.arch = canonical_arch(args.arch)
+    except ArchError as exc:
+        raise ArchError(f"--arch: {exc}") from None
     sources = [load_spec_source(p) for p in _selected_spec_paths(args)]
     return run(args, sources, console, args.cache_dir, discover_toolchains)
 
@@ -433,20 +600,24 @@ def _add_run_parsers(sub) -> None:  # noqa: ANN001 - argparse's private subparse
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvgen", description="KV-cache compression kernel generator")
-    parser.add_argument("--specs", type=Path, default=None, help="spec directory (default: ./specs)")
+    parser = argparse.ArgumentParser(prog="kvgen", description="KV-cache compression kernel generator",
+                                     epilog=EPILOG)
+    parser.add_argument("--specs", type=Path, default=None, help="spec directory (default: $KVGEN_SPECS_DIR, "
+                                                                 "else ./specs)")
     sub = parser.add_subparsers(dest="verb", required=True)
 
-    p = sub.add_parser("validate", help="validate spec files (default: every shipped spec)")
+    p = sub.add_parser("validate", help="validate spec files (default: every shipped spec)", epilog=EPILOG)
     p.add_argument("files", nargs="*")
+    _add_json(p)
     p.set_defaults(func=cmd_validate)
 
     p = sub.add_parser("list", help="list the families")
+    _add_json(p)
     p.set_defaults(func=cmd_list)
 
     p = sub.add_parser("show", help="show a family's cold-page layout")
     p.add_argument("family")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--json", action="store_true", help="the family's layout JSON (what the build ships)")
     p.set_defaults(func=cmd_show)
 
     _add_build_parsers(sub)
@@ -456,24 +627,41 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one ``kvgen`` command; the exit status (0 ok, 1 a check failed, 2 bad usage)."""
     args = build_parser().parse_args(argv)
-    args.specs = args.specs or default_specs_dir()
-    if hasattr(args, "cache_dir"):
-        args.cache_dir = args.cache_dir or default_cache_dir()
     try:
+        args.specs = args.specs or default_specs_dir()
+        if hasattr(args, "cache_dir"):
+            args.cache_dir = args.cache_dir or default_cache_dir()
         return args.func(args)
     except SpecError as exc:
-        err_console.print(f"[red]error[/red] {exc}", soft_wrap=True)
-        return 1
+        _print_error(str(exc))
+        return EXIT_FAILED
+    except ModuleNotFoundError as exc:
+        extra = EXTRAS.get((exc.name or "").split(".")[0])
+        if extra is None:
+            raise
+        _print_error(f"kvgen {args.verb} needs {exc.name}: pip install 'kvgen[{extra}]'")
+        return EXIT_USAGE
+    except _usage_errors() as exc:
+        _print_error(str(exc))
+        return EXIT_USAGE
     except _build_errors() as exc:
         _print_error(str(exc))
-        return 1
+        return EXIT_FAILED
 
 
 def _print_error(text: str) -> None:
-    """Compiler logs contain brackets: never let rich read them as markup."""
+    """Paths, spec messages and compiler logs contain brackets: never let rich read them as markup."""
     err_console.print("[red]error[/red]", end=" ")
     err_console.print(text, markup=False, soft_wrap=True)
+
+
+def _usage_errors() -> tuple[type[Exception], ...]:
+    from kvgen.lower.tuned import TuningFileError
+
+    # TuningFileError reaching here is a bad $KVGEN_TUNED_PARAMS (bad tuned files are notes).
+    return UsageError, ArchError, TuningFileError
 
 
 def _build_errors() -> tuple[type[Exception], ...]:

@@ -28,6 +28,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvgen.arch import ArchError, parse_arch_list  # base, like this module
+
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]   # the checkout holding kvgen/
 
 ENV_SPECS = "KVGEN_SPECS_DIR"
@@ -47,10 +49,6 @@ TUNING_OFF = ("off", "0", "no", "false")
 
 def _env(environ: Mapping[str, str] | None) -> Mapping[str, str]:
     return os.environ if environ is None else environ
-
-
-def _csv(value: str) -> list[str]:
-    return [v.strip() for v in value.split(",") if v.strip()]
 
 
 # ---------------------------------------------------------------- directories
@@ -140,8 +138,13 @@ def max_jobs(environ: Mapping[str, str] | None = None) -> int:
 
 
 def cuda_arch_list(environ: Mapping[str, str] | None = None) -> list[str]:
-    """``$KVGEN_CUDA_ARCH_LIST`` (comma-separated; empty: none given)."""
-    return _csv(_env(environ).get(ENV_ARCHS, ""))
+    """``$KVGEN_CUDA_ARCH_LIST`` parsed as TORCH_CUDA_ARCH_LIST is (``;``, ``,`` or spaces; ``sm_90a``,
+    ``90a`` or ``9.0a``), canonical names; empty: none given. A bad entry is an ``ArchError``
+    naming the variable and the accepted values."""
+    try:
+        return parse_arch_list(_env(environ).get(ENV_ARCHS, ""))
+    except ArchError as exc:
+        raise ArchError(f"${ENV_ARCHS}: {exc}") from None
 
 
 def tuning_enabled(environ: Mapping[str, str] | None = None) -> bool:

@@ -4,6 +4,7 @@ edited since the build is reported with the file and the rebuild command."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -71,3 +72,19 @@ def test_spec_changed_since_the_build_is_reported(setup, capsys) -> None:
 def test_empty_registry_says_what_to_run(tmp_path: Path, capsys) -> None:
     assert verify(tmp_path / "nothing", tmp_path) == 1
     assert "no manifests; run: kvgen build" in capsys.readouterr().err
+
+
+def test_verify_json_lists_the_counts_and_every_problem(setup, capsys) -> None:
+    registry, specs = setup
+    assert main(["--specs", str(specs), "verify", "--json", "--registry", str(registry)]) == 0
+    assert json.loads(capsys.readouterr().out) == {"registry": str(registry), "ok": True, "manifests": 1,
+                                                   "families": 1, "artifacts": 3, "problems": []}
+    (registry / "sm_90a" / "kvgen_qwen3_8b_pack.py").unlink()
+    assert main(["--specs", str(specs), "verify", "--json", "--registry", str(registry)]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert not report["ok"] and "artifact missing" in report["problems"][0]
+
+
+def test_verify_of_an_empty_registry_fails(tmp_path: Path, capsys) -> None:
+    assert main(["verify", "--json", "--registry", str(tmp_path)]) == 1
+    assert json.loads(capsys.readouterr().out)["problems"] == [f"{tmp_path}: no manifests; run: kvgen build"]

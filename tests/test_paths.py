@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 from pathlib import Path
 
 import pytest
 
 from kvgen import paths
+from kvgen.arch import ArchError
+from tests import test_architecture as architecture
 
 
 def test_specs_dir_argument_then_environment_then_local_then_package(tmp_path, monkeypatch):
@@ -81,15 +84,35 @@ def test_child_environment_is_a_copy_plus_extras():
     assert child == {"PATH": "/bin", "PYTHONUNBUFFERED": "1"} and base == {"PATH": "/bin"}
 
 
-def test_paths_is_the_only_module_reading_the_environment_in_the_measurement_tools():
-    """bench, demo, measure and the tuner's measurement read no ``os.environ`` of their own."""
+@pytest.mark.parametrize("value", ["9.0a;sm_100a", "90a sm_100a", "sm_90a,10.0a", "sm_90a;;sm_100a;sm_90a"])
+def test_cuda_arch_list_takes_the_torch_spellings_and_separators(value):
+    assert paths.cuda_arch_list({"KVGEN_CUDA_ARCH_LIST": value}) == ["sm_90a", "sm_100a"]
+
+
+@pytest.mark.parametrize("value", ["9.0", "sm_89", "sm_120", "sm90a", "8.0;sm_90a"])
+def test_a_bad_cuda_arch_list_names_the_variable_and_the_accepted_values(value):
+    with pytest.raises(ArchError, match=r"^\$KVGEN_CUDA_ARCH_LIST: .*accepted: sm_90a, sm_100a"):
+        paths.cuda_arch_list({"KVGEN_CUDA_ARCH_LIST": value})
+
+
+def test_paths_imports_only_the_other_base_modules():
+    assert architecture.imported_modules(paths.PACKAGE_ROOT / "kvgen" / "paths.py") <= architecture.BASE_MODULES
+
+
+ENVIRON_USE = re.compile(r"\bos\.(environ|getenv|putenv|unsetenv)\b|\bgetenv\(|\bfrom os import [^\n]*\b(environ|getenv)\b")
+
+
+def test_paths_is_the_only_module_reading_or_writing_the_environment():
+    """Every knob is resolved in ``kvgen.paths`` and passed down as an argument; a worker's
+    environment is built by ``paths.child_environ``."""
     root = paths.PACKAGE_ROOT / "kvgen"
-    files = [*root.glob("bench/*.py"), *root.glob("demo/*.py"), *root.glob("measure/**/*.py"),
-             root / "tuning" / "measure.py", root / "tuning" / "evidence.py"]
-    readers = [str(f.relative_to(root)) for f in files if "os.environ" in f.read_text() or "getenv" in f.read_text()]
-    assert readers == []
+    users = [str(f.relative_to(root)) for f in sorted(root.rglob("*.py"))
+             if f != root / "paths.py" and ENVIRON_USE.search(f.read_text(encoding="utf-8"))]
+    assert users == [], f"read the environment through kvgen.paths: {users}"
 
 
-def test_paths_imports_no_other_kvgen_module():
-    text = (paths.PACKAGE_ROOT / "kvgen" / "paths.py").read_text()
-    assert "from kvgen" not in text and "import kvgen" not in text
+def test_the_environment_grep_sees_every_spelling():
+    for line in ("x = os.environ['A']", "os.getenv('A')", "os.environ.get('A')", "from os import environ",
+                 "from os import path, getenv", "os.putenv('A', 'b')"):
+        assert ENVIRON_USE.search(line), line
+    assert not ENVIRON_USE.search("paths.child_environ(environ)")

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from kvgen import __version__
+from kvgen import __version__, paths
 from kvgen.build.cache import CACHE_SCHEMA_VERSION, entry_dir, get_or_build, load_entry
 from kvgen.build.job import BuildJob, BuildOutcome
 from kvgen.files import file_sha256
@@ -152,8 +152,7 @@ def export_objects(modules: Mapping[str, Path], arch: str, out_root: Path, toolc
     out_root.mkdir(parents=True, exist_ok=True)
     jobs_file = out_root / "jobs.json"
     jobs_file.write_text(json.dumps({"arch": arch, "jobs": {n: str(p) for n, p in modules.items()}}))
-    env = dict(os.environ if environ is None else environ)
-    env.update(CUTE_DSL_ARCH=arch, CUTE_DSL_NO_CACHE="1")
+    env = paths.child_environ(environ, CUTE_DSL_ARCH=arch, CUTE_DSL_NO_CACHE="1")
     cmd = [toolchain.python, "-m", "kvgen.build.cute_aot", "export", str(jobs_file), str(out_root)]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
@@ -325,8 +324,8 @@ def _export_main(jobs_file: Path, out_root: Path) -> int:
 
     request = json.loads(jobs_file.read_text())
     arch = request["arch"]
-    if os.environ.get("CUTE_DSL_ARCH") != arch:
-        raise SystemExit(f"CUTE_DSL_ARCH={os.environ.get('CUTE_DSL_ARCH')!r} but the jobs are for {arch}")
+    if paths.cute_dsl_arch() != arch:
+        raise SystemExit(f"CUTE_DSL_ARCH={paths.cute_dsl_arch()!r} but the jobs are for {arch}")
     results = {}
     for name, module_path in request["jobs"].items():
         try:

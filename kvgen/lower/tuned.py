@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from kvgen import paths
 from kvgen.lower.plan import TUNABLES, Op, check_params
 
 SCHEMA = 1
@@ -148,15 +149,14 @@ def load_tuned(tuning_dir: Path, envs: Mapping[str, BuildEnvironment], families:
                environ: Mapping[str, str] | None = None) -> TunedParams:
     """The tuned parameters ``kvgen build`` applies for each arch of ``envs`` (what that arch is
     built with), with a note for each file it does not use."""
-    environ = os.environ if environ is None else environ
     tuned = TunedParams()
-    if environ.get("KVGEN_TUNING", "").lower() in ("off", "0", "no", "false"):
+    if not paths.tuning_enabled(environ):
         tuned.notes.append("KVGEN_TUNING=off: building every op with its safe default parameters")
     else:
         for arch, env in envs.items():
             for family in families:
                 _load_one(tuning_path(tuning_dir, arch, family), arch, family, env, tuned)
-    override = environ.get("KVGEN_TUNED_PARAMS", "")
+    override = paths.tuned_params_override(environ)
     if override:
         for (family, op), params in parse_override(override).items():
             for arch in envs:

@@ -2,9 +2,10 @@
 
 Search path. ``RuntimeRegistry(search_path)`` takes registry directories (each holding
 ``<arch>/manifest.json``, as ``kvgen build --registry DIR`` writes them) from its caller and
-searches them in order. ``RuntimeRegistry.default(paths, environ)`` builds the usual path: the
-caller's paths, then ``$KVGEN_REGISTRY`` (os.pathsep-separated; read only from the mapping passed
-in), then installed kernel wheels. A local build therefore overrides an installed wheel.
+searches them in order. ``RuntimeRegistry.default(search_path, environ)`` builds the usual path: the
+caller's paths, then ``$KVGEN_REGISTRY`` (``kvgen.paths.registry_search_path``: os.pathsep-separated,
+read from the mapping passed in, default the process environment), then installed kernel wheels.
+A local build therefore overrides an installed wheel.
 
 Installed kernel wheels (``kvgen wheel``) declare an entry point in the group ``kvgen.registries``
 whose value is their package; its ``registry/`` directory is searched. The package is located
@@ -25,13 +26,12 @@ import functools
 import hashlib
 import importlib.metadata
 import importlib.util
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvgen import __version__
+from kvgen import __version__, paths
 from kvgen.arch import arch_for_capability, family_target, parse_arch
 from kvgen.artifacts.manifest import (
     FORMAT_VERSION,
@@ -47,8 +47,6 @@ from kvgen.artifacts.manifest import (
 )
 from kvgen.artifacts.packages import ENTRY_POINT_GROUP, distribution_name, pip_fix
 from kvgen.runtime.library import FamilyLibrary, LibraryError
-
-ENV_REGISTRY = "KVGEN_REGISTRY"
 
 
 @dataclass(frozen=True)
@@ -75,11 +73,6 @@ def installed_sources() -> list[RegistrySource]:
                                       dist.metadata["Name"] if dist else ep.module,
                                       dist.version if dist else None))
     return sources
-
-
-def sources_from_env(environ: Mapping[str, str]) -> list[RegistrySource]:
-    value = environ.get(ENV_REGISTRY, "")
-    return [RegistrySource(Path(p)) for p in value.split(os.pathsep) if p]
 
 
 def current_arch() -> str:
@@ -167,8 +160,7 @@ class RuntimeRegistry:
     @classmethod
     def default(cls, search_path: Sequence[Path | str] = (), environ: Mapping[str, str] | None = None,
                 installed: bool = True) -> RuntimeRegistry:
-        environ = os.environ if environ is None else environ   # $KVGEN_REGISTRY unless told otherwise
-        sources = [RegistrySource(Path(p)) for p in search_path] + sources_from_env(environ)
+        sources = [RegistrySource(p) for p in paths.registry_search_path(search_path, environ)]
         return cls(sources + (installed_sources() if installed else []))
 
     def resolve(self, family: str, arch: str | None = None, spec_path: Path | None = None) -> Resolved:

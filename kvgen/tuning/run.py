@@ -19,12 +19,26 @@ import argparse
 import math
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvgen.lower.plan import Op, default_params
 from kvgen.lower.tuned import build_choice, write_op
-from kvgen.tuning.space import BUCKETS, TUNED_OPS, canonical, config_id, configurations, ops_for, parse_config
-from kvgen.tuning.study import STRATEGIES, BucketResult, Measurement, RecordedEvaluator, run_bucket
+from kvgen.tuning.space import (
+    BUCKETS,
+    STRATEGIES,
+    TUNED_OPS,
+    canonical,
+    config_id,
+    configurations,
+    ops_for,
+    parse_config,
+)
+
+if TYPE_CHECKING:
+    from kvgen.tuning.study import BucketResult, Measurement, RecordedEvaluator
+
+# kvgen.tuning.study (optuna, the [tune] extra) is imported where a search runs, so that building
+# the `kvgen tune` parser -- part of every `kvgen` command -- works on a base install.
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -86,6 +100,7 @@ class LiveEvaluator:
         if found.status == "missing":
             from kvgen.tuning.candidates import Request, build_candidates
             from kvgen.tuning.measure import measure_bundle
+            from kvgen.tuning.study import RecordedEvaluator
 
             build_candidates([Request(self.sources[family], op, dict(params))], arch, self.bundle, self.cache_dir,
                              toolchains=self.toolchains, jobs=1)
@@ -102,6 +117,8 @@ class LiveEvaluator:
         return self.recorded.environment(family, op, arch) if self.recorded else {}
 
     def _recorded(self, family, op, bucket, params) -> Measurement:
+        from kvgen.tuning.study import Measurement
+
         if self.recorded is None:
             return Measurement("missing", detail="the measurement worker recorded nothing")
         return self.recorded(family, op, self.arch, bucket, params)
@@ -113,6 +130,8 @@ class LiveEvaluator:
 
 
 def run(args: argparse.Namespace, sources, console, cache_dir: Path, discover_toolchains) -> int:
+    from kvgen.tuning.study import RecordedEvaluator
+
     ops: list[Op] | None = [o.strip() for v in args.op for o in v.split(",") if o.strip()] if args.op else None
     for op in ops or []:
         if op not in TUNED_OPS:
@@ -150,6 +169,8 @@ def run(args: argparse.Namespace, sources, console, cache_dir: Path, discover_to
 
 def _tune_op(args, spec, op: Op, evaluator, storage: str, console) -> list[BucketResult]:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from kvgen.tuning.study import run_bucket
 
     names = args.bucket or [b.name for b in BUCKETS[op]]
     out = []

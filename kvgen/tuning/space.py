@@ -30,6 +30,9 @@ class Bucket:
     why: str
 
 
+# The samplers a study may use (kvgen.tuning.study); here, so the argument parser can name them without optuna.
+STRATEGIES = ("tpe", "random", "grid")
+
 # Buckets per op. The build compiles one configuration per (family, op, arch); it is the one with the
 # best geometric-mean speed-up over these buckets (kvgen.lower.tuned.build_choice).
 BUCKETS: dict[Op, tuple[Bucket, ...]] = {

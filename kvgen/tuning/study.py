@@ -38,9 +38,8 @@ from optuna.trial import TrialState
 from kvgen.lower.plan import TUNABLES, Op, default_params
 from kvgen.spec.schema import FamilySpec
 from kvgen.tuning.measure import read_records
-from kvgen.tuning.space import canonical, config_id, configurations, parse_config
+from kvgen.tuning.space import STRATEGIES, canonical, config_id, configurations, parse_config
 
-STRATEGIES = ("tpe", "random", "grid")
 WORKER = f"{socket.gethostname()}:{os.getpid()}"
 FINISHED = (TrialState.COMPLETE, TrialState.FAIL)
 

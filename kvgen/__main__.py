@@ -1,0 +1,7 @@
+"""``python -m kvgen``: the ``kvgen`` command line."""
+
+import sys
+
+from kvgen.cli import main
+
+sys.exit(main())
