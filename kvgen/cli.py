@@ -596,6 +596,35 @@ def _add_run_parsers(sub) -> None:  # noqa: ANN001 - argparse's private subparse
     p.set_defaults(func=bench.run)
 
 
+def cmd_spec_from_config(args: argparse.Namespace) -> int:
+    """Draft a spec from a config.json: notes on stderr, validated before it is written."""
+    from kvgen.spec.from_config import ConfigError, draft_spec, read_config, validate
+
+    config, out = args.config, args.out
+    to_stdout = out is not None and str(out) == "-"
+    named_by_out = out is not None and not to_stdout and out.suffix in (".yaml", ".yml")
+    try:
+        draft = draft_spec(read_config(config), str(config), name=args.name or (out.stem if named_by_out else None),
+                           fallback_name=config.resolve().parent.name if config.stem == "config" else config.stem)
+    except ConfigError as exc:
+        raise UsageError(str(exc)) from None
+    out = out if out is not None else args.specs / f"{draft.name}.yaml"
+    if not to_stdout and out.stem != draft.name:
+        raise UsageError(f"{out}: a spec's file name is its name ({draft.name}.yaml); change --out or --name")
+    if not to_stdout and out.exists() and not args.force:
+        raise UsageError(f"{out}: already exists; pass --force to overwrite it")
+    validate(draft, str(out))  # a SpecError here: exit 1, nothing written
+    for note in draft.notes:
+        print(f"note: {note}", file=sys.stderr)
+    if to_stdout:
+        sys.stdout.write(draft.text())
+        return EXIT_OK
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(draft.text(), encoding="utf-8")
+    print(f"wrote {out}", file=sys.stderr)
+    return EXIT_OK
+
+
 # ---------------------------------------------------------------- entry
 
 
@@ -619,6 +648,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("family")
     p.add_argument("--json", action="store_true", help="the family's layout JSON (what the build ships)")
     p.set_defaults(func=cmd_show)
+
+    p = sub.add_parser("spec", help="write spec files")
+    spec_verbs = p.add_subparsers(dest="spec_verb", required=True)
+    p = spec_verbs.add_parser("from-config", help="draft a spec from a Hugging Face config.json (notes on stderr)")
+    p.add_argument("config", type=Path, help="the model's config.json")
+    p.add_argument("--name", help="family name (default: from --out, _name_or_path or the file name)")
+    p.add_argument("--out", type=Path, help="spec file to write (default: <specs>/<name>.yaml; - for stdout)")
+    p.add_argument("--force", action="store_true", help="overwrite an existing file")
+    p.set_defaults(func=cmd_spec_from_config)
 
     _add_build_parsers(sub)
     _add_wheel_parser(sub)

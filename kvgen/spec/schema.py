@@ -38,9 +38,10 @@ class _Model(BaseModel):
 
 
 class RopeScaling(_Model):
-    """HF ``rope_scaling``; only the fields the supported types use."""
+    """HF ``rope_scaling``; only the fields the supported types use. HF's ``rope_type`` key is
+    accepted as a spelling of ``type``."""
 
-    type: Literal["llama3", "linear", "yarn", "dynamic"]
+    type: Literal["llama3", "linear", "yarn", "dynamic", "longrope"]
     factor: PositiveFloat = 1.0
     low_freq_factor: PositiveFloat | None = None
     high_freq_factor: PositiveFloat | None = None
@@ -49,6 +50,35 @@ class RopeScaling(_Model):
     beta_slow: PositiveFloat | None = None
     mscale: PositiveFloat | None = None
     mscale_all_dim: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None
+    truncate: bool | None = None
+    attention_factor: PositiveFloat | None = None
+    short_factor: Annotated[list[PositiveFloat], Field(min_length=1, max_length=MAX_DIM // 2)] | None = None
+    long_factor: Annotated[list[PositiveFloat], Field(min_length=1, max_length=MAX_DIM // 2)] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _rope_type_is_type(cls, data: object) -> object:
+        if isinstance(data, dict) and "rope_type" in data:
+            if "type" in data:
+                raise ValueError("give one of type or rope_type (the same key, two spellings), not both")
+            data = {("type" if key == "rope_type" else key): value for key, value in data.items()}
+        return data
+
+
+# The fields each scaling type reads (HF transformers' modeling_rope_utils); `type` aside.
+SCALING_FIELDS = {
+    "linear": ("factor",),
+    "dynamic": ("factor", "original_max_position_embeddings"),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+             "truncate", "attention_factor"),
+    "longrope": ("factor", "original_max_position_embeddings", "short_factor", "long_factor", "attention_factor"),
+}
+SCALING_REQUIRED = {
+    "llama3": ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("original_max_position_embeddings",),
+    "longrope": ("short_factor", "long_factor", "original_max_position_embeddings"),
+}
 
 
 class RopeSpec(_Model):
@@ -344,11 +374,31 @@ def _rope_errors(spec: FamilySpec) -> list[tuple[KeyPath, str]]:
     rotary = spec.rotary_dim
     if rope.placement != "none" and (rotary % 2 or rotary <= 0 or rotary > spec.row_dim):
         errors.append((("rope",), f"rotated width {rotary} must be even and in 1..{spec.row_dim}"))
-    if rope.scaling is not None and rope.scaling.type == "llama3":
-        needed = ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-        missing = [k for k in needed if getattr(rope.scaling, k) is None]
-        if missing:
-            errors.append((("rope", "scaling"), f"llama3 scaling needs {', '.join(missing)}"))
+    if rope.scaling is not None:
+        errors += _scaling_errors(spec, rope.scaling)
+    return errors
+
+
+def _scaling_errors(spec: FamilySpec, scaling: RopeScaling) -> list[tuple[KeyPath, str]]:
+    """Required and unused fields of the scaling type; LongRoPE factors, one per rotated pair."""
+    kind = scaling.type
+    missing = [k for k in SCALING_REQUIRED.get(kind, ()) if getattr(scaling, k) is None]
+    if missing:
+        return [(("rope", "scaling"), f"{kind} scaling needs {', '.join(missing)}")]
+    unused = sorted(set(scaling.model_fields_set) - {"type", *SCALING_FIELDS[kind]})
+    if unused:
+        return [(("rope", "scaling", unused[0]), f"{kind} scaling does not use {unused[0]}; "
+                                                 f"accepted: {', '.join(SCALING_FIELDS[kind])}")]
+    errors: list[tuple[KeyPath, str]] = []
+    for key in ("short_factor", "long_factor"):
+        factors = getattr(scaling, key)
+        if factors is not None and len(factors) != spec.rotary_dim // 2:
+            errors.append((("rope", "scaling", key), f"{len(factors)} factors; the rotated width "
+                                                     f"{spec.rotary_dim} has {spec.rotary_dim // 2} pairs"))
+    if kind == "dynamic" and spec.triattention.enabled:
+        errors.append((("rope", "scaling", "type"), "dynamic NTK scaling changes the frequencies with the "
+                                                    "sequence length, which TriAttention's fixed calibration "
+                                                    "cannot follow; set triattention.enabled: false"))
     return errors
 
 
