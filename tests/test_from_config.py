@@ -17,6 +17,7 @@ from kvgen.lower.triattention import calibration_defaults, rope_scaling, tri_geo
 from kvgen.reference import triattention as T
 from kvgen.spec.from_config import ConfigError, draft_spec, read_config, validate
 from kvgen.spec.schema import FamilySpec, SpecError, load_spec, parse_spec
+from tests.test_cli import run_without_extras
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "tests" / "configs"
@@ -123,6 +124,23 @@ def test_layer_types_written_as_the_pattern_or_a_list():
         drafted("gpt-oss-20b", layer_types=["full_attention"])
 
 
+def test_other_config_shapes():
+    # transformers v5: theta and scaling in rope_parameters, per layer type (full attention is scored).
+    llama = read_config(CONFIGS / "llama-3.1-8b.json")
+    v5 = {"full_attention": dict(llama["rope_scaling"], rope_theta=500000.0),
+          "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+    assert drafted("llama-3.1-8b", rope_scaling=None, rope_theta=None, rope_parameters=v5) == drafted("llama-3.1-8b")
+    # Gemma-3: every 6th layer is global; Qwen2 with use_sliding_window: layers from max_window_layers on.
+    gemma3 = drafted("gemma-2-9b", model_type="gemma3", sliding_window_pattern=6, num_hidden_layers=12)
+    assert gemma3.swa_layers == frozenset(range(12)) - {5, 11}
+    qwen2 = drafted("qwen3-8b", use_sliding_window=True, sliding_window=4096, max_window_layers=28)
+    assert qwen2.swa_layers == frozenset(range(28, 36))
+    # Multimodal configs nest the language model.
+    qwen = read_config(CONFIGS / "qwen3-8b.json")
+    nested = draft_spec({"model_type": "qwen3_vl", "text_config": qwen}, "config.json", name="qwen3-8b")
+    assert validate(nested, "qwen3-8b.yaml") == drafted("qwen3-8b")
+
+
 def test_rope_scaling_spellings_and_refusals():
     old = drafted("llama-3.1-8b", rope_scaling=dict(read_config(CONFIGS / "llama-3.1-8b.json")["rope_scaling"],
                                                      type="llama3", rope_type=None))
@@ -201,3 +219,12 @@ def test_cli_names_stdout_and_bad_input(tmp_path, capsys):
     broken.write_text(json.dumps({"num_hidden_layers": 2}))
     assert main(["spec", "from-config", str(broken), "--out", "-"]) == 2
     assert "config.json: num_attention_heads / n_head: missing" in capsys.readouterr().err
+
+
+def test_cli_on_a_base_install(tmp_path):
+    """No optuna, triton, cutlass or matplotlib: the verb needs none of them."""
+    proc = run_without_extras("spec", "from-config", str(CONFIGS / "gpt-oss-20b.json"), "--out",
+                              str(tmp_path / "gpt-oss-20b.yaml"))
+    assert proc.returncode == 0, proc.stderr
+    assert "note: dtype: no torch_dtype in the config; chose bf16" in proc.stderr
+    assert load_spec(tmp_path / "gpt-oss-20b.yaml").rope.scaling.truncate is False
