@@ -119,7 +119,7 @@ def test_layer_types_written_as_the_pattern_or_a_list():
     assert drafted("gpt-oss-20b", layer_types=["sliding_attention"] * 23 + ["full_attention"]).swa_layers == \
         frozenset(range(23))
     with pytest.raises(ConfigError, match=r"layer_types\[0\]: 'chunked_attention'"):
-        drafted("gpt-oss-20b", layer_types=["chunked_attention"] * 24)
+        drafted("gpt-oss-20b", layer_types=["chunked_attention"] * 24)  # Llama-4's: not a KV pattern kvgen has
     with pytest.raises(ConfigError, match="24 layer types"):
         drafted("gpt-oss-20b", layer_types=["full_attention"])
 
@@ -135,6 +135,14 @@ def test_other_config_shapes():
     assert gemma3.swa_layers == frozenset(range(12)) - {5, 11}
     qwen2 = drafted("qwen3-8b", use_sliding_window=True, sliding_window=4096, max_window_layers=28)
     assert qwen2.swa_layers == frozenset(range(28, 36))
+    # Hybrid stacks: linear-attention layers keep no KV cache (Qwen3.5: every 4th of 60 is full).
+    qwen35 = {"model_type": "qwen3_5_moe", "num_hidden_layers": 60, "num_attention_heads": 32,
+              "num_key_value_heads": 2, "head_dim": 256, "partial_rotary_factor": 0.25, "rope_theta": 10000000,
+              "full_attention_interval": 4, "torch_dtype": "bfloat16", "max_position_embeddings": 262144}
+    facts = geometry_facts(validate(draft_spec(qwen35, "config.json", name="qwen3.5-397b-a17b"), "x.yaml"))
+    assert facts == geometry_facts(load_spec(SPECS / "qwen3.5-397b-a17b.yaml"))
+    types = ["linear_attention", "sliding_attention", "linear_attention", "full_attention"] * 6
+    assert drafted("gpt-oss-20b", layer_types=types).swa_layers == frozenset(range(0, 12, 2))
     # Multimodal configs nest the language model.
     qwen = read_config(CONFIGS / "qwen3-8b.json")
     nested = draft_spec({"model_type": "qwen3_vl", "text_config": qwen}, "config.json", name="qwen3-8b")

@@ -29,7 +29,7 @@ from kvgen.spec.schema import SCALING_FIELDS, SCALING_REQUIRED, FamilySpec, pars
 DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float8_e4m3fn": "fp8_e4m3"}
 # HF modeling code that rotates adjacent pairs (2f, 2f+1) instead of rotate_half's (f, f+F).
 INTERLEAVED_MODEL_TYPES = ("chatglm", "glm", "glm4", "gptj", "codegen", "deepseek_v2", "deepseek_v3", "kimi_k2")
-LAYER_TYPES = ("full_attention", "sliding_attention")
+LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")  # linear: recurrent state, no KV
 TOKENS_PER_BLOCK = 32
 MLA_TOKENS_PER_BLOCK = 64   # FlashMLA's page size
 TRI_BUDGET, TRI_BETA = 2048, 128
@@ -157,8 +157,29 @@ class _Geometry:
         return self.mla["kv_lora_rank"] + self.mla["qk_rope_head_dim"] if self.mla else self.head_dim
 
 
-def _geometry(cfg: _Config) -> _Geometry:
+def _layer_kinds(cfg: _Config) -> list[str] | None:
+    """The type of each layer that keeps a KV cache (hybrid stacks: linear-attention layers keep
+    recurrent state instead), or ``None`` when the config does not list them."""
     layers = cfg.integer("num_hidden_layers", "num_layers", "n_layer")
+    kinds = cfg.get("layer_types")
+    interval = cfg.integer("full_attention_interval", required=False)
+    if kinds is None and interval is not None:  # Qwen3-Next/Qwen3.5: every interval-th layer is full
+        kinds = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)]
+    if kinds is None:
+        return None
+    if not isinstance(kinds, list) or len(kinds) != layers:
+        raise cfg.error("layer_types", f"expected a list of {layers} layer types (one per layer)")
+    for i, kind in enumerate(kinds):
+        if kind not in LAYER_TYPES:
+            raise cfg.error(f"layer_types[{i}]", f"{kind!r}; accepted: {', '.join(LAYER_TYPES)}")
+    cached = [kind for kind in kinds if kind != "linear_attention"]
+    if len(cached) < layers:
+        cfg.note(f"layers: {len(cached)} of {layers} keep a KV cache (the others are linear attention)")
+    return cached
+
+
+def _geometry(cfg: _Config, kinds: list[str] | None) -> _Geometry:
+    layers = len(kinds) if kinds is not None else cfg.integer("num_hidden_layers", "num_layers", "n_layer")
     heads = cfg.integer("num_attention_heads", "n_head")
     if cfg.get("kv_lora_rank") is not None:
         return _mla_geometry(cfg, layers, heads)
@@ -341,14 +362,14 @@ def _original_context(cfg: _Config, kind: str, scaling: dict[str, Any]) -> None:
 # ---------------------------------------------------------------- sliding windows
 
 
-def _sliding(cfg: _Config, layers: int) -> tuple[dict[str, Any] | None, int]:
+def _sliding(cfg: _Config, layers: int, kinds: list[str] | None) -> tuple[dict[str, Any] | None, int]:
     """The ``sliding_window`` block and the number of sliding layers."""
     window = cfg.integer("sliding_window", required=False)
     longest = cfg.integer("max_position_embeddings", required=False)
     if window is not None and longest is not None and window >= longest:
         cfg.note(f"sliding_window {window} >= max_position_embeddings {longest}: it never slides; none written")
         return None, 0
-    sliding = _sliding_layers(cfg, layers, window)
+    sliding = _sliding_layers(cfg, layers, kinds, window)
     if not sliding:
         return None, 0
     if window is None:
@@ -356,15 +377,10 @@ def _sliding(cfg: _Config, layers: int) -> tuple[dict[str, Any] | None, int]:
     return {"window": window, "layers": _layer_set(sliding, layers)}, len(sliding)
 
 
-def _sliding_layers(cfg: _Config, layers: int, window: int | None) -> list[int]:
-    layer_types = cfg.get("layer_types")
-    if layer_types is not None:
-        if not isinstance(layer_types, list) or len(layer_types) != layers:
-            raise cfg.error("layer_types", f"expected a list of {layers} layer types (one per layer)")
-        for i, kind in enumerate(layer_types):
-            if kind not in LAYER_TYPES:
-                raise cfg.error(f"layer_types[{i}]", f"{kind!r}; accepted: {', '.join(LAYER_TYPES)}")
-        return [i for i, kind in enumerate(layer_types) if kind == "sliding_attention"]
+def _sliding_layers(cfg: _Config, layers: int, kinds: list[str] | None, window: int | None) -> list[int]:
+    """Cache-layer indices that slide."""
+    if kinds is not None:
+        return [i for i, kind in enumerate(kinds) if kind == "sliding_attention"]
     if cfg.model_type == "gemma2":
         cfg.note("sliding_window: Gemma-2 alternates, even layers slide (HF Gemma2: not layer_idx % 2)")
         return list(range(0, layers, 2))
@@ -452,10 +468,11 @@ def draft_spec(values: dict[str, Any], source: str, name: str | None = None,
     config that lacks what a spec needs."""
     notes: list[str] = []
     cfg = _language_model(values, source, notes)
-    geo = _geometry(cfg)
+    kinds = _layer_kinds(cfg)
+    geo = _geometry(cfg, kinds)
     dtype = _dtype(cfg)
     rope = _rope(cfg, geo)
-    sliding, sliding_count = _sliding(cfg, geo.layers)
+    sliding, sliding_count = _sliding(cfg, geo.layers, kinds)
     data: dict[str, Any] = {"name": _name(cfg, name, fallback_name)}
     model = cfg.get("_name_or_path")
     if model is not None and re.fullmatch(r"[A-Za-z0-9._-]+/[A-Za-z0-9._-]+", str(model)):
