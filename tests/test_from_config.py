@@ -168,6 +168,8 @@ def test_config_errors_name_the_file_and_key(tmp_path):
     bad.write_text("[1, 2]")
     with pytest.raises(ConfigError, match="config.json: expected a JSON object"):
         read_config(bad)
+    with pytest.raises(ConfigError, match=r"rope_scaling.factor: not a number"):
+        drafted("qwen3-8b", rope_scaling={"rope_type": "linear", "factor": "eight"})
     with pytest.raises(ConfigError, match="num_key_value_heads: 5 does not divide"):
         drafted("qwen3-8b", num_key_value_heads=5)
 

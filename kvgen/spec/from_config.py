@@ -149,12 +149,8 @@ class _Geometry:
     layers: int
     query_heads: int
     kv_heads: int
-    head_dim: int          # of the heads (MLA: the qk head dim, not stored)
+    head_dim: int | None   # K/V row width; None for MLA, whose row is the latent
     mla: dict[str, int] | None = None
-
-    @property
-    def row_dim(self) -> int:
-        return self.mla["kv_lora_rank"] + self.mla["qk_rope_head_dim"] if self.mla else self.head_dim
 
 
 def _layer_kinds(cfg: _Config) -> list[str] | None:
@@ -217,7 +213,7 @@ def _mla_geometry(cfg: _Config, layers: int, heads: int) -> _Geometry:
     cfg.note(f"MLA: the cache keeps one latent row per token (kv_lora_rank {mla['kv_lora_rank']} + qk_rope_head_dim "
              f"{mla['qk_rope_head_dim']}), so kv_heads is 1; qk_nope_head_dim {nope} and v_head_dim {v_dim} "
              f"are decompressed per head and not stored")
-    return _Geometry("mla", layers, heads, 1, (nope or 0) + mla["qk_rope_head_dim"], mla)
+    return _Geometry("mla", layers, heads, 1, None, mla)
 
 
 def _dtype(cfg: _Config) -> str:
@@ -275,7 +271,7 @@ def _rotated_span(cfg: _Config, head_dim: int) -> tuple[dict[str, Any], int]:
     """Placement and width: HF rotates the first ``rotary_dim`` elements of a head."""
     if cfg.model_type == "chatglm":  # ChatGLM: RotaryEmbedding(kv_channels // 2), the first half
         return {"placement": "leading", "rotary_dim": head_dim // 2}, head_dim // 2
-    factor = cfg.number("partial_rotary_factor", "rotary_pct")
+    factor = cfg.number("partial_rotary_factor", "rotary_pct") or _parameters(cfg).get("partial_rotary_factor")
     width = cfg.integer("rotary_dim", required=False)
     if width is None and factor is not None and factor < 1:
         width = int(head_dim * factor)  # HF: int(head_dim * partial_rotary_factor)
@@ -312,8 +308,11 @@ def _scaling(cfg: _Config, rotary: int) -> dict[str, Any] | None:
     scaling = {"type": kind}
     for key in SCALING_FIELDS[kind]:
         if raw.get(key) is not None:
-            scaling[key] = _scaling_value(key, raw[key])
-    ignored = sorted(set(raw) - {"type", "rope_type", "rope_theta", *scaling})
+            try:
+                scaling[key] = _scaling_value(key, raw[key])
+            except (TypeError, ValueError):
+                raise cfg.error(f"rope_scaling.{key}", f"not a number (or list of numbers): {raw[key]!r}") from None
+    ignored = sorted(set(raw) - {"type", "rope_type", "rope_theta", "partial_rotary_factor", *scaling})
     if ignored:
         cfg.note(f"rope_scaling: ignored {', '.join(ignored)} (not read by HF's {kind} frequencies)")
     _original_context(cfg, kind, scaling)
