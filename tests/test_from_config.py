@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvgen.cli import main
-from kvgen.lower.triattention import calibration_defaults, rope_scaling, tri_geometry
+from kvgen.lower.triattention import calibration_defaults, eviction_config, rope_scaling, tri_geometry
 from kvgen.reference import triattention as T
 from kvgen.spec.from_config import ConfigError, draft_spec, read_config, validate
 from kvgen.spec.schema import FamilySpec, SpecError, load_spec, parse_spec
@@ -93,6 +93,24 @@ def test_phi4_mini_partial_rotary_and_longrope():
     omega, scale = calibration_defaults(spec)  # what TriAttention scores with: the long factors
     torch.testing.assert_close(omega, T.rope_omega(96, 10000.0, rope_scaling(spec), seq_len=1 << 15))
     torch.testing.assert_close(scale.double(), torch.full((48,), attention_factor ** 2, dtype=torch.float64))
+
+
+def test_longrope_reaches_the_runtime_through_the_manifest(tmp_path):
+    """The manager's defaults come from the shipped EvictionConfig (JSON in the manifest): the same
+    omega and attention factor as the spec's, and a calibration made with them loads (bit equal)."""
+    spec = drafted("phi-4-mini-instruct")
+    shipped = T.EvictionConfig.from_json(json.loads(json.dumps(eviction_config(spec).to_json())))
+    omega, scale = T.rope_defaults(shipped.geometry.rotary_dim, shipped.rope_theta, shipped.rope_scaling)
+    expected_omega, expected_scale = calibration_defaults(spec)
+    assert torch.equal(omega, expected_omega) and torch.equal(scale, expected_scale)
+    calib = T.synthetic_calibration(shipped.geometry, seed=0, num_queries=4, theta=shipped.rope_theta,
+                                    scaling=shipped.rope_scaling)
+    T.save_calibration(calib, tmp_path / "calib.pt")
+    loaded = T.load_calibration(tmp_path / "calib.pt", shipped.geometry, omega, scale)
+    assert torch.equal(loaded.omega, omega)
+    short = T.rope_omega(96, 10000.0, shipped.rope_scaling, seq_len=4096)
+    with pytest.raises(T.CalibrationError, match="disagrees with the family's RoPE"):
+        T.load_calibration(tmp_path / "calib.pt", shipped.geometry, short, scale)
 
 
 def test_chatglm3_interleaved_pairs_on_half_the_head():
