@@ -83,7 +83,8 @@ CASES = _grid_cases()
 
 
 def _run_host_check(exe: Path, geo, table: torch.Tensor, moves, k_pools, v_pools, case: dict):
-    """Compaction by the host build of the kernel's walk: (overlaps, K pools, V pools)."""
+    """Compaction by the host build of the kernel's walk: (overlaps, skipped, K pools, V pools);
+    skipped: whether moves were skipped for a token outside the table row, for a page outside the pools."""
     page_bytes = k_pools[0][0].numel() * k_pools[0].element_size()
     header = [0 if geo.layout == "HND" else 1, page_bytes // (geo.kv_heads * geo.tokens_per_block), geo.kv_heads,
               geo.tokens_per_block, geo.num_layers, k_pools[0].shape[0], table.shape[0], table.shape[1],
@@ -95,12 +96,12 @@ def _run_host_check(exe: Path, geo, table: torch.Tensor, moves, k_pools, v_pools
         parts += [k.contiguous().view(torch.uint8).numpy().tobytes(), v.contiguous().view(torch.uint8).numpy().tobytes()]
     proc = subprocess.run([str(exe)], input=b"".join(parts), capture_output=True, timeout=120)
     assert proc.returncode == 0, f"exit {proc.returncode}: {proc.stderr.decode()}"
-    overlaps = int(np.frombuffer(proc.stdout[:8], dtype="<i8")[0])
-    data = np.frombuffer(proc.stdout[8:], dtype=np.uint8)
+    overlaps, *skipped = (int(x) for x in np.frombuffer(proc.stdout[:24], dtype="<i8"))
+    data = np.frombuffer(proc.stdout[24:], dtype=np.uint8)
     pool_bytes = k_pools[0].numel() * k_pools[0].element_size()
     assert data.size == 2 * geo.num_layers * pool_bytes
     pools = [torch.from_numpy(data[i * pool_bytes:(i + 1) * pool_bytes].copy()) for i in range(2 * geo.num_layers)]
-    return overlaps, pools[0::2], pools[1::2]
+    return overlaps, tuple(skipped), pools[0::2], pools[1::2]
 
 
 def _case_inputs(case: dict):
@@ -122,12 +123,59 @@ def _case_inputs(case: dict):
     f"{c['mode']}{'-kv' if c['interleaved'] else ''}{'-sf' if c['stores_first'] else ''}" for c in CASES])
 def test_host_walk_equals_oracle(host_check: Path, case: dict) -> None:
     geo, moves, table, k_pools, v_pools = _case_inputs(case)
-    overlaps, k_out, v_out = _run_host_check(host_check, geo, table, moves, k_pools, v_pools, case)
+    overlaps, skipped, k_out, v_out = _run_host_check(host_check, geo, table, moves, k_pools, v_pools, case)
     k_ref = [p.clone() for p in k_pools]
     v_ref = [p.clone() for p in v_pools]
     compact_paged(k_ref, v_ref, table, moves, geo)
     assert overlaps == 0, "a load of tile k+1 touched a row stored by tile k"
+    assert skipped == (0, 0), "a valid move was skipped as out of range"
     assert any(not torch.equal(a, b) for a, b in zip(k_ref, k_pools)), "the case moves nothing"
+    for layer in range(geo.num_layers):
+        assert torch.equal(k_out[layer], k_ref[layer].view(torch.uint8).reshape(-1)), f"K of layer {layer}"
+        assert torch.equal(v_out[layer], v_ref[layer].view(torch.uint8).reshape(-1)), f"V of layer {layer}"
+
+
+def _corrupt(moves, table: torch.Tensor, tpb: int):
+    """Bad moves and a bad page table entry (what a buggy caller could pass as device arrays), and
+    the moves the kernel must still make: every move touching a bad value turned into the fill.
+
+    src 100000 (past the table row), dst -5 and src -5 (negative, not the -1 fill) on three real
+    moves; one page table entry of request 0 set past the pools (every move reading or writing a
+    token of that page must be skipped)."""
+    src, dst = moves.src.clone(), moves.dst.clone()
+    real = ((src >= 0) & (src != dst)).nonzero().tolist()
+    assert len(real) >= 4
+    for (layer, head, m), (field, value) in zip(real[:3], [(src, 100000), (dst, -5), (src, -5)]):
+        field[layer, head, m] = value
+    keep_src, keep_dst = moves.src.clone(), moves.dst.clone()
+    for layer, head, m in real[:3]:
+        keep_src[layer, head, m] = keep_dst[layer, head, m] = -1
+    bad_table = table.clone()
+    begin, end = int(moves.offsets[0]), int(moves.offsets[1])
+    layer, head, m = next((l, h, m) for l, h, m in real[3:] if begin <= m < end)  # a real move of request 0
+    page_index = int(moves.src[layer, head, m]) // tpb
+    bad_table[0, page_index] = 1 << 20
+    slot = torch.arange(src.shape[-1])
+    in_request0 = (slot >= begin) & (slot < end)
+    touches = ((moves.src // tpb == page_index) & (moves.src >= 0)) | ((moves.dst // tpb == page_index) & (moves.dst >= 0))
+    hit = touches & in_request0
+    keep_src[hit] = -1
+    keep_dst[hit] = -1
+    return type(moves)(src, dst, moves.offsets), bad_table, type(moves)(keep_src, keep_dst, moves.offsets)
+
+
+@pytest.mark.parametrize("case", CASES[:4], ids=lambda c: f"{c['layout']}-t{c['threads']}x{c['tile']}-{c['mode']}")
+def test_host_walk_skips_out_of_range_moves(host_check: Path, case: dict) -> None:
+    """The kernel's bounds checks (bit-exact against the oracle): moves with tokens outside the page
+    table row or pages outside the pools are skipped and recorded; every other move is made and no
+    other byte changes."""
+    geo, moves, table, k_pools, v_pools = _case_inputs(case)
+    bad_moves, bad_table, kept_moves = _corrupt(moves, table, geo.tokens_per_block)
+    overlaps, skipped, k_out, v_out = _run_host_check(host_check, geo, bad_table, bad_moves, k_pools, v_pools, case)
+    k_ref = [p.clone() for p in k_pools]
+    v_ref = [p.clone() for p in v_pools]
+    compact_paged(k_ref, v_ref, table, kept_moves, geo)
+    assert skipped == (1, 1) and overlaps == 0
     for layer in range(geo.num_layers):
         assert torch.equal(k_out[layer], k_ref[layer].view(torch.uint8).reshape(-1)), f"K of layer {layer}"
         assert torch.equal(v_out[layer], v_ref[layer].view(torch.uint8).reshape(-1)), f"V of layer {layer}"
