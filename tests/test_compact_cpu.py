@@ -33,7 +33,7 @@ from kvgen.render.source import render
 from kvgen.runtime.compact import CompactLibrary, Compactor
 from kvgen.runtime.library import LibraryError
 from kvgen.spec.schema import load_spec
-from tests.move_cases import geometry, random_batch, random_page_table, random_pools
+from tests.move_cases import corrupt_moves, geometry, random_batch, random_page_table, random_pools
 
 ROOT = Path(__file__).resolve().parents[1]
 CHECK_SRC = ROOT / "tests" / "csrc" / "compact_host_check.cu"
@@ -135,42 +135,13 @@ def test_host_walk_equals_oracle(host_check: Path, case: dict) -> None:
         assert torch.equal(v_out[layer], v_ref[layer].view(torch.uint8).reshape(-1)), f"V of layer {layer}"
 
 
-def _corrupt(moves, table: torch.Tensor, tpb: int):
-    """Bad moves and a bad page table entry (what a buggy caller could pass as device arrays), and
-    the moves the kernel must still make: every move touching a bad value turned into the fill.
-
-    src 100000 (past the table row), dst -5 and src -5 (negative, not the -1 fill) on three real
-    moves; one page table entry of request 0 set past the pools (every move reading or writing a
-    token of that page must be skipped)."""
-    src, dst = moves.src.clone(), moves.dst.clone()
-    real = ((src >= 0) & (src != dst)).nonzero().tolist()
-    assert len(real) >= 4
-    for (layer, head, m), (field, value) in zip(real[:3], [(src, 100000), (dst, -5), (src, -5)]):
-        field[layer, head, m] = value
-    keep_src, keep_dst = moves.src.clone(), moves.dst.clone()
-    for layer, head, m in real[:3]:
-        keep_src[layer, head, m] = keep_dst[layer, head, m] = -1
-    bad_table = table.clone()
-    begin, end = int(moves.offsets[0]), int(moves.offsets[1])
-    layer, head, m = next((l, h, m) for l, h, m in real[3:] if begin <= m < end)  # a real move of request 0
-    page_index = int(moves.src[layer, head, m]) // tpb
-    bad_table[0, page_index] = 1 << 20
-    slot = torch.arange(src.shape[-1])
-    in_request0 = (slot >= begin) & (slot < end)
-    touches = ((moves.src // tpb == page_index) & (moves.src >= 0)) | ((moves.dst // tpb == page_index) & (moves.dst >= 0))
-    hit = touches & in_request0
-    keep_src[hit] = -1
-    keep_dst[hit] = -1
-    return type(moves)(src, dst, moves.offsets), bad_table, type(moves)(keep_src, keep_dst, moves.offsets)
-
-
 @pytest.mark.parametrize("case", CASES[:4], ids=lambda c: f"{c['layout']}-t{c['threads']}x{c['tile']}-{c['mode']}")
 def test_host_walk_skips_out_of_range_moves(host_check: Path, case: dict) -> None:
     """The kernel's bounds checks (bit-exact against the oracle): moves with tokens outside the page
     table row or pages outside the pools are skipped and recorded; every other move is made and no
     other byte changes."""
     geo, moves, table, k_pools, v_pools = _case_inputs(case)
-    bad_moves, bad_table, kept_moves = _corrupt(moves, table, geo.tokens_per_block)
+    bad_moves, bad_table, kept_moves = corrupt_moves(moves, table, geo.tokens_per_block)
     overlaps, skipped, k_out, v_out = _run_host_check(host_check, geo, bad_table, bad_moves, k_pools, v_pools, case)
     k_ref = [p.clone() for p in k_pools]
     v_ref = [p.clone() for p in v_pools]
