@@ -249,3 +249,16 @@ def test_manager_checks_host_lengths_against_the_page_table(tmp_path: Path) -> N
         manager.score(table, [20], [10], [10])
     with pytest.raises(ValueError, match="one per request, got 2, 2, 2 and 1"):
         manager.score(table, [1, 2], [3, 4], [3, 4])
+
+
+def test_generation_step_is_checked(tmp_path: Path) -> None:
+    from kvgen.runtime.eviction import GenerationStep
+
+    spec = small_spec(load_spec(ROOT / "specs" / "qwen3-8b.yaml"), 1)
+    sim = DecodeSim(eviction_config(spec), [10], [0], 64, torch.device("cpu"))
+    manager, _ = _manager(spec, tmp_path, sim)
+    table = torch.zeros(2, 2, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"step: 1 request ids, 1 lengths, 1 tails and page table \[2, 2\]"):
+        manager.on_generation_step_end(GenerationStep(["a"], table, [20]))
+    with pytest.raises(ValueError, match="every tail must be between 0 and its request's length"):
+        manager.on_generation_step_end(GenerationStep(["a", "b"], table, [20, 5], [0, 6]))

@@ -283,6 +283,12 @@ class TriAttentionManager:
     def on_generation_step_end(self, step: GenerationStep) -> RoundReport:
         """Cadence rule, then one round for the due requests of ``step``."""
         tails = list(step.tail) if step.tail is not None else [0] * len(step.request_ids)
+        rows = step.page_table.shape[0] if step.page_table.dim() == 2 else None
+        if not len(step.request_ids) == len(step.lengths) == len(tails) == rows:
+            raise ValueError(f"step: {len(step.request_ids)} request ids, {len(step.lengths)} lengths, {len(tails)} "
+                             f"tails and page table {list(step.page_table.shape)}; one each (one row) per request")
+        if any(not 0 <= tail <= length for tail, length in zip(tails, step.lengths)):
+            raise ValueError("step: every tail must be between 0 and its request's length")
         states = [self.requests[rid] for rid in step.request_ids]
         S = [length - tail for length, tail in zip(step.lengths, tails)]
         due = [b for b, (state, s) in enumerate(zip(states, S))
