@@ -11,6 +11,11 @@ struct kvgen_codec {
   kvgen::family::CodecT* impl;
 };
 
+// A null codec is refused by every call (a destroyed one cannot be told apart from a live one in C).
+static bool kvgen_live(const kvgen_codec* codec) {
+  return codec != nullptr || kvgen::fail(std::string(kvgen::family::kTables.name) + ": null codec");
+}
+
 extern "C" {
 
 int kvgen_abi_version(void) { return KVGEN_ABI_VERSION; }
@@ -43,12 +48,12 @@ kvgen_index_location kvgen_codec_query_page_index_location(const kvgen_codec* co
 
 int kvgen_codec_encode(kvgen_codec* codec, int lifecycle, void* cold_base, const kvgen_page_pair* pairs,
                        int64_t num_pairs, void* stream) {
-  return kvgen_codec_encode_checked(codec, lifecycle, cold_base, kvgen::codec::kUnknownCount, pairs, num_pairs, stream);
+  return kvgen_live(codec) && codec->impl->encode(lifecycle, cold_base, pairs, num_pairs, static_cast<cudaStream_t>(stream));
 }
 
 int kvgen_codec_decode(kvgen_codec* codec, int lifecycle, const void* cold_base, const kvgen_page_pair* pairs,
                        int64_t num_pairs, void* stream) {
-  return kvgen_codec_decode_checked(codec, lifecycle, cold_base, kvgen::codec::kUnknownCount, pairs, num_pairs, stream);
+  return kvgen_live(codec) && codec->impl->decode(lifecycle, cold_base, pairs, num_pairs, static_cast<cudaStream_t>(stream));
 }
 
 // ---- Bounds-checked entry points (kvgen_codec.h, second block)
@@ -68,11 +73,6 @@ kvgen_codec* kvgen_codec_configure_checked(const kvgen_pool_extent* pools, int64
   kvgen::family::CodecT* impl =
       kvgen::family::CodecT::configure(kvgen::family::kTables, descs.data(), num_pools, location, pages.data());
   return impl ? new kvgen_codec{impl} : nullptr;
-}
-
-// A null codec is refused by every call (a destroyed one cannot be told apart from a live one in C).
-static bool kvgen_live(const kvgen_codec* codec) {
-  return codec != nullptr || kvgen::fail(std::string(kvgen::family::kTables.name) + ": null codec");
 }
 
 int kvgen_codec_encode_checked(kvgen_codec* codec, int lifecycle, void* cold_base, int64_t cold_slots,

@@ -2,7 +2,9 @@
 //
 // A generated codec.cu defines the family's Layer type and lifecycle tables, then expands
 // KVGEN_DEFINE_CODEC_ABI(...) once.  Nothing here synchronizes: configure allocates and fills the
-// per-lifecycle descriptor tables (init time); encode/decode only launch.
+// per-lifecycle descriptor tables and the device error record (init time); encode/decode check
+// host pairs against the pools' pages and the cold slots, then only launch (the kernels check
+// device pairs, device_errors.cuh).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -145,6 +147,14 @@ class Codec {
   bool decode(int lifecycle, const void* cold, int64_t cold_slots, const kvgen_page_pair* pairs, int64_t n,
               cudaStream_t stream) {
     return launch<false>(lifecycle, const_cast<void*>(cold), cold_slots, pairs, n, stream);
+  }
+
+  // Without a cold slot count (kvgen_codec_encode / _decode): slots are only checked to be >= 0.
+  bool encode(int lifecycle, void* cold, const kvgen_page_pair* pairs, int64_t n, cudaStream_t stream) {
+    return encode(lifecycle, cold, kUnknownCount, pairs, n, stream);
+  }
+  bool decode(int lifecycle, const void* cold, const kvgen_page_pair* pairs, int64_t n, cudaStream_t stream) {
+    return decode(lifecycle, cold, kUnknownCount, pairs, n, stream);
   }
 
   // Device indices the kernels skipped since the last check (see device_errors.cuh).
