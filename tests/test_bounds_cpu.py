@@ -262,3 +262,14 @@ def test_generation_step_is_checked(tmp_path: Path) -> None:
         manager.on_generation_step_end(GenerationStep(["a"], table, [20]))
     with pytest.raises(ValueError, match="every tail must be between 0 and its request's length"):
         manager.on_generation_step_end(GenerationStep(["a", "b"], table, [20, 5], [0, 6]))
+
+
+def test_score_page_stride_is_checked() -> None:
+    from kvgen.runtime.score import ScoreLibrary
+
+    lib = ScoreLibrary.__new__(ScoreLibrary)  # the geometry is all the check reads
+    lib.geometry = {"vector_elems": 8}
+    lib.check_page_stride(4096)
+    for bad in (0, -8, 12, True, 8.0):
+        with pytest.raises(ValueError, match=f"page_stride: {bad!r}, expected a positive multiple of 8 elements"):
+            lib.check_page_stride(bad)
