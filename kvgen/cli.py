@@ -432,20 +432,17 @@ def cmd_clear_cache(args: argparse.Namespace) -> int:
 
 
 def verify_registry(registry: Path, specs_dir: Path) -> list[str]:
-    """Problems of a registry, one line each: manifests that do not read (format, version, ABI,
-    the sha256 of every artifact they list), families built from a spec file that has changed
-    since (or is gone)."""
-    from kvgen.artifacts.manifest import RegistryError, read_manifest
+    """Problems of a registry, one line each: manifests that do not read (malformed, format,
+    version, ABI, an arch not its folder's), every artifact path leaving the registry, missing or
+    altered, and families built from a spec file that has changed since (or is gone)."""
+    from kvgen.artifacts.manifest import RegistryError, manifest_problems
     from kvgen.runtime.lookup import check_spec
 
     problems = []
     for path in sorted(Path(registry).glob("*/manifest.json")):
-        try:
-            manifest = read_manifest(path)
-        except RegistryError as exc:
-            problems.append(str(exc))
-            continue
-        for entry in manifest.families:
+        manifest, found = manifest_problems(path)
+        problems += [str(exc) for exc in found]
+        for entry in manifest.families if manifest else ():
             spec_path = specs_dir / f"{entry.family}.yaml"
             try:
                 check_spec(entry, spec_path)

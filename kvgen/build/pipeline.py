@@ -33,7 +33,7 @@ from kvgen.build.cute_aot import CuteToolchain
 from kvgen.build.environment import build_environments, gpu_name
 from kvgen.build.job import BACKENDS, Backend, BuildJob, BuildOutcome, SpecSource, Status, family_jobs, load_spec_source
 from kvgen.build.nvcc import Toolchain
-from kvgen.files import copy_if_different
+from kvgen.files import copy_if_different, file_lock
 from kvgen.kernels import KERNELS_DIR
 from kvgen.lower.layout import family_layout, to_json
 from kvgen.lower.tuned import TunedParams, load_tuned
@@ -110,11 +110,22 @@ def _family_entry(built: Sequence[tuple[BuildJob, BuildOutcome]]) -> FamilyEntry
                        layout=to_json(spec, family_layout(spec)))
 
 
+REGISTRY_LOCK = ".manifest.lock"   # beside each arch's manifest.json: one writer of that manifest at a time
+
+
 def publish(registry_dir: Path, arch: str, results: Sequence[tuple[BuildJob, BuildOutcome]]) -> Path:
     """Copy this arch's built artifacts into the registry (each atomically), then rewrite its
     manifest (last, atomically): the families built now get new entries listing what built (a
-    family nothing of which built is dropped), other families' entries are kept."""
+    family nothing of which built is dropped), other families' entries are kept. All of it
+    under the registry lock, so concurrent builds of other families lose nothing and a manifest
+    never lists an artifact another build replaced after it was hashed."""
     path = manifest_path(registry_dir, arch)
+    with file_lock(path.parent / REGISTRY_LOCK):
+        _publish_locked(path, arch, results)
+    return path
+
+
+def _publish_locked(path: Path, arch: str, results: Sequence[tuple[BuildJob, BuildOutcome]]) -> None:
     try:
         kept = list(parse_manifest(path).families) if path.exists() else []
     except RegistryError:
@@ -129,7 +140,6 @@ def publish(registry_dir: Path, arch: str, results: Sequence[tuple[BuildJob, Bui
     entries = [entry for entry in kept if entry.family not in by_family]
     entries += [_family_entry(built) for built in by_family.values() if built]
     write_manifest(path, Manifest(arch=arch, families=tuple(sorted(entries, key=lambda e: e.family))))
-    return path
 
 
 # ---------------------------------------------------------------- entry
