@@ -23,7 +23,7 @@ from rich.text import Text
 from kvgen import paths
 from kvgen.arch import ARCHS, ArchError, canonical_arch, parse_arch_list
 from kvgen.lower.layout import family_layout, to_json
-from kvgen.spec.schema import FamilySpec, SpecError, load_spec
+from kvgen.spec.schema import FamilySpec, SpecError, load_spec, name_collisions
 
 # Build-side modules (render, backends, cache, registry) and the tools (tune, demo, bench) are
 # imported inside their verbs so that `kvgen validate` stays fast and every verb that needs no
@@ -71,13 +71,16 @@ def find_spec(name: str, specs_dir: Path) -> Path:
 
 
 def load_all(paths: list[Path]) -> tuple[list[FamilySpec], list[SpecError]]:
-    specs, errors = [], []
+    """The valid specs and the errors; a spec whose name collides with an earlier one's in C is an error."""
+    loaded, errors = [], []
     for path in paths:
         try:
-            specs.append(load_spec(path))
+            loaded.append((path, load_spec(path)))
         except SpecError as exc:
             errors.append(exc)
-    return specs, errors
+    collisions = name_collisions(loaded)
+    refused = {exc.path for exc in collisions}
+    return [spec for path, spec in loaded if str(path) not in refused], errors + collisions
 
 
 def _print_json(document: Any) -> None:

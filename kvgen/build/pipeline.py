@@ -38,6 +38,7 @@ from kvgen.kernels import KERNELS_DIR
 from kvgen.lower.layout import family_layout, to_json
 from kvgen.lower.tuned import TunedParams, load_tuned
 from kvgen.render.source import TEMPLATES_DIR, render_family, stale_files, write_rendered
+from kvgen.spec.schema import name_collisions
 
 
 @dataclass
@@ -182,6 +183,9 @@ def build(specs: Sequence[SpecSource | Path], archs: Sequence[str] | None, out_g
     failure is reported in its outcome and everything else still builds and publishes.
     """
     sources = _as_sources(specs)
+    collisions = name_collisions([(s.path or s.spec.name, s.spec) for s in sources])
+    if collisions:
+        raise collisions[0]   # two families would build one library
     progress = progress or _NoProgress()
     report = BuildReport()
     for files in render_all(sources, templates_dir).values():
