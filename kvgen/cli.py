@@ -649,6 +649,9 @@ def main(argv: list[str] | None = None) -> int:
     except _build_errors() as exc:
         _print_error(str(exc))
         return EXIT_FAILED
+    except OSError as exc:   # a read-only or full cache, registry or output directory: fix it and rerun
+        _print_error(f"{exc.filename}: {exc.strerror}" if exc.filename and exc.strerror else str(exc))
+        return EXIT_USAGE
 
 
 def _print_error(text: str) -> None:
