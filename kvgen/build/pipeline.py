@@ -111,7 +111,10 @@ def _family_entry(built: Sequence[tuple[BuildJob, BuildOutcome]]) -> FamilyEntry
                        layout=to_json(spec, family_layout(spec)))
 
 
-REGISTRY_LOCK = ".manifest.lock"   # beside each arch's manifest.json: one writer of that manifest at a time
+def registry_lock(registry_dir: Path, arch: str) -> Path:
+    """The lock file of one arch's manifest: one writer at a time. In the registry's root, so an arch
+    folder holds exactly its manifest and the artifacts it lists."""
+    return Path(registry_dir) / f".{arch}.manifest.lock"
 
 
 def publish(registry_dir: Path, arch: str, results: Sequence[tuple[BuildJob, BuildOutcome]]) -> Path:
@@ -121,7 +124,7 @@ def publish(registry_dir: Path, arch: str, results: Sequence[tuple[BuildJob, Bui
     under the registry lock, so concurrent builds of other families lose nothing and a manifest
     never lists an artifact another build replaced after it was hashed."""
     path = manifest_path(registry_dir, arch)
-    with file_lock(path.parent / REGISTRY_LOCK):
+    with file_lock(registry_lock(registry_dir, arch)):
         _publish_locked(path, arch, results)
     return path
 
