@@ -334,3 +334,12 @@ def test_a_compile_timeout_kills_the_compiler_group(fake_nvcc, tmp_path: Path, m
     with pytest.raises(CompileError, match="timed out"):
         compile_shared_library([Path("a.cu")], "sm_90a", [], Path("lib.so"), toolchain, timeout=1.5, cwd=tmp_path)
     assert _all_gone([int(p) for p in pids_file.read_text().split()])
+
+
+def test_a_compiler_in_its_group_keeps_its_output_and_status() -> None:
+    from kvgen.build.process import run_in_group
+
+    done = run_in_group(["sh", "-c", "echo out; echo err >&2; exit 3"], timeout=30)
+    assert (done.returncode, done.stdout, done.stderr) == (3, "out\n", "err\n")
+    missing = run_in_group(["/nonexistent/nvcc", "--version"], timeout=30)
+    assert missing.returncode == 1 and "cannot run /nonexistent/nvcc" in missing.stderr

@@ -28,7 +28,10 @@ from collections.abc import Mapping, Sequence
 _WATCHDOG = """
 import os, signal, subprocess, sys
 parent = os.getppid()
-child = subprocess.Popen(sys.argv[1:])
+try:
+    child = subprocess.Popen(sys.argv[1:])
+except OSError as exc:
+    sys.exit(f"cannot run {sys.argv[1]}: {exc}")
 def kill_group(*_):
     os.killpg(0, signal.SIGKILL)
 signal.signal(signal.SIGTERM, kill_group)
