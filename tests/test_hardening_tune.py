@@ -188,3 +188,15 @@ def test_an_objective_that_died_without_a_failure_kind_does_not_count(tmp_path: 
     assert run_bucket(QWEN, "codec", "sm_90a", "large", third, strategy="random", trials=10, storage=storage,
                       seed=5).trials == 10
     assert third.measured == []
+
+
+@pytest.mark.parametrize("storage", ["nonsense", "sqlite:////nonexistent/dir/studies.sqlite3"])
+def test_a_storage_that_cannot_be_opened_is_a_plain_error(measurements: Path, capsys, storage: str) -> None:
+    assert main(["tune", "--family", "qwen3-8b", "--op", "codec", "--bucket", "large", "--measurements",
+                 str(measurements), "--storage", storage, "--no-write"]) == 2
+    out = capsys.readouterr().out
+    assert f"error: --storage {storage}: cannot open it" in out and "Traceback" not in out
+
+
+def test_an_environment_that_is_not_an_object_is_skipped(measurements: Path) -> None:
+    assert record_problem({**_good(measurements), "environment": "H200"}) == "environment is not an object"

@@ -130,7 +130,7 @@ class LiveEvaluator:
 
 
 def run(args: argparse.Namespace, sources, console, cache_dir: Path, discover_toolchains) -> int:
-    from kvgen.tuning.study import RecordedEvaluator
+    from kvgen.tuning.study import RecordedEvaluator, StorageError
 
     ops: list[Op] | None = [o.strip() for v in args.op for o in v.split(",") if o.strip()] if args.op else None
     for op in ops or []:
@@ -162,12 +162,16 @@ def run(args: argparse.Namespace, sources, console, cache_dir: Path, discover_to
         evaluator = LiveEvaluator(sources, args.arch, work, cache_dir, discover_toolchains())
     storage = args.storage or default_storage(cache_dir)
     results: list[tuple[str, Op, BucketResult, str]] = []
-    for source in sources:
-        spec = source.spec
-        for op in [o for o in (ops or ops_for(spec)) if o in ops_for(spec)]:
-            per_bucket = _tune_op(args, spec, op, evaluator, storage, console)
-            choice = _write(args, spec, op, per_bucket, evaluator)
-            results += [(spec.name, op, r, choice) for r in per_bucket]
+    try:
+        for source in sources:
+            spec = source.spec
+            for op in [o for o in (ops or ops_for(spec)) if o in ops_for(spec)]:
+                per_bucket = _tune_op(args, spec, op, evaluator, storage, console)
+                choice = _write(args, spec, op, per_bucket, evaluator)
+                results += [(spec.name, op, r, choice) for r in per_bucket]
+    except StorageError as exc:
+        _error(console, str(exc))
+        return 2
     console.print(summary_table(results))
     return 0 if all(r.best is not None for _, _, r, _ in results) else 1
 

@@ -119,6 +119,8 @@ def record_problem(record: Any) -> str | None:
     bad = [k for k in (*RECORD_KEYS, "status") if not isinstance(record.get(k), str)]
     if bad:
         return f"{', '.join(bad)} missing or not a string (a measurement needs {', '.join(RECORD_KEYS)}, status)"
+    if not isinstance(record.get("environment", {}), dict):
+        return "environment is not an object"
     if record["status"] != "ok":
         return None
     if not _ms(record.get("median_ms"), 1e-9):   # the search divides by it: a zero time is no measurement
@@ -157,9 +159,19 @@ def connect(storage: str | optuna.storages.BaseStorage, attempts: int = 5) -> op
     for attempt in range(1, attempts):
         try:
             return optuna.storages.get_storage(storage)
+        except sqlalchemy.exc.ArgumentError:
+            break   # not a URL: retrying will not help
         except sqlalchemy.exc.DBAPIError:
             time.sleep(0.2 * attempt)
-    return optuna.storages.get_storage(storage)
+    try:
+        return optuna.storages.get_storage(storage)
+    except (sqlalchemy.exc.SQLAlchemyError, ValueError) as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise StorageError(f"--storage {storage}: cannot open it ({reason})") from None
+
+
+class StorageError(ValueError):
+    """An optuna storage URL that does not parse or whose database cannot be opened."""
 
 
 def open_study(name: str, storage: str | optuna.storages.BaseStorage, sampler) -> optuna.Study:
