@@ -23,7 +23,7 @@ from rich.text import Text
 from kvgen import paths
 from kvgen.arch import ARCHS, ArchError, canonical_arch, parse_arch_list
 from kvgen.lower.layout import family_layout, to_json
-from kvgen.spec.schema import FamilySpec, SpecError, load_spec
+from kvgen.spec.schema import FamilySpec, SpecError, load_spec, name_collisions
 
 # Build-side modules (render, backends, cache, registry) and the tools (tune, demo, bench) are
 # imported inside their verbs so that `kvgen validate` stays fast and every verb that needs no
@@ -71,13 +71,16 @@ def find_spec(name: str, specs_dir: Path) -> Path:
 
 
 def load_all(paths: list[Path]) -> tuple[list[FamilySpec], list[SpecError]]:
-    specs, errors = [], []
+    """The valid specs and the errors; a spec whose name collides with an earlier one's in C is an error."""
+    loaded, errors = [], []
     for path in paths:
         try:
-            specs.append(load_spec(path))
+            loaded.append((path, load_spec(path)))
         except SpecError as exc:
             errors.append(exc)
-    return specs, errors
+    collisions = name_collisions(loaded)
+    refused = {exc.path for exc in collisions}
+    return [spec for path, spec in loaded if str(path) not in refused], errors + collisions
 
 
 def _print_json(document: Any) -> None:
@@ -432,20 +435,17 @@ def cmd_clear_cache(args: argparse.Namespace) -> int:
 
 
 def verify_registry(registry: Path, specs_dir: Path) -> list[str]:
-    """Problems of a registry, one line each: manifests that do not read (format, version, ABI,
-    the sha256 of every artifact they list), families built from a spec file that has changed
-    since (or is gone)."""
-    from kvgen.artifacts.manifest import RegistryError, read_manifest
+    """Problems of a registry, one line each: manifests that do not read (malformed, format,
+    version, ABI, an arch not its folder's), every artifact path leaving the registry, missing or
+    altered, and families built from a spec file that has changed since (or is gone)."""
+    from kvgen.artifacts.manifest import RegistryError, manifest_problems
     from kvgen.runtime.lookup import check_spec
 
     problems = []
     for path in sorted(Path(registry).glob("*/manifest.json")):
-        try:
-            manifest = read_manifest(path)
-        except RegistryError as exc:
-            problems.append(str(exc))
-            continue
-        for entry in manifest.families:
+        manifest, found = manifest_problems(path)
+        problems += [str(exc) for exc in found]
+        for entry in manifest.families if manifest else ():
             spec_path = specs_dir / f"{entry.family}.yaml"
             try:
                 check_spec(entry, spec_path)
@@ -687,6 +687,9 @@ def main(argv: list[str] | None = None) -> int:
     except _build_errors() as exc:
         _print_error(str(exc))
         return EXIT_FAILED
+    except OSError as exc:   # a read-only or full cache, registry or output directory: fix it and rerun
+        _print_error(f"{exc.filename}: {exc.strerror}" if exc.filename and exc.strerror else str(exc))
+        return EXIT_USAGE
 
 
 def _print_error(text: str) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal, Sequence, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
 
@@ -24,12 +24,21 @@ HOT_DTYPES = ("bf16", "fp16", "fp8_e4m3")
 ELEM_BYTES = {"bf16": 2, "fp16": 2, "fp8_e4m3": 1}
 MAX_DIM = 1 << 14
 MAX_COUNT = 1 << 12
+MAX_HEADS = 1 << 10
+# One layer's hot page, every buffer and side buffer together (tokens_per_block x heads x row x
+# dtype). Far above what the codec stages in shared memory (227 KiB on sm_90a and sm_100a), and
+# low enough that every size in the generated code is a 32-bit int: a spec that validates builds.
+MAX_PAGE_BYTES = 1 << 24
+# G and Q are binary32 (COLD_PAGE_FORMAT.md §3): both, and 1/G, stay normal finite numbers.
+MIN_SCALE, MAX_SCALE = 2.0 ** -64, 2.0 ** 64
 
 # Names reach C symbols and file names: lowercase words joined by '-' or '_'.
 FamilyName = Annotated[str, StringConstraints(pattern=r"^[a-z][a-z0-9]*([-_.][a-z0-9]+)*$", max_length=64)]
 BufferName = Annotated[str, StringConstraints(pattern=r"^[a-z][a-z0-9_]*$", max_length=32)]
 Dim = Annotated[int, Field(ge=1, le=MAX_DIM, strict=True)]
 Count = Annotated[int, Field(ge=1, le=MAX_COUNT, strict=True)]
+Heads = Annotated[int, Field(ge=1, le=MAX_HEADS, strict=True)]
+Scale = Annotated[float, Field(ge=MIN_SCALE, le=MAX_SCALE, allow_inf_nan=False)]
 PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 
 
@@ -93,8 +102,8 @@ class RopeSpec(_Model):
 class GlobalScale(_Model):
     """Encode multiplier ``G`` and decode multiplier ``Q`` (default ``1/G``)."""
 
-    G: PositiveFloat = 1.0
-    Q: PositiveFloat | None = None
+    G: Scale = 1.0
+    Q: Scale | None = None
 
 
 class QuantizedRange(_Model):
@@ -145,8 +154,8 @@ class FamilySpec(_Model):
     description: Annotated[str, StringConstraints(max_length=2000)] | None = None
     attention: Literal["mha", "gqa", "mqa", "mla", "csa"]
     layers: Count
-    query_heads: Count
-    kv_heads: Count = 1
+    query_heads: Heads
+    kv_heads: Heads = 1
     head_dim: Dim | None = None
     tokens_per_block: Annotated[int, Field(ge=1, le=1024, strict=True)]
     layout: Literal["HND", "NHD"] = "HND"
@@ -312,6 +321,7 @@ def _semantic_errors(spec: FamilySpec) -> list[tuple[KeyPath, str]]:
     if errors:
         return errors
     errors += _cold_page_errors(spec)
+    errors += _size_errors(spec)
     errors += _layer_errors(spec)
     errors += _triattention_errors(spec)
     return errors
@@ -429,9 +439,6 @@ def _cold_page_errors(spec: FamilySpec) -> list[tuple[KeyPath, str]]:
         if name not in allowed:
             errors.append((("cold_page", "scales", name), f"no quantized buffer named {name!r}; "
                                                            f"accepted: {', '.join(sorted(allowed))}"))
-    for scale_name, scale in cold.scales.items():
-        if scale.Q is not None and not math.isfinite(1.0 / scale.Q):
-            errors.append((("cold_page", "scales", scale_name, "Q"), "Q must be finite and positive"))
     if not errors and cold.quantized_range is not None:
         errors += _check_quantized_range(spec)
     names = [s.name for s in spec.side_buffers]
@@ -439,6 +446,21 @@ def _cold_page_errors(spec: FamilySpec) -> list[tuple[KeyPath, str]]:
         if name in names[:i] or name in allowed:
             errors.append((("side_buffers", i, "name"), f"buffer name {name!r} is used twice"))
     return errors
+
+
+def hot_page_bound(spec: FamilySpec) -> int:
+    """An upper bound of one layer's hot page in bytes (CSA stores fewer rows than this counts)."""
+    rows = spec.kv_heads * spec.tokens_per_block
+    quantized = len(_quantized_buffer_names(spec)) * rows * spec.row_dim * spec.elem_bytes
+    return quantized + sum(s.bytes_per_token for s in spec.side_buffers) * spec.tokens_per_block
+
+
+def _size_errors(spec: FamilySpec) -> list[tuple[KeyPath, str]]:
+    size = hot_page_bound(spec)
+    if size <= MAX_PAGE_BYTES:
+        return []
+    return [(("tokens_per_block",), f"one layer's page holds {size} bytes (kv_heads x tokens_per_block x row x "
+                                    f"dtype, plus side buffers); at most {MAX_PAGE_BYTES} are accepted")]
 
 
 def _check_quantized_range(spec: FamilySpec) -> list[tuple[KeyPath, str]]:
@@ -486,6 +508,31 @@ def _quantized_buffer_names(spec: FamilySpec) -> tuple[str, ...]:
 
 
 quantized_buffer_names = _quantized_buffer_names
+
+
+# ---------------------------------------------------------------- a set of specs
+
+
+def c_identifier(name: str) -> str:
+    """A family name as C symbols and artifact file names spell it: '-' and '.' become '_'."""
+    return "".join(c if c.isalnum() else "_" for c in name)
+
+
+def name_collisions(specs: Sequence[tuple[str | Path, FamilySpec]]) -> list[SpecError]:
+    """One error per spec whose name spells the same C identifier as an earlier one's
+    (``coll-a`` and ``coll_a`` would build one ``libkvgen_coll_a.so``), naming both files."""
+    first: dict[str, tuple[str | Path, FamilySpec]] = {}
+    errors = []
+    for path, spec in specs:
+        ident = c_identifier(spec.name)
+        if ident in first:
+            other_path, other = first[ident]
+            errors.append(SpecError(str(path), [SpecIssue(line=1, key="name", message=(
+                f"family {spec.name!r} collides with {other.name!r} in {other_path}: both are kvgen_{ident} in C "
+                "symbols and artifact names; rename one"))]))
+        else:
+            first[ident] = (path, spec)
+    return errors
 
 
 # ---------------------------------------------------------------- entry points
