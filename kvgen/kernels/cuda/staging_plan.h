@@ -1,0 +1,91 @@
+// kvgen/kernels/cuda/staging_plan.h -- host-only planning of the staged offload/onboard (ABI v2).
+//
+// Plain C++ (no CUDA): how a staging buffer splits into ring slots, which argument errors are
+// refused before anything is enqueued, and how a chunk of page pairs becomes copies of contiguous
+// runs of cold slots.  codec_staged.cuh drives CUDA with it; tests/csrc/staging_plan_check.cpp
+// runs it on the host.
+#pragma once
+
+#include <stdint.h>
+
+#include <string>
+
+#include "kvgen_codec.h"
+
+namespace kvgen {
+namespace staging {
+
+// Two slots: chunk i's copy overlaps chunk i+1's encode (the copy engine is the slower side, so a
+// deeper ring would only hold more memory).
+constexpr int64_t kRingSlots = 2;
+constexpr int64_t kAlign = 16;                       // cold base rule of kvgen_codec.h
+constexpr int64_t kDefaultBytes = int64_t(64) << 20;  // staging the codec allocates when asked for 0
+
+// A staging buffer cut into `slots` ring slots of `pages_per_slot` cold pages each.
+struct Ring {
+  int64_t slots = 0;
+  int64_t pages_per_slot = 0;
+  int64_t slot_bytes = 0;
+};
+
+// The ring for cold pages of `page_bytes`; an empty message when `staging_bytes` holds at least one.
+inline std::string plan_ring(int64_t staging_bytes, int64_t page_bytes, Ring* ring) {
+  if (page_bytes <= 0 || page_bytes % kAlign) {
+    return "cold page size " + std::to_string(page_bytes) + " is not a positive multiple of 16";
+  }
+  const int64_t pages = staging_bytes / page_bytes;
+  if (pages < 1) {
+    return "staging buffer of " + std::to_string(staging_bytes) + " bytes is smaller than one cold page (" +
+           std::to_string(page_bytes) + " bytes)";
+  }
+  ring->slots = pages < kRingSlots ? pages : kRingSlots;
+  ring->pages_per_slot = pages / ring->slots;
+  ring->slot_bytes = ring->pages_per_slot * page_bytes;
+  return "";
+}
+
+// Which field of a pair names the cold slot: dst when offloading, src when onboarding.
+inline int32_t cold_slot(const kvgen_page_pair& p, bool offload) { return offload ? p.dst : p.src; }
+
+// Every cold slot in [0, num_cold_slots) and every hot page >= 0, checked before any launch
+// (the hot side's upper bound is the kernels' check); an empty message when all are.
+inline std::string check_pairs(const kvgen_page_pair* pairs, int64_t n, int64_t num_cold_slots, bool offload) {
+  for (int64_t i = 0; i < n; ++i) {
+    const int32_t slot = cold_slot(pairs[i], offload);
+    const int32_t page = offload ? pairs[i].src : pairs[i].dst;
+    if (slot < 0 || slot >= num_cold_slots) {
+      return "pair " + std::to_string(i) + ": cold slot " + std::to_string(slot) + " outside [0, " +
+             std::to_string(num_cold_slots) + ")";
+    }
+    if (page < 0) return "pair " + std::to_string(i) + ": negative hot page " + std::to_string(page);
+  }
+  return "";
+}
+
+// emit(first, slot, count) once per run of pairs [first, first + count) of the chunk
+// [begin, end) whose cold slots are consecutive: staging page first - begin .. holds cold slots
+// slot .. slot + count - 1, so each run is one copy.
+template <class Emit>
+void for_each_run(const kvgen_page_pair* pairs, int64_t begin, int64_t end, bool offload, Emit emit) {
+  int64_t first = begin;
+  for (int64_t i = begin + 1; i <= end; ++i) {
+    const bool breaks = i == end || cold_slot(pairs[i], offload) != cold_slot(pairs[i - 1], offload) + 1;
+    if (breaks) {
+      emit(first, (int64_t)cold_slot(pairs[first], offload), i - first);
+      first = i;
+    }
+  }
+}
+
+// The pairs of chunk [begin, end) as the device-side codec sees them: the cold slot replaced by
+// the page's position in its staging slot.
+inline void to_staging_pairs(const kvgen_page_pair* pairs, int64_t begin, int64_t end, bool offload,
+                             kvgen_page_pair* out) {
+  for (int64_t i = begin; i < end; ++i) {
+    const int32_t local = (int32_t)(i - begin);
+    out[i - begin] = offload ? kvgen_page_pair{local, pairs[i].src} : kvgen_page_pair{pairs[i].dst, local};
+  }
+}
+
+}  // namespace staging
+}  // namespace kvgen
