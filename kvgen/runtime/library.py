@@ -5,7 +5,8 @@ from __future__ import annotations
 import ctypes
 from pathlib import Path
 
-ABI_VERSION = 1
+ABI_VERSION = 2
+STAGED_ABI_VERSION = 2   # first version with kvgen_codec_set_staging / offload / onboard
 
 
 class LibraryError(RuntimeError):
@@ -29,6 +30,15 @@ _SIGNATURES = {
     "kvgen_codec_query_page_index_location": (_c.c_int, [_c.c_void_p, _c.c_int]),
     "kvgen_codec_encode": (_c.c_int, [_c.c_void_p, _c.c_int, _c.c_void_p, _c.c_void_p, _c.c_int64, _c.c_void_p]),
     "kvgen_codec_decode": (_c.c_int, [_c.c_void_p, _c.c_int, _c.c_void_p, _c.c_void_p, _c.c_int64, _c.c_void_p]),
+}
+
+_STAGED_SIGNATURES = {
+    "kvgen_codec_set_staging": (_c.c_int, [_c.c_void_p, _c.c_void_p, _c.c_int64]),
+    "kvgen_codec_staging_bytes": (_c.c_int64, [_c.c_void_p]),
+    "kvgen_codec_offload": (_c.c_int, [_c.c_void_p, _c.c_int, _c.c_void_p, _c.c_int64, _c.c_void_p, _c.c_int64,
+                                       _c.c_void_p]),
+    "kvgen_codec_onboard": (_c.c_int, [_c.c_void_p, _c.c_int, _c.c_void_p, _c.c_int64, _c.c_void_p, _c.c_int64,
+                                       _c.c_void_p]),
 }
 
 
@@ -60,10 +70,15 @@ class FamilyLibrary:
         self._lib = load_typed(self.path, _SIGNATURES, "not a kvgen family library")
         for name in _SIGNATURES:
             setattr(self, name, getattr(self._lib, name))
-        abi = self.kvgen_abi_version()
-        if abi != ABI_VERSION:
-            raise LibraryError(f"{self.path}: C ABI version {abi}, this kvgen runtime speaks {ABI_VERSION}; "
+        self.abi = abi = self.kvgen_abi_version()
+        if abi not in (1, ABI_VERSION):
+            raise LibraryError(f"{self.path}: C ABI version {abi}, this kvgen runtime speaks 1 and {ABI_VERSION}; "
                                "rebuild with kvgen build")
+        if abi >= STAGED_ABI_VERSION:   # a version-1 library still loads, without the staged paths
+            for name, (restype, argtypes) in _STAGED_SIGNATURES.items():
+                fn = getattr(self._lib, name)
+                fn.restype, fn.argtypes = restype, argtypes
+                setattr(self, name, fn)
         self.family = self.kvgen_family_name().decode()
         if family is not None and family != self.family:
             raise LibraryError(f"{self.path}: built for family {self.family!r}, not {family!r}")
