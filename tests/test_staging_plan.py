@@ -1,6 +1,9 @@
 """The staged offload/onboard's host logic (kvgen/kernels/cuda/staging_plan.h), compiled with g++ and
 run on the CPU: ring slots from a staging size, refusals before any launch, one copy per run of
-consecutive cold slots, pairs remapped to staging positions. Exact expected lines (no tolerance)."""
+consecutive cold slots, pairs remapped to staging positions, and the order of a transfer's
+operations on the caller (C) and copier (K) streams: a ring slot reused only after its previous
+chunk's copy (offload) or decode (onboard), and the capture rules (waits on events recorded in the
+call, fork, join). Exact expected lines (no tolerance)."""
 
 from __future__ import annotations
 
@@ -31,6 +34,10 @@ check onboard 4: pair 0: negative hot page -3
 check onboard 9: ok
 local offload: (0 2) (1 1) (2 5)
 local onboard: (0 0) (2 1) (1 2)
+offload n=5 ring 2x2: C:code[0,2)@0 C:rec computed0 K:wait computed0 K:copy[0,2)@0 K:rec moved0 C:code[2,4)@1 C:rec computed1 K:wait computed1 K:copy[2,4)@1 K:rec moved1 C:wait moved0 C:code[4,5)@0 C:rec computed0 K:wait computed0 K:copy[4,5)@0 K:rec moved0 C:wait moved0 | legal 1 fork 1 join 1
+onboard n=5 ring 2x2: C:rec fork0 K:wait fork0 K:copy[0,2)@0 K:rec moved0 C:wait moved0 C:code[0,2)@0 C:rec computed0 K:copy[2,4)@1 K:rec moved1 C:wait moved1 C:code[2,4)@1 C:rec computed1 K:wait computed0 K:copy[4,5)@0 K:rec moved0 C:wait moved0 C:code[4,5)@0 C:rec computed0 | legal 1 fork 1 join 1
+offload n=2 ring 1x1: C:code[0,1)@0 C:rec computed0 K:wait computed0 K:copy[0,1)@0 K:rec moved0 C:wait moved0 C:code[1,2)@0 C:rec computed0 K:wait computed0 K:copy[1,2)@0 K:rec moved0 C:wait moved0 | legal 1 fork 1 join 1
+onboard n=0 ring 2x4: | legal 1 fork 1 join 1
 """
 
 

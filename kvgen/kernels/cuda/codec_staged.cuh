@@ -113,44 +113,49 @@ class Staged {
     return bad.empty() || fail(bad);
   }
 
+  // CUDA operations of staging::run_transfer for one call.
+  struct CudaOps {
+    Staged& st;
+    CodecT& codec;
+    int lifecycle;
+    bool offload;
+    const kvgen_page_pair* pairs;
+    uint8_t* host_cold;
+    int64_t page_bytes;
+    int64_t slot_bytes;
+    cudaStream_t caller;
+
+    cudaStream_t stream_of(staging::Side side) const { return side == staging::kCaller ? caller : st.copy_; }
+    cudaEvent_t event(staging::EventKind kind, int slot) const {
+      return kind == staging::kFork ? st.fork_ : kind == staging::kComputed ? st.computed_[slot] : st.moved_[slot];
+    }
+    uint8_t* ring_slot(int slot) const { return st.base_ + slot * slot_bytes; }
+
+    bool record(staging::EventKind kind, int slot, staging::Side side) {
+      return cuda_ok(cudaEventRecord(event(kind, slot), stream_of(side)), "staging event record");
+    }
+    bool wait(staging::Side side, staging::EventKind kind, int slot) {
+      return cuda_ok(cudaStreamWaitEvent(stream_of(side), event(kind, slot), 0), "staging event wait");
+    }
+    bool compute(int64_t begin, int64_t end, int slot) {
+      staging::to_staging_pairs(pairs, begin, end, offload, st.local_.data());
+      return offload ? codec.encode(lifecycle, ring_slot(slot), st.local_.data(), end - begin, caller)
+                     : codec.decode(lifecycle, ring_slot(slot), st.local_.data(), end - begin, caller);
+    }
+    bool copy(int64_t begin, int64_t end, int slot) {
+      return st.copy_runs(pairs, begin, end, offload, ring_slot(slot), host_cold, page_bytes);
+    }
+  };
+
   template <bool kOffload>
   bool transfer(CodecT& codec, int lifecycle, uint8_t* host_cold, int64_t num_cold_slots,
                 const kvgen_page_pair* pairs, int64_t n, cudaStream_t stream) {
     staging::Ring ring;
     if (!check(codec, lifecycle, host_cold, num_cold_slots, pairs, n, kOffload, &ring)) return false;
-    if (n == 0) return true;
-    const int64_t page_bytes = codec.cold_page_bytes(lifecycle);
     local_.resize(ring.pages_per_slot);
-    bool ok = true;
-    if (!kOffload) {  // fork: the copy stream starts after the caller's earlier work (staging, host cold)
-      ok = cuda_ok(cudaEventRecord(fork_, stream), "fork") && cuda_ok(cudaStreamWaitEvent(copy_, fork_, 0), "fork");
-    }
-    int last = 0;
-    for (int64_t begin = 0, chunk = 0; ok && begin < n; begin += ring.pages_per_slot, ++chunk) {
-      const int64_t end = begin + ring.pages_per_slot < n ? begin + ring.pages_per_slot : n;
-      const int slot = (int)(chunk % ring.slots);
-      const bool reused = chunk >= ring.slots;   // the slot's previous chunk must be done with it
-      uint8_t* staged = base_ + slot * ring.slot_bytes;
-      staging::to_staging_pairs(pairs, begin, end, kOffload, local_.data());
-      if (kOffload) {
-        ok = (!reused || cuda_ok(cudaStreamWaitEvent(stream, moved_[slot], 0), "wait copy")) &&
-             codec.encode(lifecycle, staged, local_.data(), end - begin, stream) &&
-             cuda_ok(cudaEventRecord(computed_[slot], stream), "record encode") &&
-             cuda_ok(cudaStreamWaitEvent(copy_, computed_[slot], 0), "wait encode") &&
-             copy_runs(pairs, begin, end, true, staged, host_cold, page_bytes) &&
-             cuda_ok(cudaEventRecord(moved_[slot], copy_), "record copy");
-      } else {
-        ok = (!reused || cuda_ok(cudaStreamWaitEvent(copy_, computed_[slot], 0), "wait decode")) &&
-             copy_runs(pairs, begin, end, false, staged, host_cold, page_bytes) &&
-             cuda_ok(cudaEventRecord(moved_[slot], copy_), "record copy") &&
-             cuda_ok(cudaStreamWaitEvent(stream, moved_[slot], 0), "wait copy") &&
-             codec.decode(lifecycle, staged, local_.data(), end - begin, stream) &&
-             cuda_ok(cudaEventRecord(computed_[slot], stream), "record decode");
-      }
-      last = slot;
-    }
-    // join: the caller's stream waits for the copy stream's last copy (onboard already did)
-    return ok && (!kOffload || cuda_ok(cudaStreamWaitEvent(stream, moved_[last], 0), "join"));
+    CudaOps ops{*this, codec, lifecycle, kOffload, pairs, host_cold, codec.cold_page_bytes(lifecycle),
+                ring.slot_bytes, stream};
+    return staging::run_transfer(ring, n, kOffload, ops);
   }
 
   // One cudaMemcpyAsync per run of consecutive cold slots (scattered slots: one per page).

@@ -87,5 +87,44 @@ inline void to_staging_pairs(const kvgen_page_pair* pairs, int64_t begin, int64_
   }
 }
 
+// The two streams of a staged transfer and its events (one fork event, two per ring slot).
+enum Side { kCaller = 0, kCopier = 1 };
+enum EventKind { kFork = 0, kComputed = 1, kMoved = 2 };
+
+// The order of one staged transfer of n pairs, over `ops` (codec_staged.cuh: CUDA; the host test:
+// a recorder), each returning false on failure:
+//   ops.record(kind, slot, side)   event record on a stream
+//   ops.wait(side, kind, slot)     stream waits for the event's last record
+//   ops.compute(begin, end, slot)  encode/decode pairs [begin, end) into/from ring slot `slot` (caller stream)
+//   ops.copy(begin, end, slot)     the chunk's cold pages between the ring slot and host (copier stream)
+// Offload per chunk: [caller waits moved(slot) when the slot was used] encode, record computed;
+// copier waits computed, copies, records moved.  Onboard: caller records fork, copier waits it;
+// per chunk: [copier waits computed(slot) when reused] copies, records moved; caller waits moved,
+// decodes, records computed.  Every wait names an event recorded earlier in the same call, the
+// copier's first operation waits on the caller (fork) and the caller ends waiting on the copier's
+// last record (join): the rules of CUDA graph capture.
+template <class Ops>
+bool run_transfer(const Ring& ring, int64_t n, bool offload, Ops& ops) {
+  if (n == 0) return true;   // nothing enqueued (an unjoined fork would break a capture)
+  bool ok = offload || (ops.record(kFork, 0, kCaller) && ops.wait(kCopier, kFork, 0));
+  int last = 0;
+  for (int64_t begin = 0, chunk = 0; ok && begin < n; begin += ring.pages_per_slot, ++chunk) {
+    const int64_t end = begin + ring.pages_per_slot < n ? begin + ring.pages_per_slot : n;
+    const int slot = (int)(chunk % ring.slots);
+    const bool reused = chunk >= ring.slots;   // the slot's previous chunk must be done with it
+    if (offload) {
+      ok = (!reused || ops.wait(kCaller, kMoved, slot)) && ops.compute(begin, end, slot) &&
+           ops.record(kComputed, slot, kCaller) && ops.wait(kCopier, kComputed, slot) &&
+           ops.copy(begin, end, slot) && ops.record(kMoved, slot, kCopier);
+    } else {
+      ok = (!reused || ops.wait(kCopier, kComputed, slot)) && ops.copy(begin, end, slot) &&
+           ops.record(kMoved, slot, kCopier) && ops.wait(kCaller, kMoved, slot) && ops.compute(begin, end, slot) &&
+           ops.record(kComputed, slot, kCaller);
+    }
+    last = slot;
+  }
+  return ok && (!offload || ops.wait(kCaller, kMoved, last));
+}
+
 }  // namespace staging
 }  // namespace kvgen
