@@ -1,4 +1,4 @@
-"""The staged offload/onboard's host logic (kvgen/kernels/cuda/staging_plan.h), compiled with g++ and
+"""The staged offload/onboard's host logic (kvgen/kernels/cuda/staging_plan.cuh), compiled with g++ and
 run on the CPU: ring slots from a staging size, refusals before any launch, one copy per run of
 consecutive cold slots, pairs remapped to staging positions, and the order of a transfer's
 operations on the caller (C) and copier (K) streams: a ring slot reused only after its previous

@@ -1,4 +1,4 @@
-// tests/csrc/staging_plan_check.cpp -- kvgen/kernels/cuda/staging_plan.h on the host (g++).
+// tests/csrc/staging_plan_check.cpp -- kvgen/kernels/cuda/staging_plan.cuh on the host (g++).
 //
 // Prints one line per case; tests/test_staging_plan.py compares them with what the staged
 // offload/onboard must do (ring sizes, refused arguments, copies per run of cold slots, remapped pairs).
@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "staging_plan.h"
+#include "staging_plan.cuh"
 
 using kvgen::staging::Ring;
 

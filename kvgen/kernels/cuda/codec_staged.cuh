@@ -14,7 +14,7 @@
 
 #include "codec_host.cuh"
 #include "last_error.cuh"
-#include "staging_plan.h"
+#include "staging_plan.cuh"
 
 namespace kvgen {
 namespace codec {

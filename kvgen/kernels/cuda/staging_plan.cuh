@@ -1,9 +1,9 @@
-// kvgen/kernels/cuda/staging_plan.h -- host-only planning of the staged offload/onboard (ABI v2).
+// kvgen/kernels/cuda/staging_plan.cuh -- host-only planning of the staged offload/onboard (ABI v2).
 //
 // Plain C++ (no CUDA): how a staging buffer splits into ring slots, which argument errors are
-// refused before anything is enqueued, and how a chunk of page pairs becomes copies of contiguous
-// runs of cold slots.  codec_staged.cuh drives CUDA with it; tests/csrc/staging_plan_check.cpp
-// runs it on the host.
+// refused before anything is enqueued, how a chunk of page pairs becomes copies of contiguous
+// runs of cold slots, and the order of a transfer's operations on the two streams (run_transfer).
+// codec_staged.cuh drives CUDA with it; tests/csrc/staging_plan_check.cpp runs it on the host.
 #pragma once
 
 #include <stdint.h>
