@@ -120,11 +120,13 @@ def beside(transfer: Transfer, foreground: Callable[[], Any], fg_ms: float, tran
         for _ in range(iterations):
             foreground()
 
-    walls, losts = [], []
+    walls, fg_times, losts = [], [], []
     for _ in range(ROUNDS):
         wall, fg_time = time_beside([transfer, run_foreground], [bg, fg])
         walls.append(wall)
+        fg_times.append(fg_time)
         losts.append(max(0.0, fg_time - iterations * fg_ms))
     wall, lost = median(walls), median(losts)
-    return {"wall_ms": wall, "foreground_lost_ms": lost, "iterations": iterations,
+    return {"wall_ms": wall, "foreground_ms": median(fg_times), "foreground_alone_ms": iterations * fg_ms,
+            "foreground_lost_ms": lost, "iterations": iterations,
             "slowdown": wall / (wall - lost) if wall > lost else float("inf")}
