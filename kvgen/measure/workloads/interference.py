@@ -53,13 +53,13 @@ class InterferenceWorkload:
     """One family's offload/onboard batch and its three strategies (see the module docstring)."""
 
     def __init__(self, layout: Any, dtype: str):
-        self.pages_of = CodecWorkload(layout, dtype)
+        self.codec_workload = CodecWorkload(layout, dtype)
         self.lc = layout.lifecycles[0]
         self.layout = layout
 
     def setup(self, library: Any, hot_bytes: int, staging_bytes: int | None = None) -> dict[str, Any]:
         pages = max(1, math.ceil(hot_bytes / self.lc.hot_page_bytes))
-        pools = self.pages_of.pools(pages, torch.Generator(device="cuda").manual_seed(0))
+        pools = self.codec_workload.pools(pages, torch.Generator(device="cuda").manual_seed(0))
         codec = ColdPageCodec(library, self.layout, pools)
         codec.set_staging(staging_bytes)
         enc = scattered_pairs(0, pages)
