@@ -235,8 +235,8 @@ def test_manifest_of_another_kvgen_version_is_refused(tmp_path: Path) -> None:
 def test_manifest_of_another_abi_is_refused(tmp_path: Path) -> None:
     root = fake_registry(tmp_path / "reg", "sm_90a", ["fam"])
     path = manifest_path(root, "sm_90a")
-    path.write_text(path.read_text().replace('"abi_version": 1', '"abi_version": 2'))
-    with pytest.raises(RegistryError, match=r"manifest\.json: written by kvgen .* \(ABI 2\).*kvgen build "
+    path.write_text(path.read_text().replace('"abi_version": 2', '"abi_version": 1'))
+    with pytest.raises(RegistryError, match=r"manifest\.json: written by kvgen .* \(ABI 1\).*kvgen build "
                                             r"--arch sm_90a"):
         RuntimeRegistry([root]).resolve("fam", "sm_90a")
 
@@ -323,7 +323,7 @@ def test_without_a_gpu_loading_works_and_the_codec_stops_before_the_gpu(real: Pa
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     registry = RuntimeRegistry([real])
     library = registry.load(REAL_FAMILY, "sm_90a")      # dlopen needs no driver: cudart is static
-    assert library.kvgen_abi_version() == 1
+    assert library.kvgen_abi_version() == 2
     calls = []
     monkeypatch.setattr(library, "kvgen_codec_configure", lambda *args: calls.append(args))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

@@ -59,7 +59,7 @@ int main(int argc, char** argv) {
             resolve(lib, "kvgen_codec_query_cold_page_bytes", &c.cold_page_bytes) &&
             resolve(lib, "kvgen_codec_encode", &c.encode);
   if (!ok) return 1;
-  if (c.abi_version() != KVGEN_ABI_VERSION) {
+  if (c.abi_version() < KVGEN_ABI_VERSION) {  // a library keeps every older version's entry points
     std::fprintf(stderr, "ABI %d, this manager was built for %d\n", c.abi_version(), KVGEN_ABI_VERSION);
     return 1;
   }

@@ -26,7 +26,8 @@ from kvgen.files import file_sha256, write_json_atomic
 FORMAT_VERSION = 2
 # The C ABI of the generated libraries (entry-point names and argument lists). Bump on any change
 # a loader would have to know about; the runtime refuses libraries of another ABI.
-ABI_VERSION = 1
+# 2: the codec's staged offload/onboard entry points (kvgen_codec.h, version 2 block).
+ABI_VERSION = 2
 MANIFEST = "manifest.json"
 
 

@@ -31,8 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--default-registry", type=Path, default=None,
                    help="registry built with the default parameters: time both, record tuned_vs_default")
     p.add_argument("--arch", default="sm_90a")
-    p.add_argument("--only", default=",".join(("codec", "compact", "score")),
-                   help="comma list of codec, compact, score (default: all, in that order)")
+    p.add_argument("--only", default=",".join(("codec", "compact", "score", "interference")),
+                   help="comma list of codec, compact, score, interference (default: all, in that order)")
     p.add_argument("--families", default=DEFAULT_FAMILIES, help="codec families")
     p.add_argument("--hot-gib", type=float, default=1.2, help="codec: GiB of hot pages per family")
     p.add_argument("--compact-family", default="qwen3-8b")

@@ -24,6 +24,9 @@ import math
 from pathlib import Path
 from typing import Any, Iterable
 
+from kvgen.bench.report_interference import FIGURE as INTERFERENCE_FIGURE
+from kvgen.bench.report_interference import interference_markdown, interference_rows, plot_interference
+
 RESULT = "bench.json"
 REPORT = "report.md"
 FIGURES = {"fraction": "fraction_of_ceiling.png", "peers": "peers.png", "tuned": "tuned_vs_default.png"}
@@ -435,6 +438,8 @@ def render_markdown(doc: dict, tuning_rows: list[dict], figures: dict[str, str],
                                           ("share of β decode steps", _num(round_.get("round_over_beta_decode_steps"),
                                                                            "{:.1%}"))]) + [""]
 
+    out += interference_markdown(doc, figures.get("interference"), _table, _ms, _num)
+
     if doc.get("errors"):
         out += ["## Errors", ""]
         for name, text in doc["errors"].items():
@@ -552,6 +557,11 @@ def write_report(directory: Path, tuning: Path | None = None) -> Path:
     if any(e.get("speedup") for e in doc.get("tuned_vs_default") or []):
         plot_tuned(doc["tuned_vs_default"], directory / FIGURES["tuned"])
         figures["tuned"] = FIGURES["tuned"]
+    interference = interference_rows(doc)
+    if interference:
+        plot_interference(interference, doc["benchmarks"]["interference"]["goals"], directory / INTERFERENCE_FIGURE,
+                          _pyplot)
+        figures["interference"] = INTERFERENCE_FIGURE
     tuning_dir = Path(tuning) if tuning is not None and Path(tuning).is_dir() else None
     path = directory / REPORT
     path.write_text(render_markdown(doc, tuning_records(tuning_dir), figures, _shown(tuning_dir or tuning)))

@@ -1,8 +1,8 @@
 """``kvgen bench run``: every kernel benchmark in one process, against ceilings measured once.
 
 Order: the ceilings (device copy, pinned device->host and host->device; ``measure_ceilings``), then
-the codec, the compaction and packer, the scorer with its peers and one whole eviction round, each
-given the same ceilings. ``bench.json`` in the output directory is rewritten after every step, so a
+the codec, the compaction and packer, the scorer with its peers and one whole eviction round, and
+offload/onboard beside a foreground stream (interference), each given the same ceilings. ``bench.json`` in the output directory is rewritten after every step, so a
 run cut short keeps what it measured; a benchmark that fails is recorded under ``errors`` (with its
 traceback) and the next one still runs.
 
@@ -20,7 +20,8 @@ the registry manifest's per-op ``params`` (score included).
      "config": {registry, default_registry, arch, ...},
      "benchmarks": {"codec": {"results": [...]},                       # as bench_codec.json
                     "compact": {"config": {...}, "results": [...]},     # as bench_compact.json
-                    "score": {"score": [...], "oracle": {...}, "round": {...}}},  # as bench_score.json
+                    "score": {"score": [...], "oracle": {...}, "round": {...}},  # as bench_score.json
+                    "interference": {"foreground": {...}, "goals": {...}, "results": [...]}},  # bench/interference.py
      "tuned_vs_default": [...], "errors": {benchmark: traceback}, "seconds": {step: s}}
 
 Needs torch, Triton and pydantic (the codec and scorer read specs); nothing else.
@@ -41,7 +42,7 @@ from typing import Any, Callable
 from kvgen.bench.report import codec_size
 
 SCHEMA = 1
-BENCHMARKS = ("codec", "compact", "score")
+BENCHMARKS = ("codec", "compact", "score", "interference")
 RESULT = "bench.json"
 CODEC_RUNS = ("encode_device", "decode_device", "encode_pinned", "decode_pinned")
 
@@ -55,6 +56,7 @@ class Options:
     only: tuple[str, ...] = BENCHMARKS
     families: tuple[str, ...] = ("qwen3-8b", "qwen3-8b-fp8", "deepseek-v3", "deepseek-v4-csa")
     hot_gib: float = 1.2
+    interference_families: tuple[str, ...] = ("qwen3-8b", "qwen3-8b-fp8")
     compact_family: str = "qwen3-8b"
     batches: tuple[int, ...] = (1, 32, 256)
     mode: str = "union"
@@ -70,6 +72,7 @@ class Options:
         return {"registry": str(self.registry), "default_registry": str(self.default_registry or "") or None,
                 "arch": self.arch, "benchmarks": list(self.only),
                 "codec": {"families": list(self.families), "hot_gib": self.hot_gib},
+                "interference": {"families": list(self.interference_families), "hot_gib": self.hot_gib},
                 "compact": {"family": self.compact_family, "batches": list(self.batches), "mode": self.mode},
                 "score": {"width": self.width, "batch": self.score_batch,
                           "variants": [str(p) for p in self.score_variants]},
@@ -112,8 +115,14 @@ def _run_score(ceilings: dict, o: Options) -> dict:
                      o.round, o.default_registry, o.specs)
 
 
+def _run_interference(ceilings: dict, o: Options) -> dict:
+    from kvgen.bench import interference
+
+    return interference.run(ceilings, o.interference_families, o.hot_gib, o.registry, o.arch, o.specs)
+
+
 RUNNERS: dict[str, Callable[[dict, Options], dict]] = {"codec": _run_codec, "compact": _run_compact,
-                                                       "score": _run_score}
+                                                       "score": _run_score, "interference": _run_interference}
 
 
 def run_suite(o: Options) -> dict:

@@ -7,6 +7,8 @@ time) or by the host clock with the device synchronized after it (``clock="wall"
 whose host loops and syncs are part of the cost, and the CPU oracle). The result is the median and
 the 20 % / 80 % quantiles in ms, raw samples kept (``summary`` drops them for JSON records).
 
+``time_beside``: several streams started together, each one's time to its own end (interference).
+
 ``rotation_sets``: how many copies of the inputs make the timed calls touch at least 3x the L2.
 
 Ceilings (``measure_ceilings``): device-to-device copy bandwidth and pinned host memory each way,
@@ -105,6 +107,30 @@ def time_ms(fn: Callable[[], Any], reps: int = 20, warmup: int = 3, clock: Clock
 def summary(t: dict) -> dict:
     """A timing without its samples (what the JSON records)."""
     return {k: v for k, v in t.items() if k != "samples_ms"}
+
+
+HOLD_CYCLES = 10_000_000   # ~5 ms of GPU clock: the host enqueues every stream's work meanwhile
+
+
+def time_beside(calls: Sequence[Callable[[torch.cuda.Stream], Any]], streams: Sequence[torch.cuda.Stream]) -> list[float]:
+    """``calls[i](streams[i])`` started together (each stream waits on one start event, recorded
+    after a spin kernel that holds the GPU while the host enqueues all of them) and each stream's
+    time from that start to the end of its own work, in ms (CUDA events): how long each of several
+    concurrent streams took beside the others (``kvgen.measure.workloads.interference``)."""
+    torch.cuda._sleep(HOLD_CYCLES)
+    start = torch.cuda.Event(enable_timing=True)
+    start.record()
+    ends = []
+    for call, stream in zip(calls, streams):
+        stream.wait_event(start)
+        with torch.cuda.stream(stream):
+            call(stream)
+            end = torch.cuda.Event(enable_timing=True)
+            end.record(stream)
+        ends.append(end)
+    for end in ends:
+        end.synchronize()
+    return [start.elapsed_time(end) for end in ends]
 
 
 def capture(fn: Callable[[], Any]) -> torch.cuda.CUDAGraph:

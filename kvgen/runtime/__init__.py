@@ -3,7 +3,16 @@ with torch tensors. Importing this package creates no files, needs no compiler a
 dependency (pydantic): registries carry the layouts the runtime needs, and every op's artifact is
 looked up through ``RuntimeRegistry.resolve(...).artifact(op)``."""
 
-from kvgen.runtime.codec import ColdPageCodec, cold_decode, cold_encode, pool_descriptors, register_codec, register_ops
+from kvgen.runtime.codec import (
+    ColdPageCodec,
+    cold_decode,
+    cold_encode,
+    cold_offload,
+    cold_onboard,
+    pool_descriptors,
+    register_codec,
+    register_ops,
+)
 from kvgen.runtime.compact import CompactLibrary, Compactor
 from kvgen.runtime.library import FamilyLibrary, LibraryError
 from kvgen.runtime.lookup import (
@@ -20,6 +29,7 @@ from kvgen.runtime.pack import MovePacker, PackModuleError, load_pack_module
 __all__ = [
     "ColdPageCodec", "CompactLibrary", "Compactor", "FamilyLibrary", "LibraryError", "MovePacker",
     "PackModuleError", "load_pack_module", "RegistryLayout", "RegistrySource", "Resolved",
-    "RuntimeRegistry", "check_spec", "codec_from_registry", "cold_decode", "cold_encode", "installed_sources",
+    "RuntimeRegistry", "check_spec", "codec_from_registry", "cold_decode", "cold_encode", "cold_offload", "cold_onboard",
+    "installed_sources",
     "pool_descriptors", "register_codec", "register_ops",
 ]

@@ -7,8 +7,12 @@ directly). Page pairs are ``int32 [n, 2]`` tensors of ``(dst, src)``. Every inde
 the pools' page counts and the cold buffer's slots (the bounds-checked entry points of the C ABI),
 so no pair can make a kernel touch memory it was not given.
 
-The torch custom ops ``kvgen::cold_encode`` / ``kvgen::cold_decode`` (``register_codec``,
-``cold_encode``, ``cold_decode``, ``register_ops``) wrap a configured codec; they live here, beside it.
+``offload`` / ``onboard`` move pages to and from pinned host cold storage by a strategy ("staged"
+through a device staging ring and the copy engine, or "zero-copy"; ``kvgen.runtime.offload``);
+``describe_offload()`` says which one is in use and why.
+
+The torch custom ops ``kvgen::cold_encode`` / ``cold_decode`` / ``cold_offload`` / ``cold_onboard``
+(``register_codec``, ``cold_encode``, ..., ``register_ops``) wrap a configured codec; they live here, beside it.
 """
 
 from __future__ import annotations
@@ -25,6 +29,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvgen.runtime.library import FamilyLibrary, LibraryError, PoolExtent
+from kvgen.runtime.offload import (
+    DEFAULT_STAGING_BYTES,
+    STRATEGIES,
+    OffloadState,
+    check_host_cold,
+    check_slots,
+    check_staging_tensor,
+    check_strategy,
+    default_strategy,
+)
 
 if TYPE_CHECKING:  # only attributes are read: kvgen.lower.layout.FamilyLayout (build side) works too
     from kvgen.runtime.lookup import RegistryLayout
@@ -226,6 +240,87 @@ class ColdPageCodec:
         if not self.library.kvgen_codec_check_device_errors(self._live()):
             raise LibraryError(f"{self.library.path}: {self.library.last_error()}")
 
+    # ------------------------------------------------------------ offload / onboard (kvgen.runtime.offload)
+
+    @functools.cached_property
+    def _offload(self) -> OffloadState:
+        return OffloadState(*default_strategy(getattr(self.library, "abi", 1)))
+
+    @property
+    def offload_strategy(self) -> str:
+        """The strategy ``offload`` / ``onboard`` use when not told: "staged" or "zero-copy"."""
+        return self._offload.strategy
+
+    def set_offload_strategy(self, strategy: str) -> None:
+        self._offload.strategy = check_strategy(strategy, getattr(self.library, "abi", 1))
+        self._offload.reason = "set by the caller"
+
+    def describe_offload(self) -> dict[str, Any]:
+        """Which strategy offload/onboard use and why, and the staging bytes in use (0: none yet)."""
+        staged = getattr(self.library, "abi", 1) >= 2
+        return {"strategy": self._offload.strategy, "reason": self._offload.reason,
+                "staging_bytes": self.library.kvgen_codec_staging_bytes(self._live()) if staged else 0,
+                "strategies": list(STRATEGIES) if staged else ["zero-copy"]}
+
+    def set_staging(self, staging: torch.Tensor | int | None = None) -> None:
+        """The staged path's device ring: a caller's uint8 GPU tensor, or a size for the codec to
+        allocate (None: 64 MiB). Allocates (the stream and events too): call it before capturing."""
+        check_strategy("staged", getattr(self.library, "abi", 1))
+        if isinstance(staging, torch.Tensor):
+            check_staging_tensor(staging)
+            ok = self.library.kvgen_codec_set_staging(self._live(), ctypes.c_void_p(staging.data_ptr()),
+                                                      staging.numel())
+        else:
+            size = DEFAULT_STAGING_BYTES if staging is None else int(staging)
+            ok = self.library.kvgen_codec_set_staging(self._live(), None, size)
+        if not ok:
+            raise LibraryError(f"{self.library.path}: set_staging: {self.library.last_error()}")
+        self._offload.staging = staging if isinstance(staging, torch.Tensor) else None
+
+    def offload(self, cold: torch.Tensor, pairs: torch.Tensor, lifecycle: int = 0, stream=None,
+                strategy: str | None = None) -> None:
+        """Enqueue: hot page ``src`` → slot ``dst`` of pinned host ``cold``, by ``strategy``
+        (default ``offload_strategy``)."""
+        self._transfer(True, cold, pairs, lifecycle, stream, strategy)
+
+    def onboard(self, cold: torch.Tensor, pairs: torch.Tensor, lifecycle: int = 0, stream=None,
+                strategy: str | None = None) -> None:
+        """Enqueue: slot ``src`` of pinned host ``cold`` → hot page ``dst``; a slot this codec never
+        offloaded into ``cold`` is refused (host pairs)."""
+        self._transfer(False, cold, pairs, lifecycle, stream, strategy)
+
+    def _transfer(self, offload: bool, cold: torch.Tensor, pairs: torch.Tensor, lifecycle: int, stream,
+                  strategy: str | None) -> None:
+        strategy = check_strategy(strategy or self._offload.strategy, getattr(self.library, "abi", 1))
+        num_slots = check_host_cold(cold, self.cold_page_bytes(lifecycle))
+        pairs = check_pairs(pairs, self.index_location, self.device)
+        slots = pairs[:, 0 if offload else 1]
+        if not pairs.is_cuda:
+            check_slots(slots, num_slots)
+            if not offload:
+                self._offload.slots.require(cold, lifecycle, slots)
+        if strategy == "zero-copy":
+            (self.encode if offload else self.decode)(cold, pairs, lifecycle, stream)
+        else:
+            self._staged(offload, cold, num_slots, pairs, lifecycle, stream)
+        if offload and not pairs.is_cuda:
+            self._offload.slots.mark(cold, lifecycle, slots, num_slots)
+
+    def _staged(self, offload: bool, cold: torch.Tensor, num_slots: int, pairs: torch.Tensor, lifecycle: int,
+                stream) -> None:
+        if pairs.is_cuda:
+            raise ValueError("the staged strategy needs host index arrays (the copies' addresses come from them)")
+        if not self.library.kvgen_codec_staging_bytes(self._live()):
+            if torch.cuda.is_current_stream_capturing():
+                raise ValueError("no staging buffer yet: call set_staging() before capturing a CUDA graph")
+            self.set_staging()
+        fn = self.library.kvgen_codec_offload if offload else self.library.kvgen_codec_onboard
+        ok = fn(self._live(), lifecycle, ctypes.c_void_p(cold.data_ptr()), num_slots,
+                ctypes.c_void_p(pairs.data_ptr()), pairs.shape[0], ctypes.c_void_p(_stream(stream, self.device).cuda_stream))
+        if not ok:
+            raise LibraryError(f"{self.library.path}: {'offload' if offload else 'onboard'}: "
+                               f"{self.library.last_error()}")
+
 
 # ---------------------------------------------------------------- torch custom ops
 #
@@ -239,6 +334,7 @@ _codecs: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
 _next_id = itertools.count(1)
 ENCODE_SCHEMA = "(int codec_id, Tensor(a!) cold, Tensor pairs, int lifecycle, Tensor[] hot) -> ()"
 DECODE_SCHEMA = "(int codec_id, Tensor cold, Tensor pairs, int lifecycle, Tensor(a!)[] hot) -> ()"
+# kvgen::cold_offload / kvgen::cold_onboard: the same schemas, pinned host cold, the codec's offload_strategy.
 
 
 def register_codec(codec: Any) -> int:
@@ -263,6 +359,14 @@ def _decode_impl(codec_id, cold, pairs, lifecycle, hot) -> None:  # noqa: ANN001
     _codec(codec_id).decode(cold, pairs, lifecycle)
 
 
+def _offload_impl(codec_id, cold, pairs, lifecycle, hot) -> None:  # noqa: ANN001 - schema above
+    _codec(codec_id).offload(cold, pairs, lifecycle)
+
+
+def _onboard_impl(codec_id, cold, pairs, lifecycle, hot) -> None:  # noqa: ANN001 - schema above
+    _codec(codec_id).onboard(cold, pairs, lifecycle)
+
+
 def _no_output(*args: Any) -> None:
     """Fake (meta) kernel: the ops only mutate their inputs."""
     return None
@@ -270,11 +374,14 @@ def _no_output(*args: Any) -> None:
 
 @functools.cache
 def register_ops() -> None:
-    """Define ``kvgen::cold_encode`` and ``kvgen::cold_decode`` once (on first use, not at import)."""
-    encode = torch.library.custom_op("kvgen::cold_encode", _encode_impl, mutates_args=("cold",), schema=ENCODE_SCHEMA)
-    decode = torch.library.custom_op("kvgen::cold_decode", _decode_impl, mutates_args=("hot",), schema=DECODE_SCHEMA)
-    encode.register_fake(_no_output)
-    decode.register_fake(_no_output)
+    """Define ``kvgen::cold_encode``, ``cold_decode``, ``cold_offload`` and ``cold_onboard`` once
+    (on first use, not at import)."""
+    ops = (("cold_encode", _encode_impl, "cold", ENCODE_SCHEMA), ("cold_decode", _decode_impl, "hot", DECODE_SCHEMA),
+           ("cold_offload", _offload_impl, "cold", ENCODE_SCHEMA),
+           ("cold_onboard", _onboard_impl, "hot", DECODE_SCHEMA))
+    for name, impl, mutated, schema in ops:
+        op = torch.library.custom_op(f"kvgen::{name}", impl, mutates_args=(mutated,), schema=schema)
+        op.register_fake(_no_output)
 
 
 def _hot_tensors(codec: Any) -> list[Any]:
@@ -292,3 +399,15 @@ def cold_decode(codec_id: int, cold: Any, pairs: Any, lifecycle: int = 0) -> Non
     """``torch.ops.kvgen.cold_decode`` on a registered codec (its hot pools declared as written)."""
     register_ops()
     torch.ops.kvgen.cold_decode(codec_id, cold, pairs, lifecycle, _hot_tensors(_codec(codec_id)))
+
+
+def cold_offload(codec_id: int, cold: Any, pairs: Any, lifecycle: int = 0) -> None:
+    """``torch.ops.kvgen.cold_offload``: ``ColdPageCodec.offload`` by the codec's ``offload_strategy``."""
+    register_ops()
+    torch.ops.kvgen.cold_offload(codec_id, cold, pairs, lifecycle, _hot_tensors(_codec(codec_id)))
+
+
+def cold_onboard(codec_id: int, cold: Any, pairs: Any, lifecycle: int = 0) -> None:
+    """``torch.ops.kvgen.cold_onboard``: ``ColdPageCodec.onboard`` by the codec's ``offload_strategy``."""
+    register_ops()
+    torch.ops.kvgen.cold_onboard(codec_id, cold, pairs, lifecycle, _hot_tensors(_codec(codec_id)))

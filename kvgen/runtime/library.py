@@ -5,7 +5,8 @@ from __future__ import annotations
 import ctypes
 from pathlib import Path
 
-ABI_VERSION = 1
+ABI_VERSION = 2
+STAGED_ABI_VERSION = 2   # first version with kvgen_codec_set_staging / offload / onboard
 
 
 class LibraryError(RuntimeError):
@@ -44,6 +45,15 @@ _SIGNATURES = {
     "kvgen_codec_check_device_errors": (_c.c_int, [_c.c_void_p]),
 }
 
+_STAGED_SIGNATURES = {
+    "kvgen_codec_set_staging": (_c.c_int, [_c.c_void_p, _c.c_void_p, _c.c_int64]),
+    "kvgen_codec_staging_bytes": (_c.c_int64, [_c.c_void_p]),
+    "kvgen_codec_offload": (_c.c_int, [_c.c_void_p, _c.c_int, _c.c_void_p, _c.c_int64, _c.c_void_p, _c.c_int64,
+                                       _c.c_void_p]),
+    "kvgen_codec_onboard": (_c.c_int, [_c.c_void_p, _c.c_int, _c.c_void_p, _c.c_int64, _c.c_void_p, _c.c_int64,
+                                       _c.c_void_p]),
+}
+
 
 Signatures = dict[str, tuple[object, list]]
 
@@ -74,10 +84,15 @@ class FamilyLibrary:
                                "kvgen (rebuild it with kvgen build)")
         for name in _SIGNATURES:
             setattr(self, name, getattr(self._lib, name))
-        abi = self.kvgen_abi_version()
-        if abi != ABI_VERSION:
-            raise LibraryError(f"{self.path}: C ABI version {abi}, this kvgen runtime speaks {ABI_VERSION}; "
+        self.abi = abi = self.kvgen_abi_version()
+        if abi not in (1, ABI_VERSION):
+            raise LibraryError(f"{self.path}: C ABI version {abi}, this kvgen runtime speaks 1 and {ABI_VERSION}; "
                                "rebuild with kvgen build")
+        if abi >= STAGED_ABI_VERSION:   # a version-1 library still loads, without the staged paths
+            for name, (restype, argtypes) in _STAGED_SIGNATURES.items():
+                fn = getattr(self._lib, name)
+                fn.restype, fn.argtypes = restype, argtypes
+                setattr(self, name, fn)
         self.family = self.kvgen_family_name().decode()
         if family is not None and family != self.family:
             raise LibraryError(f"{self.path}: built for family {self.family!r}, not {family!r}")

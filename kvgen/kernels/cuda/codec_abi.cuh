@@ -6,9 +6,11 @@
 #pragma once
 
 #include "codec_host.cuh"
+#include "codec_staged.cuh"
 
 struct kvgen_codec {
   kvgen::family::CodecT* impl;
+  kvgen::codec::Staged<kvgen::family::CodecT> staged;   // ABI v2: empty until set_staging
 };
 
 // A null codec is refused by every call (a destroyed one cannot be told apart from a live one in C).
@@ -89,6 +91,24 @@ int kvgen_codec_decode_checked(kvgen_codec* codec, int lifecycle, const void* co
 
 int kvgen_codec_check_device_errors(kvgen_codec* codec) {
   return kvgen_live(codec) && codec->impl->check_device_errors();
+}
+
+int kvgen_codec_set_staging(kvgen_codec* codec, void* staging, int64_t staging_bytes) {
+  return codec->staged.set(*codec->impl, staging, staging_bytes);
+}
+
+int64_t kvgen_codec_staging_bytes(const kvgen_codec* codec) { return codec->staged.bytes(); }
+
+int kvgen_codec_offload(kvgen_codec* codec, int lifecycle, void* host_cold, int64_t num_cold_slots,
+                        const kvgen_page_pair* pairs, int64_t num_pairs, void* stream) {
+  return codec->staged.offload(*codec->impl, lifecycle, host_cold, num_cold_slots, pairs, num_pairs,
+                               static_cast<cudaStream_t>(stream));
+}
+
+int kvgen_codec_onboard(kvgen_codec* codec, int lifecycle, const void* host_cold, int64_t num_cold_slots,
+                        const kvgen_page_pair* pairs, int64_t num_pairs, void* stream) {
+  return codec->staged.onboard(*codec->impl, lifecycle, host_cold, num_cold_slots, pairs, num_pairs,
+                               static_cast<cudaStream_t>(stream));
 }
 
 }  // extern "C"

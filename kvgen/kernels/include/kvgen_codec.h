@@ -1,4 +1,4 @@
-/* kvgen_codec.h -- C ABI of a kvgen family library's cold-page codec (ABI version 1).
+/* kvgen_codec.h -- C ABI of a kvgen family library's cold-page codec (ABI version 2).
  *
  * Every library built by `kvgen build` (lib<kvgen_family>.so, one per family and arch) exports
  * these symbols with the meaning of TensorRT-LLM's IKvCacheColdPageCodec (COLD_PAGE_FORMAT.md §6).
@@ -14,6 +14,9 @@
  * encode/decode only enqueue work on `stream` and return 1 when submission succeeded, 0 otherwise
  * (kvgen_last_error() then says why).  Host index arrays are read during the call only; device
  * index arrays must stay valid until the stream work completes.
+ *
+ * Version 2 adds the staged offload/onboard block at the end; every version-1 entry point keeps
+ * its signature and meaning.
  */
 #ifndef KVGEN_CODEC_H_
 #define KVGEN_CODEC_H_
@@ -24,7 +27,7 @@
 extern "C" {
 #endif
 
-#define KVGEN_ABI_VERSION 1
+#define KVGEN_ABI_VERSION 2
 
 typedef struct kvgen_pool_desc {
   void* base;
@@ -100,6 +103,34 @@ int kvgen_codec_decode_checked(kvgen_codec* codec, int lifecycle, const void* co
 /* 1 if no kernel of this codec skipped a device index since the last check or call; else 0,
  * kvgen_last_error() says what was skipped, and the record is cleared.  No synchronization. */
 int kvgen_codec_check_device_errors(kvgen_codec* codec);
+
+/* ---- ABI version 2: staged offload / onboard --------------------------------------------------
+ *
+ * Offload: the SMs encode chunks of pages into a device staging ring, the copy engine moves each
+ * chunk's cold pages to host cold slots (cudaMemcpyAsync on an internal copy stream, one copy per
+ * run of consecutive slots); onboard: the copy engine moves host cold slots into the ring, the SMs
+ * decode from it.  Two ring slots, so chunk i's copy overlaps chunk i+1's encode/decode.  The SMs
+ * work only for the encode/decode; a concurrent model stream keeps them otherwise.
+ *
+ * set_staging: `staging` = device memory of the current device (16-byte aligned, at least one cold
+ * page of every lifecycle), or NULL to let the codec allocate `staging_bytes` (0: 64 MiB).  It also
+ * creates the copy stream and events; call it once before offload/onboard (and before capturing).
+ * A refused buffer (too small, misaligned, host memory, another device) leaves the previous one.
+ * Needs a codec configured with KVGEN_INDEX_HOST: the copies' addresses come from the pairs.
+ *
+ * offload/onboard: `host_cold` = pinned host memory (cudaHostAlloc / cudaHostRegister; device
+ * memory works too) holding `num_cold_slots` cold pages; pairs as for encode/decode.  Every cold
+ * slot is checked against [0, num_cold_slots) before anything is enqueued.  Only kernels, async
+ * copies and event record/wait are enqueued (no host sync, no allocation): CUDA-graph capturable.
+ * The caller's stream waits for everything before its next work.  One staging ring per codec:
+ * staged calls on different streams must be ordered by the caller. */
+int kvgen_codec_set_staging(kvgen_codec* codec, void* staging, int64_t staging_bytes);
+/* Bytes of the staging ring in use (0 before set_staging). */
+int64_t kvgen_codec_staging_bytes(const kvgen_codec* codec);
+int kvgen_codec_offload(kvgen_codec* codec, int lifecycle, void* host_cold, int64_t num_cold_slots,
+                        const kvgen_page_pair* pairs, int64_t num_pairs, void* stream);
+int kvgen_codec_onboard(kvgen_codec* codec, int lifecycle, const void* host_cold, int64_t num_cold_slots,
+                        const kvgen_page_pair* pairs, int64_t num_pairs, void* stream);
 
 #ifdef __cplusplus
 }
