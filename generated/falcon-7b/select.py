@@ -2,7 +2,7 @@
 # family:   falcon-7b
 # op:       select
 # template: select.py.j2
-# plan key: d7c6d888e81cec2c998501ededf7348707216e25728960a0303e4d8f34b839a3
+# plan key: dd17b62a6bf5b36c6229d04bc4021afaa3a2dba461881a4eba182cd40a7a372e
 """Normalize, aggregate and select of family falcon-7b (TRIATTENTION.md §4-§5), in Triton.
 
 The family's constants bound to ``kvgen.kernels.triton.select.TritonSelector`` (the kernels live
@@ -26,7 +26,7 @@ SCORED_LAYERS = (
 )
 ROWS = 2  # score rows per statistics program (tunable "rows")
 BLOCK_W = 128  # columns per aggregation program (tunable "block_w")
-BLOCK = 1024  # columns per selection step (tunable "block")
+BLOCK = 512  # columns per selection step (tunable "block")
 RADIX_BITS = 4  # key bits found per selection pass (tunable "radix_bits")
 
 SELECTOR = TritonSelector(NUM_LAYERS, KV_HEADS, GROUP, SCORED_LAYERS, rows=ROWS, block_w=BLOCK_W, block=BLOCK,

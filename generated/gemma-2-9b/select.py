@@ -2,7 +2,7 @@
 # family:   gemma-2-9b
 # op:       select
 # template: select.py.j2
-# plan key: bd1c4cd847832e82c520983d0ba9506046cf718b12ef4e0e45c072337ded32da
+# plan key: c777a9d0ae709e3a15279b45fa2f2c30857c2247414ef1f8d6a46e5758db58da
 """Normalize, aggregate and select of family gemma-2-9b (TRIATTENTION.md §4-§5), in Triton.
 
 The family's constants bound to ``kvgen.kernels.triton.select.TritonSelector`` (the kernels live
@@ -25,7 +25,7 @@ SCORED_LAYERS = (
 )
 ROWS = 2  # score rows per statistics program (tunable "rows")
 BLOCK_W = 128  # columns per aggregation program (tunable "block_w")
-BLOCK = 1024  # columns per selection step (tunable "block")
+BLOCK = 512  # columns per selection step (tunable "block")
 RADIX_BITS = 4  # key bits found per selection pass (tunable "radix_bits")
 
 SELECTOR = TritonSelector(NUM_LAYERS, KV_HEADS, GROUP, SCORED_LAYERS, rows=ROWS, block_w=BLOCK_W, block=BLOCK,

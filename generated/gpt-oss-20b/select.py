@@ -2,7 +2,7 @@
 # family:   gpt-oss-20b
 # op:       select
 # template: select.py.j2
-# plan key: 0b3daa2517a28bd09c46299dff794b252213aa0c1b58581a4b39dc031ac40c99
+# plan key: 02c85bbd73e92e1a4216be38542744b59e40444b6c4136463cc31c30ea859e99
 """Normalize, aggregate and select of family gpt-oss-20b (TRIATTENTION.md §4-§5), in Triton.
 
 The family's constants bound to ``kvgen.kernels.triton.select.TritonSelector`` (the kernels live
@@ -24,7 +24,7 @@ SCORED_LAYERS = (
 )
 ROWS = 2  # score rows per statistics program (tunable "rows")
 BLOCK_W = 128  # columns per aggregation program (tunable "block_w")
-BLOCK = 1024  # columns per selection step (tunable "block")
+BLOCK = 512  # columns per selection step (tunable "block")
 RADIX_BITS = 4  # key bits found per selection pass (tunable "radix_bits")
 
 SELECTOR = TritonSelector(NUM_LAYERS, KV_HEADS, GROUP, SCORED_LAYERS, rows=ROWS, block_w=BLOCK_W, block=BLOCK,

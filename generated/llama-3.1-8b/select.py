@@ -2,7 +2,7 @@
 # family:   llama-3.1-8b
 # op:       select
 # template: select.py.j2
-# plan key: fb01e794910b5d26d7131684360ed2d137d3582a8e7cf04056ecc8cec2d73aec
+# plan key: 30e2beff230fe155e8cedf8e8b46f9111c493643de06baea3f3d3ee2f7137e28
 """Normalize, aggregate and select of family llama-3.1-8b (TRIATTENTION.md §4-§5), in Triton.
 
 The family's constants bound to ``kvgen.kernels.triton.select.TritonSelector`` (the kernels live
@@ -26,7 +26,7 @@ SCORED_LAYERS = (
 )
 ROWS = 2  # score rows per statistics program (tunable "rows")
 BLOCK_W = 128  # columns per aggregation program (tunable "block_w")
-BLOCK = 1024  # columns per selection step (tunable "block")
+BLOCK = 512  # columns per selection step (tunable "block")
 RADIX_BITS = 4  # key bits found per selection pass (tunable "radix_bits")
 
 SELECTOR = TritonSelector(NUM_LAYERS, KV_HEADS, GROUP, SCORED_LAYERS, rows=ROWS, block_w=BLOCK_W, block=BLOCK,

@@ -2,7 +2,7 @@
 # family:   mistral-7b
 # op:       select
 # template: select.py.j2
-# plan key: d18f903cfcd588d14950ffe3e6b9103b04160e73252fadeacdef682e4b861501
+# plan key: 0df888b0cc82b2a7db01625cc5a4811e302afcb6d7c4c15735643d25ae1ee26b
 """Normalize, aggregate and select of family mistral-7b (TRIATTENTION.md §4-§5), in Triton.
 
 The family's constants bound to ``kvgen.kernels.triton.select.TritonSelector`` (the kernels live
@@ -26,7 +26,7 @@ SCORED_LAYERS = (
 )
 ROWS = 2  # score rows per statistics program (tunable "rows")
 BLOCK_W = 128  # columns per aggregation program (tunable "block_w")
-BLOCK = 1024  # columns per selection step (tunable "block")
+BLOCK = 512  # columns per selection step (tunable "block")
 RADIX_BITS = 4  # key bits found per selection pass (tunable "radix_bits")
 
 SELECTOR = TritonSelector(NUM_LAYERS, KV_HEADS, GROUP, SCORED_LAYERS, rows=ROWS, block_w=BLOCK_W, block=BLOCK,

@@ -2,7 +2,7 @@
 # family:   qwen3-8b-nhd
 # op:       select
 # template: select.py.j2
-# plan key: 0be77540dd88f95dd6d00820771eb4beac5c2028361c2d264d20aa9b79484415
+# plan key: 35d70e9a1afdb1f39fad9498d3ec5aeba42cc0351a92a4e23be3f0fa34679c8e
 """Normalize, aggregate and select of family qwen3-8b-nhd (TRIATTENTION.md §4-§5), in Triton.
 
 The family's constants bound to ``kvgen.kernels.triton.select.TritonSelector`` (the kernels live
@@ -26,7 +26,7 @@ SCORED_LAYERS = (
 )
 ROWS = 2  # score rows per statistics program (tunable "rows")
 BLOCK_W = 128  # columns per aggregation program (tunable "block_w")
-BLOCK = 1024  # columns per selection step (tunable "block")
+BLOCK = 512  # columns per selection step (tunable "block")
 RADIX_BITS = 4  # key bits found per selection pass (tunable "radix_bits")
 
 SELECTOR = TritonSelector(NUM_LAYERS, KV_HEADS, GROUP, SCORED_LAYERS, rows=ROWS, block_w=BLOCK_W, block=BLOCK,

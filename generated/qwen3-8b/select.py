@@ -2,7 +2,7 @@
 # family:   qwen3-8b
 # op:       select
 # template: select.py.j2
-# plan key: a7b50187e4f9726a93b40362c9f08afb419d6875c2bf7d5e7d0a68542a4a2273
+# plan key: a33f5e830b6da211a3e892716503b8689e38b15abc0dd2202f3e0fd7267f40fb
 """Normalize, aggregate and select of family qwen3-8b (TRIATTENTION.md §4-§5), in Triton.
 
 The family's constants bound to ``kvgen.kernels.triton.select.TritonSelector`` (the kernels live
@@ -26,7 +26,7 @@ SCORED_LAYERS = (
 )
 ROWS = 2  # score rows per statistics program (tunable "rows")
 BLOCK_W = 128  # columns per aggregation program (tunable "block_w")
-BLOCK = 1024  # columns per selection step (tunable "block")
+BLOCK = 512  # columns per selection step (tunable "block")
 RADIX_BITS = 4  # key bits found per selection pass (tunable "radix_bits")
 
 SELECTOR = TritonSelector(NUM_LAYERS, KV_HEADS, GROUP, SCORED_LAYERS, rows=ROWS, block_w=BLOCK_W, block=BLOCK,

@@ -2,7 +2,7 @@
 # family:   qwen3.5-397b-a17b-lossless-rope
 # op:       select
 # template: select.py.j2
-# plan key: 2d30676739345823a37c12f380657cb5fc5f6cffc4fb97772c80b5bddaab8c46
+# plan key: 6a164b75b3922b59c19c180e9e65f5fcc23aead6951605a2c41495ecfea7fe0e
 """Normalize, aggregate and select of family qwen3.5-397b-a17b-lossless-rope (TRIATTENTION.md §4-§5), in Triton.
 
 The family's constants bound to ``kvgen.kernels.triton.select.TritonSelector`` (the kernels live
@@ -25,7 +25,7 @@ SCORED_LAYERS = (
 )
 ROWS = 2  # score rows per statistics program (tunable "rows")
 BLOCK_W = 128  # columns per aggregation program (tunable "block_w")
-BLOCK = 1024  # columns per selection step (tunable "block")
+BLOCK = 512  # columns per selection step (tunable "block")
 RADIX_BITS = 4  # key bits found per selection pass (tunable "radix_bits")
 
 SELECTOR = TritonSelector(NUM_LAYERS, KV_HEADS, GROUP, SCORED_LAYERS, rows=ROWS, block_w=BLOCK_W, block=BLOCK,

@@ -2,7 +2,7 @@
 # family:   qwen3.5-397b-a17b
 # op:       select
 # template: select.py.j2
-# plan key: c8d3e584de4beb3166277976b43eacf753d66da7bd91ac91a7befc3bad247e81
+# plan key: 801fa8e69545f5506ecefb86001f8b0c8fb3eba808f6fb9e5185288eb4dcd9bb
 """Normalize, aggregate and select of family qwen3.5-397b-a17b (TRIATTENTION.md §4-§5), in Triton.
 
 The family's constants bound to ``kvgen.kernels.triton.select.TritonSelector`` (the kernels live
@@ -25,7 +25,7 @@ SCORED_LAYERS = (
 )
 ROWS = 2  # score rows per statistics program (tunable "rows")
 BLOCK_W = 128  # columns per aggregation program (tunable "block_w")
-BLOCK = 1024  # columns per selection step (tunable "block")
+BLOCK = 512  # columns per selection step (tunable "block")
 RADIX_BITS = 4  # key bits found per selection pass (tunable "radix_bits")
 
 SELECTOR = TritonSelector(NUM_LAYERS, KV_HEADS, GROUP, SCORED_LAYERS, rows=ROWS, block_w=BLOCK_W, block=BLOCK,

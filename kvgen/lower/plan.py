@@ -51,7 +51,9 @@ TUNABLES: dict[str, dict[str, tuple[tuple[int, ...], int]]] = {
     "select": {
         "rows": ((1, 2, 4), 2),                # score rows per statistics program
         "block_w": ((64, 128, 256), 128),      # columns per aggregation program
-        "block": ((256, 512, 1024, 2048), 1024),  # columns per selection step
+        # columns per selection step; each step compares BLOCK keys with 2^radix_bits candidates, so
+        # 512 x 16 keeps the comparison tile at 64 registers a thread for 4 warps
+        "block": ((256, 512, 1024, 2048), 512),
         "radix_bits": ((1, 2, 4), 4),          # bits of the budget-th key found per pass over a row
     },
 }

@@ -2,8 +2,10 @@
 
 Plain PyTorch, CPU or CUDA tensors; every generated kernel of the pipeline is compared with these
 functions: scores within a per-dtype tolerance of the float64 oracle (``dtype=torch.float64``),
-selection, move packing and compaction exactly. The GPU runtime (``kvgen.runtime.eviction``)
-normalizes, aggregates and selects with these very functions.
+selection, move packing and compaction exactly. Normalize and aggregate fix every order of
+summation (``lane_sum``; layers added in order), so the generated Triton selection
+(``kvgen.kernels.triton.select``) reproduces ``zscore``, ``aggregate`` and ``select_keep`` bit for
+bit; the runtime can also run these very functions (``selector="oracle"``).
 
 Stated once, for the spec, the lowering, the runtime and the tools alike: the RoPE pair rule
 (``split_pairs``), normalization, aggregation and selection (``zscore``, ``aggregate``,

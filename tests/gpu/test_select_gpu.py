@@ -112,7 +112,7 @@ def test_rounds_with_the_generated_selection_are_byte_identical(tmp_path: Path, 
 
 def test_a_nan_score_stops_the_round_before_anything_moves() -> None:
     g = tri_geometry(load_spec(SPECS_DIR / "qwen3-8b.yaml"))
-    selector = TritonSelector(g.num_layers, g.kv_heads, g.group, g.scored_layers, rows=2, block_w=128, block=1024,
+    selector = TritonSelector(g.num_layers, g.kv_heads, g.group, g.scored_layers, rows=2, block_w=128, block=512,
                               radix_bits=4)
     scores = torch.randn(len(g.scored_layers), 2, g.query_heads, 300, device="cuda")
     scores[3, 1, 5, 17] = float("nan")
