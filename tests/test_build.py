@@ -396,7 +396,7 @@ def _build(tmp_path: Path, templates: Path, toolchains: list[Toolchain], archs=(
 def test_build_then_rebuild_is_all_cache_hits(tmp_path: Path, templates: Path, toolchains: list[Toolchain]) -> None:
     report = _build(tmp_path, templates, toolchains, archs=("sm_90a", "sm_100f"))
     assert [(o.arch, o.status) for o in report.outcomes] == [("sm_100f", "skipped"), ("sm_90a", "built")]
-    assert report.ok and len(report.rendered) == 4
+    assert report.ok and len(report.rendered) == 5
     manifest = read_manifest(tmp_path / "registry" / "sm_90a" / "manifest.json")
     entry = manifest.family(FAMILY)
     (library,) = entry.artifacts

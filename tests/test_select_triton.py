@@ -141,6 +141,44 @@ def interpreted(tmp_path_factory) -> dict:
     return torch.load(work / "out.pt", weights_only=False)
 
 
+ROUND_WORKER = r"""
+import sys
+from pathlib import Path
+import torch
+from kvgen.lower.plan import plans_for
+from kvgen.lower.triattention import eviction_config
+from kvgen.render.source import render
+from kvgen.runtime.eviction import TriAttentionManager
+from kvgen.spec.schema import load_spec
+from tests.test_triattention_runtime import _scorer
+from tests.tri_sim import DecodeSim, run_against_oracle, save_synthetic_calibration, small_spec
+root, tmp = Path(sys.argv[1]), Path(sys.argv[2])
+spec = small_spec(load_spec(root / "specs" / "gpt-oss-20b.yaml"), 4)
+module = tmp / "select.py"
+module.write_text(render(next(p for p in plans_for(spec, {"select": {"block": 256}}) if p.op == "select")))
+config = eviction_config(spec)
+sim = DecodeSim(config, [13, 40], [0, 2], 260, torch.device("cpu"), seed=5, generated=[0, 5])
+path = save_synthetic_calibration(config, tmp / "calib.pt")
+scorer, calibration = _scorer(spec, path, sim)
+manager = TriAttentionManager(config, path, sim.k_pools, sim.v_pools, scorer, budget=130, beta=16,
+                              eviction_mode=sys.argv[3], select_module=module)
+assert manager.describe()["selection"] == str(module)
+print("rounds", len(run_against_oracle(manager, sim, 130 + 3 * 16 + 10, calibration)))
+"""
+
+
+@pytest.mark.parametrize("mode", ["per_layer_perhead"])   # SWA rows included; ~2 min here
+def test_manager_rounds_with_the_generated_selection(tmp_path: Path, mode: str) -> None:
+    """The manager's whole round (oracle scorer, packer and compactor on the CPU; the generated
+    selection under the interpreter) byte-identical to ``eviction_round``: pools, kept, lengths."""
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", ROUND_WORKER, str(ROOT), str(tmp_path), mode], env=env,
+                          capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert int(proc.stdout.split()[-1]) >= 3
+
+
 def _oracle_statistics(scores: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``zscore``'s mean and floored std, restated with its own functions (float64, lane_sum)."""
     valid = valid.expand_as(scores)
@@ -261,6 +299,7 @@ def test_kernels_compile_for_gpu_targets() -> None:
             "STD_FLOOR": kernels.STD_FLOOR}), target, options)
         ptx = k.asm["ptx"]
         assert "div.rn.f64" in ptx and "sqrt.rn.f64" in ptx and "fma.rn.f64" not in ptx
+        assert "add.rn.f64" in ptx and "mul.rn.f64" in ptx   # explicit rounding: ptxas may not contract them
         for mode, heads in ((0, 32), (1, 4), (2, 4)):
             k = triton.compile(ASTSource(kernels._aggregate_kernel, aggregate, {
                 "MODE": mode, "QUERY_HEADS": 32, "KV_HEADS": 8, "HEADS": heads, "HEADS_P2": heads,
