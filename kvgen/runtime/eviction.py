@@ -53,7 +53,9 @@ from kvgen.runtime.score import TORCH_DTYPES, ScoreLibrary
 Packer = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 Compactor = Callable[..., None]
 Decider = Callable[..., Any]   # (scores, P, S, budget, mode, device_rows) -> object with .kept, .check()
-ORACLE = "oracle"              # selector="oracle": the reference's selection (tests; explicit, never a fallback)
+# selector="oracle": the reference's selection (tests), said explicitly; a manager built directly with
+# neither a selector nor a select_module gets it too, as it gets the oracle's packer and compactor.
+ORACLE = "oracle"
 
 
 # ----------------------------------------------------------------------------------------------

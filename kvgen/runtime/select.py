@@ -72,7 +72,7 @@ def check_round(P: Sequence[int], S: Sequence[int], width: int, budget: int) -> 
 class Selector:
     """One family's selection: ``selector(scores, P, S, budget, mode)`` -> ``Selection`` (kept
     positions ``[B, R, budget]`` int64 on the device; ``.check()`` raises the oracle's NaN error).
-    ``P`` and ``S`` are host ints (checked here) or, with ``device_rows``, already on the device."""
+    ``P`` and ``S`` are host ints, checked by ``check_round`` before anything is launched."""
 
     def __init__(self, path: str | Path, family: str | None = None):
         self.path = Path(path)
