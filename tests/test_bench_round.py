@@ -33,12 +33,13 @@ def test_round_section_lists_every_case() -> None:
          "stages": {"score": {"median_ms": 11.0}, "normalize_aggregate_select": {"median_ms": 1.2}},
          "artifacts": "all from the registry"},
         {"family": "gemma-2-9b", "batch": 32, "width": 16384, "budget": 2048, "skipped": "K+V cache 191 GiB"},
+        {"family": "gpt-oss-20b", "batch": 1, "width": 16384, "budget": 2048, "error": "RegistryError: no score"},
     ]
     text = "\n".join(round_section(results))
     assert "## Eviction rounds against the bytes limit" in text
     assert "| qwen3-8b | 32 | 16384 | 2048 | 11.0 ms | 1.20 ms |" in text and "1.23× ✓" in text
     assert "13.8 ms (9.20 ms + 4.60 ms)" in text
-    assert "skipped | K+V cache 191 GiB" in text
+    assert "skipped | K+V cache 191 GiB" in text and "failed | RegistryError: no score" in text
     assert round_section([]) == []
 
 

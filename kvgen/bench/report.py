@@ -462,9 +462,9 @@ def round_section(results: list[dict]) -> list[str]:
               "bytes limit (K read + moves)", "round ÷ limit", "kernels")
     rows = []
     for r in results:
-        if "skipped" in r:
+        if "skipped" in r or "error" in r:
             rows.append((r["family"], r["batch"], r["width"], r["budget"], *["—"] * len(ROUND_STAGES), "—", "—",
-                         "skipped", r["skipped"]))
+                         "skipped" if "skipped" in r else "failed", r.get("skipped") or r["error"]))
             continue
         stages = r.get("stages", {})
         parts = r.get("limit_parts_ms", {})

@@ -11,13 +11,15 @@ time, which moves the same bytes).
 
 Bytes limit: K read once + the compaction moves read and written, at the copy ceiling measured
 in the same run; ``round_over_limit`` = whole round / limit (issue 14's goal: <= 1.3). A case
-whose cache does not fit in 80 % of the free memory is recorded as skipped, with its size.
+whose cache does not fit in 80 % of the free memory is recorded as skipped, with its size; a case
+that fails is recorded with its error and the others still run.
 
 Usage: ``kvgen bench run --only round`` (or ``python -m kvgen.bench run --only round``).
 """
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 import torch
@@ -71,6 +73,12 @@ def run(ceilings: dict, width: int = 16384, batches: tuple[int, ...] = BATCHES, 
     results = []
     for family in families:
         for batch in batches:
-            results.append(bench_round(family, batch, width, copy, registry, arch, mode, specs))
+            try:
+                results.append(bench_round(family, batch, width, copy, registry, arch, mode, specs))
+            except Exception as exc:  # noqa: BLE001 - recorded; the other cases still run
+                results.append({"family": family, "batch": batch, "width": width, "budget": BUDGET, "mode": mode,
+                                "error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"})
+                print(f"round {family} B={batch} failed: {results[-1]['error']}", flush=True)
+            gc.collect()
             torch.cuda.empty_cache()
     return {"results": results}
