@@ -86,6 +86,10 @@ SCORE = """{{ header }}
 THREADS = {{ p.threads }}
 """
 
+SELECT = """{{ header }}
+RADIX_BITS = {{ p.radix_bits }}
+"""
+
 TINY_CU = """#include <cuda_runtime.h>
 __global__ void add_one(float* x, int n) { int i = blockIdx.x * blockDim.x + threadIdx.x; if (i < n) x[i] += 1.f; }
 extern "C" int tiny_launch(float* x, int n) { add_one<<<(n + 255) / 256, 256>>>(x, n); return (int)cudaGetLastError(); }
@@ -100,6 +104,7 @@ def templates(tmp_path: Path) -> Path:
     (d / "compact.cu.j2").write_text(COMPACT)
     (d / "pack.py.j2").write_text(PACK)
     (d / "score.py.j2").write_text(SCORE)
+    (d / "select.py.j2").write_text(SELECT)
     return d
 
 
@@ -128,7 +133,8 @@ def test_render_is_deterministic_and_starts_with_header(templates: Path) -> None
     first = render_family(_spec(), templates)
     second = render_family(_spec(), templates)
     assert first == second
-    assert sorted(first) == [f"{FAMILY}/codec.cu", f"{FAMILY}/compact.cu", f"{FAMILY}/pack.py", f"{FAMILY}/score.py"]
+    assert sorted(first) == [f"{FAMILY}/codec.cu", f"{FAMILY}/compact.cu", f"{FAMILY}/pack.py", f"{FAMILY}/score.py",
+                                                                 f"{FAMILY}/select.py"]
     for plan in plans_for(_spec()):
         text = first[f"{FAMILY}/{plan.template[:-3]}"]
         assert text.startswith(header(plan) + "\n")
@@ -170,7 +176,8 @@ def test_write_if_different(tmp_path: Path) -> None:
 def test_check_generated_lists_changed_missing_and_leftover_files(tmp_path: Path, templates: Path) -> None:
     generated = tmp_path / "generated"
     source = load_spec_source(SPECS / f"{FAMILY}.yaml")
-    assert check_generated([source], generated, templates) == [f"{FAMILY}/codec.cu", f"{FAMILY}/compact.cu", f"{FAMILY}/pack.py", f"{FAMILY}/score.py"]
+    assert check_generated([source], generated, templates) == [f"{FAMILY}/codec.cu", f"{FAMILY}/compact.cu", f"{FAMILY}/pack.py", f"{FAMILY}/score.py",
+                                                                 f"{FAMILY}/select.py"]
     args = ["--specs", str(SPECS), "build", "--family", FAMILY, "--generated", str(generated),
             "--templates", str(templates)]
     assert main([*args, "--render-only"]) == 0
@@ -389,7 +396,7 @@ def _build(tmp_path: Path, templates: Path, toolchains: list[Toolchain], archs=(
 def test_build_then_rebuild_is_all_cache_hits(tmp_path: Path, templates: Path, toolchains: list[Toolchain]) -> None:
     report = _build(tmp_path, templates, toolchains, archs=("sm_90a", "sm_100f"))
     assert [(o.arch, o.status) for o in report.outcomes] == [("sm_100f", "skipped"), ("sm_90a", "built")]
-    assert report.ok and len(report.rendered) == 4
+    assert report.ok and len(report.rendered) == 5
     manifest = read_manifest(tmp_path / "registry" / "sm_90a" / "manifest.json")
     entry = manifest.family(FAMILY)
     (library,) = entry.artifacts
@@ -511,10 +518,14 @@ def test_every_artifact_is_published_and_a_failed_one_left_out(tmp_path: Path, t
     whose artifact failed is not listed, the family's other artifacts still are."""
     (templates / "compact.cu.j2").write_text("{{ header }}\nthis is not C++;\n")
     report = _build(tmp_path, templates, toolchains, backends=("nvcc", "triton"))
-    assert [(o.backend, o.status) for o in report.outcomes] == [("nvcc", "failed"), ("triton", "built")]
+    assert [(o.backend, o.status) for o in report.outcomes] == [("nvcc", "failed"), ("triton", "built"),
+                                                                ("triton", "built")]
     entry = read_manifest(tmp_path / "registry" / "sm_90a" / "manifest.json").family(FAMILY)
-    (pack,) = entry.artifacts
-    assert [op.op for op in entry.ops] == ["pack"] and entry.op("pack").artifact == pack.file == "kvgen_llama_3_1_8b_pack.py"
+    pack, select = entry.artifacts
+    assert [op.op for op in entry.ops] == ["pack", "select"] and entry.op("pack").artifact == pack.file == "kvgen_llama_3_1_8b_pack.py"
+    assert entry.op("select").artifact == select.file == "kvgen_llama_3_1_8b_select.py" and select.backend == "triton"
+    assert (tmp_path / "registry" / "sm_90a" / select.file).read_text() == (tmp_path / "generated" / FAMILY /
+                                                                             "select.py").read_text()
     published = tmp_path / "registry" / "sm_90a" / pack.file
     assert published.read_text() == (tmp_path / "generated" / FAMILY / "pack.py").read_text()
     assert published.stat().st_mode & 0o777 == 0o644 and pack.backend == "triton" and pack.toolchain == {}

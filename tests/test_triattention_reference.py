@@ -466,8 +466,11 @@ def aggregate_materialized(z_layers, mode, g):
     grouped = z.reshape(B, g.num_layers, g.kv_heads, g.group, W).amax(dim=3)
     if mode == "union":
         return z[:, scored].amax(dim=(1, 2)).unsqueeze(1)
-    if mode == "per_head":
-        return grouped[:, scored].mean(dim=1)
+    if mode == "per_head":  # layers added one by one in order, then one division by the count
+        total = grouped[:, scored[0]]
+        for layer in scored[1:]:
+            total = total + grouped[:, layer]
+        return total / len(scored)
     out = torch.zeros_like(grouped)
     out[:, scored] = grouped[:, scored]
     return out.reshape(B, g.num_layers * g.kv_heads, W)

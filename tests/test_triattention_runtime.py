@@ -35,6 +35,7 @@ from kvgen.reference.triattention import (
 )
 from kvgen.runtime.eviction import GenerationStep, TriAttentionManager, oracle_compactor, oracle_packer
 from kvgen.runtime.library import LibraryError
+from kvgen.runtime.select import SelectModuleError
 from kvgen.spec.schema import load_spec
 
 from .tri_sim import DecodeSim, run_against_oracle, save_synthetic_calibration, small_spec
@@ -218,7 +219,7 @@ def test_from_registry_runs_rounds_equal_to_the_oracle(tmp_path: Path) -> None:
     resolved = _resolved(spec)
     g = tri_geometry(spec)
     stand_ins = {"score_library": scorer, "packer": oracle_packer(g),
-                 "compactor": oracle_compactor(sim.k_pools, sim.v_pools, g)}
+                 "compactor": oracle_compactor(sim.k_pools, sim.v_pools, g), "selector": "oracle"}
     manager = TriAttentionManager.from_registry(resolved, path, sim.k_pools, sim.v_pools, budget=130, beta=16,
                                                 **stand_ins)
     assert manager.config == dataclasses.replace(eviction_config(spec), budget=130, beta=16)
@@ -233,14 +234,19 @@ def test_from_registry_asks_for_the_artifacts_it_is_not_given(tmp_path: Path) ->
     path = save_synthetic_calibration(eviction_config(spec), tmp_path / "calib.pt")
     scorer, _ = _scorer(spec, path, sim)
     resolved = _resolved(spec)
-    resolved.artifacts = {op: tmp_path / f"missing-{op}" for op in ("score", "pack", "compact")}
+    resolved.artifacts = {op: tmp_path / f"missing-{op}" for op in ("score", "pack", "compact", "select")}
     with pytest.raises(LibraryError, match="missing-score: cannot load"):   # the registry's score library
         TriAttentionManager.from_registry(resolved, path, sim.k_pools, sim.v_pools)
-    assert sorted(resolved.asked) == ["compact", "pack", "score"]
+    assert sorted(resolved.asked) == ["compact", "pack", "score", "select"]
+    resolved.asked.clear()
+    with pytest.raises(SelectModuleError, match="missing-select: no generated selection module"):
+        TriAttentionManager.from_registry(resolved, path, sim.k_pools, sim.v_pools, score_library=scorer,
+                                          packer=object(), compactor=object())
+    assert resolved.asked == ["select"]
     resolved.asked.clear()
     stand_in = object()
     manager = TriAttentionManager.from_registry(resolved, path, sim.k_pools, sim.v_pools, score_library=scorer,
-                                                packer=stand_in)
+                                                packer=stand_in, selector="oracle")
     assert resolved.asked == [] and manager.packer is stand_in
 
 

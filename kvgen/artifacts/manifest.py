@@ -2,7 +2,8 @@
 
 One entry per family. It records the decision (ops, their params and plan keys, the layout) and
 each artifact the family ships: the nvcc library (``codec``, ``compact``), the CuTe DSL score
-library (``score``) and the Triton packer module (``pack``), each with its sha256. Every op names
+library (``score``) and the Triton modules of the packer (``pack``) and of normalize/aggregate/select
+(``select``), each with its sha256. Every op names
 the artifact file that serves it. ``read_manifest`` refuses a manifest written by another format
 or kvgen version, a manifest whose arch is not its folder's, an artifact path that leaves the
 manifest's folder (absolute, ``..``, a symlink pointing out) and an artifact whose bytes do not
@@ -47,8 +48,8 @@ class ArtifactEntry:
     sha256: str
     backend: str                                  # "nvcc" | "cute" | "triton"
     cache_key: str
-    # Versions of what made it, e.g. {"nvcc": "13.0.88"}; empty for the Triton packer, whose
-    # source is shipped and compiled by Triton on the GPU at run time.
+    # Versions of what made it, e.g. {"nvcc": "13.0.88"}; empty for the Triton modules (packer,
+    # selection), whose source is shipped and compiled by Triton on the GPU at run time.
     toolchain: Mapping[str, str] = field(default_factory=dict)
 
 

@@ -31,13 +31,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--default-registry", type=Path, default=None,
                    help="registry built with the default parameters: time both, record tuned_vs_default")
     p.add_argument("--arch", default="sm_90a")
-    p.add_argument("--only", default=",".join(("codec", "compact", "score", "interference")),
-                   help="comma list of codec, compact, score, interference (default: all, in that order)")
+    p.add_argument("--only", default=",".join(("codec", "compact", "score", "round", "interference")),
+                   help="comma list of codec, compact, score, round, interference (default: all, in that order)")
     p.add_argument("--families", default=DEFAULT_FAMILIES, help="codec families")
     p.add_argument("--hot-gib", type=float, default=1.2, help="codec: GiB of hot pages per family")
     p.add_argument("--compact-family", default="qwen3-8b")
     p.add_argument("--batches", default="1,32,256", help="compaction batch sizes")
-    p.add_argument("--mode", default="union", choices=("union", "per_head", "per_layer_perhead"))
+    p.add_argument("--mode", default="union", choices=("union", "per_head", "per_layer_perhead"),
+                   help="eviction mode of the compaction and round benchmarks")
     p.add_argument("--width", type=int, default=16384, help="scorer: decode tokens scored per request")
     p.add_argument("--score-batch", type=int, default=32)
     p.add_argument("--score-variants", type=Path, nargs="*", default=None,

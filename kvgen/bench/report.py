@@ -438,6 +438,7 @@ def render_markdown(doc: dict, tuning_rows: list[dict], figures: dict[str, str],
                                           ("share of β decode steps", _num(round_.get("round_over_beta_decode_steps"),
                                                                            "{:.1%}"))]) + [""]
 
+    out += round_section(doc["benchmarks"].get("round", {}).get("results", []))
     out += interference_markdown(doc, figures.get("interference"), _table, _ms, _num)
 
     if doc.get("errors"):
@@ -446,6 +447,38 @@ def render_markdown(doc: dict, tuning_rows: list[dict], figures: dict[str, str],
             out += [f"`{name}` failed:", "", "```", str(text).strip()[-2000:], "```", ""]
     out += ["Data: `bench.json` beside this file" + (f" (merged from {', '.join(merged)})." if merged else "."), ""]
     return "\n".join(out)
+
+
+ROUND_STAGES = ("score", "normalize_aggregate_select", "statistics", "aggregate", "select", "pack", "compact")
+
+
+def round_section(results: list[dict]) -> list[str]:
+    """Whole rounds (``kvgen.bench.round``): per family and batch the stages, the round, its bytes
+    limit and the ratio against the goal; skipped cases with the reason."""
+    if not results:
+        return []
+    out = ["## Eviction rounds against the bytes limit", "",
+           "Every request due, budget and width as listed; stages timed alone on the same cache (median ms); "
+           "normalize / aggregate / select is the three kernels together (statistics, aggregate, select). "
+           "Bytes limit: K read once plus the compaction moves read and written, at the copy ceiling of this "
+           "run. Goal (issue 14): round ≤ 1.3 × the limit.", ""]
+    header = ("family", "batch", "width", "budget", *(s.replace("_", " / ") for s in ROUND_STAGES), "whole round",
+              "bytes limit (K read + moves)", "round ÷ limit", "kernels")
+    rows = []
+    for r in results:
+        if "skipped" in r or "error" in r:
+            rows.append((r["family"], r["batch"], r["width"], r["budget"], *["—"] * len(ROUND_STAGES), "—", "—",
+                         "skipped" if "skipped" in r else "failed", r.get("skipped") or r["error"]))
+            continue
+        stages = r.get("stages", {})
+        parts = r.get("limit_parts_ms", {})
+        ratio = r.get("round_over_limit")
+        mark = "" if ratio is None else (" ✓" if ratio <= r.get("goal", 1.3) else " ✗")
+        rows.append((r["family"], r["batch"], r["width"], r["budget"],
+                     *(_ms(stages.get(s, {}).get("median_ms")) for s in ROUND_STAGES), _ms(r.get("round_ms")),
+                     f"{_ms(r.get('limit_ms'))} ({_ms(parts.get('k_read'))} + {_ms(parts.get('moves'))})",
+                     _num(ratio, "{:.2f}×") + mark, r.get("artifacts", "—")))
+    return out + _table(header, rows) + [""]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ Variants: the same kernels with other tunable parameters (``lanes``, ``token_til
   registries ``build/registry-score-*``, timed on the same cache and checked against the default.
 Peers: the oracle's ``score_paged`` (float32) on the GPU, eager and under ``torch.compile``, one
   layer of the Qwen3-8B B = 32 variant (an out-of-memory is recorded, not raised).
-Round: one whole round (score -> z -> aggregate -> select -> pack -> compact) for Qwen3-8B, B = 32,
+Round: one whole round (score -> z -> aggregate -> select (generated) -> pack -> compact) for Qwen3-8B, B = 32,
   every request due (budget 2048), stage by stage, against an estimate of one decode step's
   attention over the same cache: K + V bytes of every layer / copy bandwidth (an estimate of a
   perfect memory-bound attention kernel, not a measurement), before and after compaction.
@@ -40,6 +40,7 @@ from kvgen.lower.triattention import eviction_config, rope_scaling, tri_geometry
 from kvgen.measure.environment import environment, write_result
 from kvgen.measure.libraries import registry_artifact
 from kvgen.measure.timing import measure_ceilings, require_cuda, time_ms
+from kvgen.measure.workloads.round import round_artifacts
 from kvgen.measure.workloads.score import PROMPT, ScoreCache, ScoreFamily
 from kvgen.reference.triattention import save_calibration, score_paged
 from kvgen.runtime.eviction import TriAttentionManager, generated_backends
@@ -154,8 +155,9 @@ def bench_round(width: int, batch: int, copy: dict, registry: Path, arch: str,
             backends, which = {"packer": packer, "compactor": compactor}, "generated Triton packer + CUDA compactor"
         except Exception as exc:  # noqa: BLE001 - fall back and say so in the record
             which = f"oracle (generated backends unusable: {exc})"
+        select = round_artifacts(family, registry, arch, paths.generated_dir()).select
         manager = TriAttentionManager(eviction_config(spec), calib_path, k_pools, v_pools,
-                                      score_library(family, registry, arch),
+                                      score_library(family, registry, arch), select_module=select,
                                       budget=2048, beta=128, eviction_mode="union", max_position=PROMPT + width + 1,
                                       **backends)
     P, S, L, tail = cache.P, cache.S, cache.S, [0] * batch

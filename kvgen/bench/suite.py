@@ -1,8 +1,9 @@
 """``kvgen bench run``: every kernel benchmark in one process, against ceilings measured once.
 
 Order: the ceilings (device copy, pinned device->host and host->device; ``measure_ceilings``), then
-the codec, the compaction and packer, the scorer with its peers and one whole eviction round, and
-offload/onboard beside a foreground stream (interference), each given the same ceilings. ``bench.json`` in the output directory is rewritten after every step, so a
+the codec, the compaction and packer, the scorer with its peers, whole eviction rounds stage by
+stage against their bytes limit (``kvgen.bench.round``), and offload/onboard beside a foreground
+stream (interference), each given the same ceilings. ``bench.json`` in the output directory is rewritten after every step, so a
 run cut short keeps what it measured; a benchmark that fails is recorded under ``errors`` (with its
 traceback) and the next one still runs.
 
@@ -21,6 +22,7 @@ the registry manifest's per-op ``params`` (score included).
      "benchmarks": {"codec": {"results": [...]},                       # as bench_codec.json
                     "compact": {"config": {...}, "results": [...]},     # as bench_compact.json
                     "score": {"score": [...], "oracle": {...}, "round": {...}},  # as bench_score.json
+                    "round": {"results": [...]},                          # kvgen.bench.round
                     "interference": {"foreground": {...}, "goals": {...}, "results": [...]}},  # bench/interference.py
      "tuned_vs_default": [...], "errors": {benchmark: traceback}, "seconds": {step: s}}
 
@@ -42,7 +44,7 @@ from typing import Any, Callable
 from kvgen.bench.report import codec_size
 
 SCHEMA = 1
-BENCHMARKS = ("codec", "compact", "score", "interference")
+BENCHMARKS = ("codec", "compact", "score", "round", "interference")
 RESULT = "bench.json"
 CODEC_RUNS = ("encode_device", "decode_device", "encode_pinned", "decode_pinned")
 
@@ -111,8 +113,16 @@ def _run_compact(ceilings: dict, o: Options) -> dict:
 def _run_score(ceilings: dict, o: Options) -> dict:
     from kvgen.bench import score
 
+    # The score benchmark's single qwen3-8b round is left out when the round benchmark runs: it measures
+    # the same round, and more.
     return score.run(ceilings, o.width, o.score_batch, o.registry, list(o.score_variants), o.arch, o.peers,
-                     o.round, o.default_registry, o.specs)
+                     o.round and "round" not in o.only, o.default_registry, o.specs)
+
+
+def _run_round(ceilings: dict, o: Options) -> dict:
+    from kvgen.bench import round as whole_round
+
+    return whole_round.run(ceilings, o.width, whole_round.BATCHES, o.registry, o.arch, o.mode, o.specs)
 
 
 def _run_interference(ceilings: dict, o: Options) -> dict:
@@ -122,7 +132,8 @@ def _run_interference(ceilings: dict, o: Options) -> dict:
 
 
 RUNNERS: dict[str, Callable[[dict, Options], dict]] = {"codec": _run_codec, "compact": _run_compact,
-                                                       "score": _run_score, "interference": _run_interference}
+                                                       "score": _run_score, "round": _run_round,
+                                                       "interference": _run_interference}
 
 
 def run_suite(o: Options) -> dict:

@@ -5,7 +5,7 @@
 - ``nvcc``: the rendered ``.cu`` sources + the hand-written headers -> ``lib<symbol>.so``;
 - ``cute``: the rendered score module -> CuTe DSL export (a child process per arch) -> linked
   ``lib<symbol>_score.so`` (``kvgen.build.cute_aot``);
-- ``triton``: nothing is compiled at build time. The rendered ``pack.py`` module *is* the
+- ``triton``: nothing is compiled at build time. The rendered ``pack.py`` or ``select.py`` module *is* the
   artifact: it is cached and published like the others, and Triton JIT-compiles its kernels on
   the GPU when the runtime first calls it.
 
@@ -190,11 +190,11 @@ def _triton_key(job: BuildJob) -> str:
 
 
 def _compile_triton(job: BuildJob, cache_dir: Path) -> BuildOutcome:
-    """The rendered packer module as the artifact (Triton compiles its kernels on the GPU at run
+    """The rendered module (packer or selection) as the artifact (Triton compiles its kernels on the GPU at run
     time, so the build only caches and publishes the text)."""
     (text,) = job.rendered.values()
     key = _triton_key(job)
-    entry = entry_dir(cache_dir, __version__, job.arch, f"{job.family}-pack", key)
+    entry = entry_dir(cache_dir, __version__, job.arch, f"{job.family}-{job.ops[0]}", key)
     start = time.perf_counter()
 
     def write(tmp: Path) -> dict[str, Any]:

@@ -4,7 +4,7 @@ its ``BuildOutcome``. ``kvgen build`` and the tuner both make jobs here and comp
 
 A family's plans split by backend: ``codec`` and ``compact`` compile together into the nvcc
 library ``lib<symbol>.so``; ``score`` is the CuTe DSL library ``lib<symbol>_score.so``; ``pack``
-is the Triton module ``<symbol>_pack.py``. The artifact names are decided here and recorded in the
+and ``select`` are the Triton modules ``<symbol>_pack.py`` and ``<symbol>_select.py``. The artifact names are decided here and recorded in the
 manifest: nothing downstream derives them.
 """
 
@@ -21,8 +21,12 @@ from kvgen.spec.schema import FamilySpec, load_spec
 
 Backend = Literal["nvcc", "cute", "triton"]
 BACKENDS: tuple[Backend, ...] = ("nvcc", "cute", "triton")
-OP_BACKEND: dict[Op, Backend] = {"codec": "nvcc", "compact": "nvcc", "score": "cute", "pack": "triton"}
-ARTIFACT_SUFFIX: dict[Backend, str] = {"nvcc": ".so", "cute": "_score.so", "triton": "_pack.py"}
+OP_BACKEND: dict[Op, Backend] = {"codec": "nvcc", "compact": "nvcc", "score": "cute", "pack": "triton",
+                                 "select": "triton"}
+# Keyed by op: ops of one backend with the same suffix share one artifact (codec + compact), the
+# Triton modules are one file each.
+ARTIFACT_SUFFIX: dict[Op, str] = {"codec": ".so", "compact": ".so", "score": "_score.so", "pack": "_pack.py",
+                                  "select": "_select.py"}
 Status = Literal["hit", "built", "failed", "skipped"]
 
 
@@ -67,7 +71,7 @@ class BuildJob:
     def artifact(self) -> str:
         """The artifact's file name, in the cache entry and in ``<registry>/<arch>/``."""
         stem = f"lib{self.symbol}" if self.backend != "triton" else self.symbol
-        return stem + ARTIFACT_SUFFIX[self.backend]
+        return stem + ARTIFACT_SUFFIX[self.plans[0].op]
 
 
 @dataclass(frozen=True)
@@ -90,13 +94,14 @@ class BuildOutcome:
 
 def family_jobs(source: SpecSource, arch: str, params: Mapping[Op, Mapping[str, int]] | None = None,
                 templates_dir: Path = TEMPLATES_DIR) -> list[BuildJob]:
-    """One job per backend the family needs for ``arch``, ``params`` (tuned, per op) over the
-    safe defaults, each job's plans rendered for exactly those parameters."""
-    by_backend: dict[Backend, list[KernelPlan]] = {}
+    """One job per artifact the family needs for ``arch`` (ops of one backend and suffix share
+    one), ``params`` (tuned, per op) over the safe defaults, each job's plans rendered for exactly
+    those parameters."""
+    by_artifact: dict[tuple[Backend, str], list[KernelPlan]] = {}
     for plan in plans_for(source.spec, params):
-        by_backend.setdefault(OP_BACKEND[plan.op], []).append(plan)
+        by_artifact.setdefault((OP_BACKEND[plan.op], ARTIFACT_SUFFIX[plan.op]), []).append(plan)
     return [BuildJob(source, arch, backend, tuple(plans), render_plans(plans, templates_dir))
-            for backend, plans in by_backend.items()]
+            for (backend, _), plans in by_artifact.items()]
 
 
 def render_plans(plans: list[KernelPlan], templates_dir: Path = TEMPLATES_DIR) -> dict[str, str]:

@@ -18,7 +18,7 @@ from typing import Any, Literal, Mapping
 from kvgen.lower.layout import FamilyLayout, family_layout
 from kvgen.spec.schema import FamilySpec, c_identifier
 
-Op = Literal["codec", "compact", "pack", "score"]
+Op = Literal["codec", "compact", "pack", "score", "select"]
 
 # Tunable launch parameters per op: name -> (choices, safe default). One place, read by the
 # tuner (search space), the build (defaults) and the templates (values).
@@ -45,6 +45,16 @@ TUNABLES: dict[str, dict[str, tuple[tuple[int, ...], int]]] = {
         # H200 for head 128 and 2.0x for head 256 (results/2026-11-30-h200/bench_score-variants.json)
         "lanes": ((1, 2, 4), 2),
         "token_tiles": ((1, 2, 4), 1),         # token tiles per CTA (amortizes the coefficient prologue)
+    },
+    # Normalize, aggregate, select (kvgen/kernels/triton/select.py); none changes a result bit: the
+    # summation order of the statistics is fixed by the reference (REDUCTION_LANES), not by these.
+    "select": {
+        "rows": ((1, 2, 4), 2),                # score rows per statistics program
+        "block_w": ((64, 128, 256), 128),      # columns per aggregation program
+        # columns per selection step; each step compares BLOCK keys with 2^radix_bits candidates, so
+        # 512 x 16 keeps the comparison tile at 64 registers a thread for 4 warps
+        "block": ((256, 512, 1024, 2048), 512),
+        "radix_bits": ((1, 2, 4), 4),          # bits of the budget-th key found per pass over a row
     },
 }
 
@@ -201,6 +211,19 @@ def score_geometry(spec: FamilySpec) -> dict[str, Any]:
     }
 
 
+def select_geometry(spec: FamilySpec) -> dict[str, Any]:
+    """What normalize/aggregate/select need: the decision rows' shape and which layers are scored."""
+    from kvgen.lower.triattention import require_scorable
+
+    geometry = require_scorable(spec)
+    return {
+        "num_layers": geometry.num_layers,
+        "kv_heads": geometry.kv_heads,
+        "group": geometry.group,
+        "scored_layers": list(geometry.scored_layers),
+    }
+
+
 def score_plan(spec: FamilySpec, params: Mapping[str, int] | None = None) -> KernelPlan:
     """The CuTe DSL scorer of a TriAttention family (built by kvgen.build.cute_aot)."""
     merged = {**default_params("score"), **(params or {})}
@@ -220,6 +243,8 @@ def plans_for(spec: FamilySpec, params: Mapping[Op, Mapping[str, int]] | None = 
         plans.append(KernelPlan(spec.name, "pack", "pack.py.j2", pack_geometry(spec),
                                 {**default_params("pack"), **params.get("pack", {})}))
         plans.append(score_plan(spec, params.get("score")))
+        plans.append(KernelPlan(spec.name, "select", "select.py.j2", select_geometry(spec),
+                                {**default_params("select"), **params.get("select", {})}))
     for plan in plans:
         check_params(plan.op, plan.params)
     return plans

@@ -2,8 +2,10 @@
 
 Plain PyTorch, CPU or CUDA tensors; every generated kernel of the pipeline is compared with these
 functions: scores within a per-dtype tolerance of the float64 oracle (``dtype=torch.float64``),
-selection, move packing and compaction exactly. The GPU runtime (``kvgen.runtime.eviction``)
-normalizes, aggregates and selects with these very functions.
+selection, move packing and compaction exactly. Normalize and aggregate fix every order of
+summation (``lane_sum``; layers added in order), so the generated Triton selection
+(``kvgen.kernels.triton.select``) reproduces ``zscore``, ``aggregate`` and ``select_keep`` bit for
+bit; the runtime can also run these very functions (``selector="oracle"``).
 
 Stated once, for the spec, the lowering, the runtime and the tools alike: the RoPE pair rule
 (``split_pairs``), normalization, aggregation and selection (``zscore``, ``aggregate``,
@@ -66,11 +68,12 @@ from kvgen.reference.triattention_family import (
 )
 
 __all__ = [
-    "MODES", "MOVE_FILL", "OFFSETS", "SCORED_DTYPES", "Calibration", "CalibrationError", "EvictionConfig",
+    "MODES", "MOVE_FILL", "OFFSETS", "REDUCTION_LANES", "SCORED_DTYPES", "Calibration", "CalibrationError", "EvictionConfig",
     "GeometryError", "Moves", "RoundResult", "TriGeometry", "aggregate", "apply_rope", "check_budget",
     "check_moves", "compact_paged", "compact_paged_gather", "decision_rows", "eviction_round", "gather_mean_phase",
-    "gather_token_rows", "is_due", "load_calibration", "longrope_attention_factor", "mean_phase_rows", "mean_phase_table", "num_decision_rows",
-    "pack_moves", "page_shape", "post_round", "refusal_reason", "rope_attention_factor", "rope_defaults", "rope_freq_scale_sq", "rope_omega",
+    "gather_token_rows", "is_due", "lane_sum", "load_calibration", "longrope_attention_factor", "mean_phase_rows",
+    "mean_phase_table", "num_decision_rows", "pack_moves", "page_shape", "post_round", "refusal_reason",
+    "rope_attention_factor", "rope_defaults", "rope_freq_scale_sq", "rope_omega",
     "save_calibration", "score_coefficients", "score_keys", "score_paged", "select_keep", "split_pairs",
     "synthetic_calibration", "synthetic_queries", "yarn_attention_factor", "zscore",
 ]
@@ -78,6 +81,7 @@ __all__ = [
 OFFSETS = tuple(2 ** i for i in range(17))  # future-query offsets 1, 2, 4, ..., 65536 (§3)
 MOVE_FILL = -1
 STD_FLOOR = 1e-6
+REDUCTION_LANES = 512  # lanes of lane_sum, the fixed summation order of the z-score statistics
 
 
 def _as_long(values: object, device: torch.device) -> torch.Tensor:
@@ -247,16 +251,44 @@ def score_paged(k_cache_layer: torch.Tensor, page_table: torch.Tensor, P: torch.
 # Normalize and aggregate (§4)
 # ----------------------------------------------------------------------------------------------
 
+def lane_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum over the last dim ``[..., W] -> [..., 1]`` in one fixed order, so that any kernel can
+    reproduce it bit for bit (torch's own ``sum`` order depends on device, shape and version).
+
+    Column ``j`` goes to lane ``j % REDUCTION_LANES``; each lane adds its columns in ascending
+    order starting from +0.0; then the lanes are folded by halving, lane ``i`` += lane
+    ``i + n/2`` for ``n = REDUCTION_LANES, ..., 2``. Padding columns past ``W`` are +0.0, which
+    leaves every lane unchanged (a lane never holds -0.0: it starts at +0.0)."""
+    lanes = REDUCTION_LANES
+    W = x.shape[-1]
+    padded = torch.nn.functional.pad(x, (0, -W % lanes)) if W % lanes else x
+    chunks = padded.reshape(x.shape[:-1] + (padded.shape[-1] // lanes, lanes))
+    acc = torch.zeros(x.shape[:-1] + (lanes,), dtype=x.dtype, device=x.device)
+    for chunk in range(chunks.shape[-2]):
+        acc = acc + chunks[..., chunk, :]
+    while acc.shape[-1] > 1:
+        half = acc.shape[-1] // 2
+        acc = acc[..., :half] + acc[..., half:]
+    return acc
+
+
 def zscore(scores: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """Per row over its valid columns: ``(x - mean) / max(std, 1e-6)``, population std (two
-    passes: mean, then mean squared deviation). Invalid columns become 0."""
+    passes: mean, then mean squared deviation). Invalid columns become 0.
+
+    The statistics are computed in float64 with ``lane_sum`` (a fixed summation order: the
+    generated kernels follow it, so they match bit for bit), then rounded to the scores' dtype;
+    the deviations of the second pass use the float64 mean. The normalization itself is one
+    subtraction and one correctly rounded division in the scores' dtype."""
     valid = valid.expand_as(scores)
     x = torch.where(valid, scores, 0)
-    count = valid.sum(dim=-1, keepdim=True).clamp(min=1).to(scores.dtype)
-    mean = x.sum(dim=-1, keepdim=True) / count
-    deviation = torch.where(valid, x - mean, 0)
-    std = ((deviation * deviation).sum(dim=-1, keepdim=True) / count).sqrt()
-    return torch.where(valid, (x - mean) / std.clamp(min=STD_FLOOR), 0)
+    wide = x.to(torch.float64)
+    count = valid.sum(dim=-1, keepdim=True).clamp(min=1).to(torch.float64)
+    mean = lane_sum(wide) / count
+    deviation = torch.where(valid, wide - mean, 0)
+    std = (lane_sum(deviation * deviation) / count).sqrt()
+    mean, std = mean.to(scores.dtype), std.to(scores.dtype).clamp(min=STD_FLOOR)
+    return torch.where(valid, (x - mean) / std, 0)
 
 
 def num_decision_rows(mode: str, geometry: TriGeometry) -> int:
@@ -286,9 +318,11 @@ def aggregate(z: Sequence[torch.Tensor], mode: str, geometry: TriGeometry) -> to
     ``[B, Hq, W]`` belongs to ``geometry.scored_layers[i]`` (a ``[layers, B, Hq, W]`` tensor works).
 
     SWA layers have no rows here: they are never scored, and their decision rows (per_layer_perhead
-    only) are zeros that nothing reads. The result does not depend on the order of reduction where
-    it could: max is exact in any order, and the per_head mean reduces one contiguous
-    ``[B, layers, Hkv, W]`` tensor over dim 1 (torch's reductions are deterministic for a shape)."""
+    only) are zeros that nothing reads. Every order of reduction is fixed, so kernels match bit for
+    bit: max is exact in any order (NaN propagates), and the per_head mean adds the scored layers
+    one by one in ``scored_layers`` order in the z dtype, then divides once by their count
+    (a correctly rounded division by a tensor, not torch's ``mean``, whose order and reciprocal
+    multiplication differ between devices)."""
     if mode not in MODES:
         raise ValueError(f"eviction_mode {mode!r}; accepted: {', '.join(MODES)}")
     if len(z) != len(geometry.scored_layers):
@@ -302,7 +336,10 @@ def aggregate(z: Sequence[torch.Tensor], mode: str, geometry: TriGeometry) -> to
     # max over the query heads of each KV group: [B, Hkv, W] per scored layer
     grouped = [rows.reshape(B, geometry.kv_heads, geometry.group, W).amax(dim=2) for rows in z]
     if mode == "per_head":
-        return torch.stack(grouped, dim=1).mean(dim=1)
+        total = grouped[0]
+        for rows in grouped[1:]:
+            total = total + rows
+        return total / torch.full_like(total, len(grouped))
     out = z[0].new_zeros((B, geometry.num_layers, geometry.kv_heads, W))
     for layer, rows in zip(geometry.scored_layers, grouped):
         out[:, layer] = rows
@@ -324,8 +361,9 @@ def select_keep(values: torch.Tensor, valid_width: torch.Tensor, budget: int, P:
     valid = torch.arange(W, device=values.device) < width
     if bool(torch.isnan(values).logical_and(valid).any()):
         raise ValueError("NaN among the decision values")
+    # -0.0 and +0.0 are one value (a tie, lower index first) whatever the sort implementation.
     # Invalid columns sort last: -inf ties with a valid -inf keep the lower (valid) index first.
-    key = torch.where(valid, values, float("-inf"))
+    key = torch.where(valid & (values != 0), values, torch.where(valid, 0.0, float("-inf")))
     order = torch.sort(key, dim=-1, descending=True, stable=True).indices
     top = order[..., :min(budget, W)]
     top = torch.where(top < width, top, W)           # invalid picks sort to the end ...

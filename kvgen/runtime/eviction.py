@@ -2,16 +2,20 @@
 
 One round for the due requests of a generation step:
 score (generated CuTe DSL kernel, ``ScoreLibrary``) -> z-normalize -> aggregate -> select (the
-oracle's ``zscore``, ``aggregate`` and ``select_keep``, torch ops on the GPU) -> pack (the
-generated Triton packer, or the oracle's ``pack_moves``) -> compact (the generated CUDA mover, or
-the oracle's ``compact_paged``) -> new physical lengths.
+generated Triton kernels, ``kvgen.runtime.select.Selector``, or the oracle's ``zscore``,
+``aggregate`` and ``select_keep``) -> pack (the generated Triton packer, or the oracle's
+``pack_moves``) -> compact (the generated CUDA mover, or the oracle's ``compact_paged``) -> new
+physical lengths.
 
-Selection is exact: every kept set equals the oracle's selection applied to the kernel's scores,
-because the steps after scoring are the oracle's own functions on the tensor shapes the oracle's
-``eviction_round`` uses: ``zscore`` per layer on the contiguous ``[B, Hq, W]`` slice of the
-kernel's ``[layers, B, Hq, W]`` output (torch's reductions are deterministic for a given shape,
-but may sum in another order for another shape), ``aggregate`` over the scored layers only (no
-rows are materialized for sliding layers), and ``select_keep``.
+Selection is exact either way: the reference fixes every summation order of normalize and
+aggregate (``lane_sum``; layers added in order), and the generated kernels follow it bit for bit,
+so every kept set equals the oracle's selection applied to the kernel's scores. The oracle path
+calls ``zscore`` per layer on the ``[B, Hq, W]`` slices of the kernel's ``[layers, B, Hq, W]``
+output and ``aggregate`` over the scored layers only (no rows are materialized for sliding layers).
+
+A round reads nothing back from the device but once: the generated selection's NaN count, right
+before compaction (the oracle raises on a NaN decision value, and nothing may move then). Its
+small inputs (P, S - P, S, tail, L) go to the device in one copy.
 
 The manager is built from an ``EvictionConfig`` (plain data: the registry manifest carries it as
 the family layout's ``triattention`` entry), never from the spec: this module needs torch, the
@@ -48,6 +52,10 @@ from kvgen.runtime.score import TORCH_DTYPES, ScoreLibrary
 
 Packer = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 Compactor = Callable[..., None]
+Decider = Callable[..., Any]   # (scores, P, S, budget, mode, device_rows) -> object with .kept, .check()
+# selector="oracle": the reference's selection (tests), said explicitly; a manager built directly with
+# neither a selector nor a select_module gets it too, as it gets the oracle's packer and compactor.
+ORACLE = "oracle"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -108,6 +116,37 @@ def oracle_compactor(k_pools: Sequence[torch.Tensor], v_pools: Sequence[torch.Te
     return compact
 
 
+@dataclass(frozen=True)
+class OracleSelection:
+    """The oracle's decision, already checked (``select_keep`` raised on NaN)."""
+
+    kept: torch.Tensor
+
+    def check(self) -> torch.Tensor:
+        return self.kept
+
+
+def oracle_selector(geometry: TriGeometry) -> Decider:
+    """The oracle's ``zscore``, ``aggregate`` and ``select_keep`` behind the generated selector's
+    call signature."""
+    def decide(scores, P, S, budget, mode, device_rows=None):  # noqa: ANN001, ANN202
+        P_t, width_t = device_rows if device_rows is not None else _long_rows([P, [s - p for p, s in zip(P, S)]],
+                                                                             scores.device)
+        valid = torch.arange(scores.shape[-1], device=scores.device)[None, :] < width_t[:, None]
+        z = [zscore(layer_scores, valid[:, None, :]) for layer_scores in scores]
+        return OracleSelection(select_keep(aggregate(z, mode, geometry), width_t, budget, P_t))
+    return decide
+
+
+def _long_rows(rows: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
+    """int64 ``[len(rows), B]`` on ``device`` in one copy; from pinned memory on a GPU, so the copy
+    does not wait for the work already queued."""
+    host = torch.tensor([list(row) for row in rows], dtype=torch.int64)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def generated_backends(family: str, k_pools: Sequence[torch.Tensor], v_pools: Sequence[torch.Tensor],
                        pack_module: str | Path, compact_library: str | Path) -> tuple[Packer, Compactor]:
     """The family's generated Triton packer (``generated/<family>/pack.py``) and CUDA compactor
@@ -140,8 +179,11 @@ class TriAttentionManager:
     ``load_calibration`` and checked against the config's geometry and RoPE: a mismatch fails
     here, naming file and key), the K/V pools of every cache layer, the family's score library,
     and optionally the generated packer module and compactor library (``pack_module``,
-    ``compact_library``; otherwise the oracle's). ``budget``, ``beta`` and ``eviction_mode``
-    override the config's defaults and are checked like them.
+    ``compact_library``; otherwise the oracle's) and the generated selection module
+    (``select_module``, or a ``selector``; without either, or with ``selector="oracle"``, the
+    oracle's selection). ``from_registry`` always takes the registry's generated selection unless
+    a ``selector`` is given. ``budget``, ``beta`` and ``eviction_mode`` override the config's
+    defaults and are checked like them.
 
     Only ``on_generation_step_end`` works: it picks the due requests (every ``beta`` generated
     tokens once past ``budget``; several crossings in one step give one round), runs one round
@@ -174,7 +216,8 @@ class TriAttentionManager:
                  v_pools: Sequence[torch.Tensor], score_library: ScoreLibrary | str | Path, *,
                  budget: int | None = None, beta: int | None = None, eviction_mode: str | None = None,
                  max_position: int = 1 << 15, packer: Packer | None = None, compactor: Compactor | None = None,
-                 pack_module: str | Path | None = None, compact_library: str | Path | None = None):
+                 pack_module: str | Path | None = None, compact_library: str | Path | None = None,
+                 selector: Decider | str | None = None, select_module: str | Path | None = None):
         overrides = {"budget": budget, "beta": beta, "eviction_mode": eviction_mode}
         # replace() runs the config's checks again on the overridden values (mode, budget >= windows).
         self.config = dataclasses.replace(config, **{k: v for k, v in overrides.items() if v is not None})
@@ -196,17 +239,31 @@ class TriAttentionManager:
         # Without the generated packer/compactor, the oracle's (correct, slower) stand in.
         self.packer = packer or oracle_packer(self.geometry)
         self.compactor = compactor or oracle_compactor(self.k_pools, self.v_pools, self.geometry)
+        self.selector = self._make_selector(selector, select_module)
         self.requests: dict[Hashable, _RequestState] = {}
+
+    def _make_selector(self, selector: Decider | str | None, select_module: str | Path | None) -> Decider:
+        if select_module is not None and selector is None:
+            from kvgen.runtime.select import Selector
+
+            selector = Selector(select_module, family=self.family)
+            g = self.geometry
+            selector.check_geometry(g.num_layers, g.kv_heads, g.group, g.scored_layers)
+        if selector is None or selector == ORACLE:
+            return oracle_selector(self.geometry)
+        return selector
 
     @classmethod
     def from_registry(cls, resolved: Any, calibration_path: str | Path, k_pools: Sequence[torch.Tensor],
                       v_pools: Sequence[torch.Tensor], **overrides: Any) -> TriAttentionManager:
         """The manager of a registry family: config from ``resolved.entry.layout["triattention"]``,
-        the score library, packer module and compactor library from ``resolved.artifact(op)`` for
-        ops ``score``, ``pack`` and ``compact`` (a ``kvgen.runtime.lookup.Resolved``; no spec).
+        the score library, packer module, compactor library and selection module from
+        ``resolved.artifact(op)`` for ops ``score``, ``pack``, ``compact`` and ``select`` (a
+        ``kvgen.runtime.lookup.Resolved``; no spec).
 
-        ``overrides`` are the constructor's keywords; a ``score_library``, or a ``packer`` and
-        ``compactor``, given there replace the registry's (and those artifacts are not asked for).
+        ``overrides`` are the constructor's keywords; a ``score_library``, a ``packer`` and
+        ``compactor``, or a ``selector`` (``"oracle"`` included), given there replace the
+        registry's (and those artifacts are not asked for).
         A family TriAttention cannot serve fails with ``GeometryError`` naming it and the reason."""
         config = registry_config(resolved)
         if "score_library" not in overrides:
@@ -214,6 +271,8 @@ class TriAttentionManager:
         if overrides.get("packer") is None and overrides.get("compactor") is None:
             overrides.setdefault("pack_module", resolved.artifact("pack"))
             overrides.setdefault("compact_library", resolved.artifact("compact"))
+        if overrides.get("selector") is None:
+            overrides.setdefault("select_module", resolved.artifact("select"))
         return cls(config, calibration_path, k_pools, v_pools, **overrides)
 
     # ---- init helpers
@@ -258,11 +317,11 @@ class TriAttentionManager:
         self.omega = calib.omega.to(device)
         self._table = mean_phase_table(self.omega, max_position)
 
-    def _mean_phase(self, L: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows ``(c, d)`` ``[B, F]`` at positions ``L``; the table doubles when outgrown."""
-        needed = int(L.max()) + 1
-        if needed > self._table[0].shape[0]:
-            self._table = mean_phase_table(self.omega, needed)
+    def _mean_phase(self, L: torch.Tensor, largest: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows ``(c, d)`` ``[B, F]`` at positions ``L`` (``largest``: their host-side maximum, so
+        nothing is read back); the table doubles when outgrown."""
+        if largest + 1 > self._table[0].shape[0]:
+            self._table = mean_phase_table(self.omega, largest + 1)
         cos_rows, sin_rows = self._table
         return cos_rows[L].contiguous(), sin_rows[L].contiguous()
 
@@ -309,19 +368,25 @@ class TriAttentionManager:
 
     # ---- one round
 
-    def score(self, page_table: torch.Tensor, P: Sequence[int], S: Sequence[int],
-              L: Sequence[int]) -> torch.Tensor:
-        """Scores ``[scored layers, B, Hq, W]`` (``W = max(S - P)``), zeros past each request's width."""
-        device, g = self.device, self.geometry
+    def round_rows(self, P: Sequence[int], S: Sequence[int], L: Sequence[int],
+                   tail: Sequence[int] | None = None) -> torch.Tensor:
+        """int64 ``[5, B]`` on the device, one copy: P, S - P, S, tail, L."""
+        tail = [0] * len(P) if tail is None else tail
+        return _long_rows([P, [s - p for p, s in zip(P, S)], S, tail, L], self.device)
+
+    def score(self, page_table: torch.Tensor, P: Sequence[int], S: Sequence[int], L: Sequence[int],
+              rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Scores ``[scored layers, B, Hq, W]`` (``W = max(S - P)``), zeros past each request's width.
+        ``rows``: ``round_rows(P, S, L, ...)`` when the caller has it."""
+        g = self.geometry
         self._check_round_inputs(page_table, P, S, L)
+        rows = self.round_rows(P, S, L) if rows is None else rows
         width = max(max(s - p for p, s in zip(P, S)), 0)
-        P_t = torch.tensor(P, dtype=torch.int32, device=device)
-        S_t = torch.tensor(S, dtype=torch.int32, device=device)
-        c, d = self._mean_phase(torch.tensor(L, dtype=torch.int64, device=device))
+        c, d = self._mean_phase(rows[4], max(L))
         scores = torch.empty((len(g.scored_layers), len(P), g.query_heads, width), dtype=torch.float32,
-                             device=device)
-        self.library.score(self.k_layer_ptrs, self.page_stride, page_table, P_t, S_t, c, d, self.qr, self.qi,
-                           self.mlr, self.freq_scale_sq, scores)
+                             device=self.device)
+        self.library.score(self.k_layer_ptrs, self.page_stride, page_table, rows[0].to(torch.int32),
+                           rows[2].to(torch.int32), c, d, self.qr, self.qi, self.mlr, self.freq_scale_sq, scores)
         return scores
 
     def _check_round_inputs(self, page_table: torch.Tensor, P: Sequence[int], S: Sequence[int],
@@ -341,29 +406,33 @@ class TriAttentionManager:
                                  f"table's {page_table.shape[1]} pages of {self.geometry.tokens_per_block} tokens) "
                                  "and L >= S")
 
+    def select(self, scores: torch.Tensor, P: Sequence[int], S: Sequence[int], rows: torch.Tensor | None = None):  # noqa: ANN201
+        """The decision of ``scores`` (normalize, aggregate, select), unchecked: ``.kept``
+        ``[B, R, budget]`` and ``.check()`` (raises on a NaN decision value, like the oracle)."""
+        device_rows = None if rows is None else (rows[0], rows[1])
+        return self.selector(scores, P, S, self.budget, self.mode, device_rows=device_rows)
+
     def decide(self, scores: torch.Tensor, P: Sequence[int], S: Sequence[int]) -> torch.Tensor:
         """Kept positions ``[B, R, budget]`` from the kernel's scores (normalize, aggregate, select)."""
-        device = scores.device
-        P_t = torch.tensor(P, dtype=torch.int64, device=device)
-        width_t = torch.tensor(S, dtype=torch.int64, device=device) - P_t
-        valid = torch.arange(scores.shape[-1], device=device)[None, :] < width_t[:, None]
-        z = [zscore(layer_scores, valid[:, None, :]) for layer_scores in scores]
-        return select_keep(aggregate(z, self.mode, self.geometry), width_t, self.budget, P_t)
+        return self.select(scores, P, S).check()
 
     def run_round(self, page_table: torch.Tensor, P: Sequence[int], S: Sequence[int], L: Sequence[int],
                   tail: Sequence[int]) -> torch.Tensor:
         """Score -> decide -> pack -> compact for requests that are all due; returns ``kept``."""
         if page_table.dtype != torch.int32:
             raise ValueError(f"page_table: expected int32, got {page_table.dtype}")
-        kept = self.decide(self.score(page_table, P, S, L), P, S)
-        device = self.device
-        active = torch.ones(len(P), dtype=torch.bool, device=device)
-        as_long = [torch.tensor(v, dtype=torch.int64, device=device) for v in (P, S, tail)]
-        src, dst, offsets = self.packer(kept, *as_long, active, self.budget, self.mode, len(P))
+        rows = self.round_rows(P, S, L, tail)
+        selection = self.select(self.score(page_table, P, S, L, rows), P, S, rows)
+        active = torch.ones(len(P), dtype=torch.bool, device=self.device)
+        capacity = sum(self.budget + t for t in tail)   # every request is due: the packer need not count
+        src, dst, offsets = self.packer(selection.kept, rows[0], rows[2], rows[3], active, self.budget, self.mode,
+                                        len(P), capacity)
+        kept = selection.check()   # the round's one synchronization: a NaN stops it before anything moves
         self.compactor(page_table, src, dst, offsets)
         return kept
 
     def describe(self) -> dict[str, Any]:
         return {"family": self.family, "budget": self.budget, "beta": self.beta, "mode": self.mode,
                 "score_library": str(self.library.path), "arch": self.library.arch,
+                "selection": str(getattr(self.selector, "path", ORACLE)),
                 "scored_layers": list(self.geometry.scored_layers)}

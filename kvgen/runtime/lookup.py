@@ -139,7 +139,8 @@ class Resolved:
 
     def artifact(self, op: str) -> Path:
         """The file serving ``op`` (``codec``, ``compact``: the family library; ``score``: the CuTe
-        DSL score library; ``pack``: the Triton packer module), inside the registry directory,
+        DSL score library; ``pack``: the Triton packer module; ``select``: the Triton normalize/aggregate/
+        select module), inside the registry directory,
         its sha256 checked against the manifest now. A family without the op, or a missing or
         altered file, is a ``RegistryError`` naming the manifest and the rebuild command."""
         return verify_op(self.manifest_path, self.manifest, self.entry, op)

@@ -1,0 +1,342 @@
+"""Normalize, aggregate and select (TRIATTENTION.md §4-§5) in Triton, for any family.
+
+Three kernels after the scorer, matching ``kvgen.reference.triattention`` bit for bit:
+
+1. ``_stats_kernel``: per score row (scored layer, request, query head) the mean and the
+   population std over its valid columns, in float64 and in ``lane_sum``'s fixed order (column
+   ``j`` into lane ``j % REDUCTION_LANES``, lanes added in ascending column order, then folded by
+   halving), rounded to float32, the std floored at ``STD_FLOOR``: exactly ``zscore``'s statistics.
+2. ``_aggregate_kernel``: the decision values ``[B, R, W]`` of ``aggregate`` for the eviction mode
+   (a compile-time constant), z-normalizing on the fly (one subtraction, one correctly rounded
+   division) so the z-scores are never written. Max propagates NaN as torch's does; the per_head
+   mean adds the scored layers in order and divides once, as the reference states it.
+3. ``_select_kernel``: one program per decision row, ``select_keep``: the stable top-``budget``
+   (value descending, index ascending) among the row's valid columns, emitted ascending as
+   absolute positions, -1 past the valid count. Values become order-preserving integer keys
+   (-0.0 and +0.0 one key); a radix search, ``RADIX_BITS`` bits per pass over the row, finds the
+   ``budget``-th largest key ``t``; a last pass keeps every key ``> t`` and the lowest-index keys
+   ``== t`` up to the budget, compacted by a running cumulative sum. That pass also counts NaN
+   among the valid values: the oracle raises on any, ``Selection.check`` raises the same error.
+
+Every kernel is launched with ``enable_fp_fusion=False``: a fused multiply-add would round once
+where the reference rounds twice. The kernels trust their inputs (shapes, widths <= W, P);
+``TritonSelector`` checks those host-side facts before launching.
+
+Generated ``generated/<family>/select.py`` modules hold only the family's constants and bind a
+``TritonSelector`` to them; the kernels live here, once. (Plain pointer arithmetic: Triton 3.6
+and newer.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+MODES = ("union", "per_head", "per_layer_perhead")
+MOVE_FILL = -1
+# Both restate kvgen.reference.triattention (this package imports nothing of kvgen); a test
+# checks that they agree.
+STD_FLOOR = 1e-6
+REDUCTION_LANES = 512
+_LOG2_LANES = REDUCTION_LANES.bit_length() - 1
+
+
+# ----------------------------------------------------------------------------------------------
+# 1. Row statistics
+# ----------------------------------------------------------------------------------------------
+
+@triton.jit
+def _lane_fold(acc, ROWS: tl.constexpr, LANES: tl.constexpr, LOG2_LANES: tl.constexpr):
+    """``[ROWS, LANES]`` -> ``[ROWS]``: lane i += lane i + n/2 for n = LANES .. 2 (each step sums
+    an axis of two, i.e. exactly one addition per pair, in no order that could matter)."""
+    for level in tl.static_range(LOG2_LANES):
+        acc = tl.sum(tl.reshape(acc, (ROWS, 2, LANES >> (level + 1))), axis=1)
+    return tl.reshape(acc, (ROWS,))
+
+
+@triton.jit
+def _stats_kernel(scores_ptr, width_ptr, mean_ptr, std_ptr, num_rows, batch, W,
+                  QUERY_HEADS: tl.constexpr, ROWS: tl.constexpr, LANES: tl.constexpr,
+                  LOG2_LANES: tl.constexpr, STD_FLOOR: tl.constexpr):
+    """Program p: rows p*ROWS .. p*ROWS+ROWS-1 of the scores ``[layers * B * Hq, W]``."""
+    row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    live = row < num_rows
+    request = (row // QUERY_HEADS) % batch
+    width = tl.load(width_ptr + request, mask=live, other=0)
+    base = row.to(tl.int64)[:, None] * W
+    lane = tl.arange(0, LANES)[None, :]
+    # Each row stops at its own width: the columns it skips would add +0.0, which changes no lane.
+    end = tl.max(width, axis=0)
+    count = tl.maximum(width, 1).to(tl.float64)
+
+    acc = tl.zeros((ROWS, LANES), dtype=tl.float64)
+    for start in range(0, end, LANES):
+        column = start + lane
+        valid = column < width[:, None]
+        acc += tl.load(scores_ptr + base + column, mask=valid, other=0.0).to(tl.float64)
+    # float64 '/' and sqrt are correctly rounded (div.rn.f64, sqrt.rn.f64; div_rn/sqrt_rn are float32-only)
+    mean = _lane_fold(acc, ROWS, LANES, LOG2_LANES) / count
+
+    acc = tl.zeros((ROWS, LANES), dtype=tl.float64)
+    for start in range(0, end, LANES):
+        column = start + lane
+        valid = column < width[:, None]
+        x = tl.load(scores_ptr + base + column, mask=valid, other=0.0).to(tl.float64)
+        deviation = tl.where(valid, x - mean[:, None], 0.0)
+        acc += deviation * deviation
+    std = tl.sqrt(_lane_fold(acc, ROWS, LANES, LOG2_LANES) / count).to(tl.float32)
+    std = tl.where(std < STD_FLOOR, STD_FLOOR, std)  # torch's clamp: NaN stays NaN
+    tl.store(mean_ptr + row, mean.to(tl.float32), mask=live)
+    tl.store(std_ptr + row, std, mask=live)
+
+
+# ----------------------------------------------------------------------------------------------
+# 2. Aggregation
+# ----------------------------------------------------------------------------------------------
+
+@triton.jit
+def _max_nan(a, b):
+    """torch's max: NaN wins (tl.maximum would return the other operand)."""
+    return tl.where((a > b) | (a != a), a, b)
+
+
+@triton.jit
+def _aggregate_kernel(scores_ptr, mean_ptr, std_ptr, width_ptr, layers_ptr, out_ptr, batch, W, num_scored,
+                      out_rows, MODE: tl.constexpr, QUERY_HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
+                      HEADS: tl.constexpr, HEADS_P2: tl.constexpr, BLOCK_W: tl.constexpr):
+    """Program (column tile, request, KV head) writes its decision values of that tile.
+
+    MODE 0 union (one program per tile and request: its max over every query head and scored
+    layer), 1 per_head (its KV group's max, added over the scored layers in order, / their
+    count), 2 per_layer_perhead (its KV group's max of each scored layer, at row layer*Hkv + head;
+    rows of sliding layers are left as allocated: zeros)."""
+    column = tl.program_id(0) * BLOCK_W + tl.arange(0, BLOCK_W)
+    request = tl.program_id(1)
+    kv_head = tl.program_id(2)
+    width = tl.load(width_ptr + request)
+    valid = column < width
+    in_row = column < W
+    h = tl.arange(0, HEADS_P2)
+    live_head = h < HEADS
+    head = kv_head * HEADS + h       # union: HEADS = Hq and kv_head = 0; else the group's heads
+    acc = tl.zeros((BLOCK_W,), dtype=tl.float32)
+    if MODE == 0:
+        acc = tl.full((BLOCK_W,), float("-inf"), dtype=tl.float32)
+    out_request = out_ptr + request.to(tl.int64) * out_rows * W
+    for i in range(num_scored):
+        row = (i * batch + request) * QUERY_HEADS + head
+        mean = tl.load(mean_ptr + row, mask=live_head, other=0.0)
+        std = tl.load(std_ptr + row, mask=live_head, other=1.0)
+        x = tl.load(scores_ptr + row.to(tl.int64)[:, None] * W + column[None, :],
+                    mask=live_head[:, None] & valid[None, :], other=0.0)
+        z = tl.where(valid[None, :], tl.div_rn(x - mean[:, None], std[:, None]), 0.0)
+        z = tl.where(live_head[:, None], z, float("-inf"))
+        group_max = tl.reduce(z, 0, _max_nan)
+        if MODE == 0:
+            acc = _max_nan(acc, group_max)
+        elif MODE == 1:
+            acc = tl.where(i == 0, group_max, acc + group_max)  # the first layer is taken as is
+        else:
+            layer = tl.load(layers_ptr + i)
+            tl.store(out_request + (layer * KV_HEADS + kv_head) * W + column, group_max, mask=in_row)
+    if MODE == 0:
+        tl.store(out_request + column, acc, mask=in_row)
+    elif MODE == 1:
+        count = tl.zeros((BLOCK_W,), dtype=tl.float32) + num_scored
+        tl.store(out_request + kv_head * W + column, tl.div_rn(acc, count), mask=in_row)
+
+
+# ----------------------------------------------------------------------------------------------
+# 3. Selection
+# ----------------------------------------------------------------------------------------------
+
+@triton.jit
+def _keys(row_ptr, column, width):
+    """Order-preserving int64 keys in [1, 2^32) of the valid values (-0.0 as +0.0), -1 elsewhere;
+    and the values (for the NaN count)."""
+    valid = column < width
+    value = tl.load(row_ptr + column, mask=valid, other=0.0)
+    value = tl.where(value == 0.0, 0.0, value)
+    bits = value.to(tl.int32, bitcast=True)
+    ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # negative floats: reverse the magnitude
+    key = ordered.to(tl.int64) + 2147483648
+    return tl.where(valid, key, -1), value, valid
+
+
+@triton.jit
+def _select_kernel(values_ptr, width_ptr, P_ptr, kept_ptr, nan_ptr, rows_per_request, W, budget,
+                   BLOCK: tl.constexpr, RADIX_BITS: tl.constexpr):
+    """Program r: decision row r (= request * rows_per_request + row) -> kept_ptr[r, :budget]."""
+    row = tl.program_id(0)
+    request = row // rows_per_request
+    width = tl.load(width_ptr + request)
+    base = tl.load(P_ptr + request)
+    row_ptr = values_ptr + row.to(tl.int64) * W
+    kept_row = kept_ptr + row.to(tl.int64) * budget
+    lane = tl.arange(0, BLOCK)
+    DIGITS: tl.constexpr = 1 << RADIX_BITS
+    digit = tl.arange(0, DIGITS)
+
+    # The budget-th largest key: the largest t with count(key >= t) >= budget, built digit by
+    # digit from the top. Candidate t + k*2^shift for k = 1 .. DIGITS (k = DIGITS is the next
+    # digit up, which an earlier pass already refused: it never passes). 0 when fewer valid.
+    t = tl.zeros((), dtype=tl.int64)
+    above = tl.zeros((), dtype=tl.int64)   # count(key > t) once the last digit is known
+    for level in tl.static_range(32 // RADIX_BITS):
+        shift = 32 - RADIX_BITS * (level + 1)
+        candidate = t + ((digit + 1).to(tl.int64) << shift)
+        counts = tl.zeros((DIGITS,), dtype=tl.int32)
+        for start in range(0, width, BLOCK):
+            key, _, _ = _keys(row_ptr, start + lane, width)
+            counts += tl.sum((key[:, None] >= candidate[None, :]).to(tl.int32), axis=0)
+        chosen = tl.sum((counts >= budget).to(tl.int64), axis=0)   # counts fall with k
+        t += chosen << shift
+        above = tl.sum(tl.where(digit == chosen, counts, 0), axis=0).to(tl.int64)
+
+    # Ascending pass: every key > t, and the first (budget - above) keys == t.
+    ties_wanted = budget - above
+    taken = tl.zeros((), dtype=tl.int64)
+    ties = tl.zeros((), dtype=tl.int64)
+    nans = tl.zeros((), dtype=tl.int32)
+    for start in range(0, width, BLOCK):
+        column = start + lane
+        key, value, valid = _keys(row_ptr, column, width)
+        tie = (key == t).to(tl.int64)
+        tie_rank = ties + tl.cumsum(tie, axis=0) - tie
+        keep = ((key > t) | ((tie != 0) & (tie_rank < ties_wanted))).to(tl.int64)
+        slot = taken + tl.cumsum(keep, axis=0) - keep
+        tl.store(kept_row + slot, base + column, mask=(keep != 0) & (slot < budget))
+        taken += tl.sum(keep, axis=0)
+        ties += tl.sum(tie, axis=0)
+        nans += tl.sum((valid & (value != value)).to(tl.int32), axis=0)
+    for start in range(0, budget, BLOCK):
+        slot = start + lane
+        tl.store(kept_row + slot, tl.full((BLOCK,), -1, dtype=tl.int64), mask=(slot >= taken) & (slot < budget))
+    tl.store(nan_ptr + row, nans)
+
+
+# ----------------------------------------------------------------------------------------------
+# Host side
+# ----------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Selection:
+    """What a decision leaves on the device: kept positions ``[B, R, budget]`` int64 and the NaN
+    count of each decision row. ``check`` reads the counts back (one synchronization)."""
+
+    kept: torch.Tensor
+    nan_rows: torch.Tensor
+
+    def check(self) -> torch.Tensor:
+        """``kept``, or the oracle's error when a valid decision value is NaN."""
+        if bool(self.nan_rows.any()):
+            raise ValueError("NaN among the decision values")
+        return self.kept
+
+
+class TritonSelector:
+    """Normalize -> aggregate -> select for one family: its layers, KV heads, query heads per KV
+    head, scored layers, and the launch tunables (``rows`` statistics rows per program,
+    ``block_w`` columns per aggregation program, ``block`` columns per selection step,
+    ``radix_bits`` bits of the budget-th key found per pass)."""
+
+    def __init__(self, num_layers: int, kv_heads: int, group: int, scored_layers: Sequence[int], *,
+                 rows: int, block_w: int, block: int, radix_bits: int):
+        self.num_layers, self.kv_heads, self.group = num_layers, kv_heads, group
+        self.query_heads = kv_heads * group
+        self.scored_layers = tuple(scored_layers)
+        self.rows, self.block_w, self.block, self.radix_bits = rows, block_w, block, radix_bits
+        self._layers: dict[torch.device, torch.Tensor] = {}
+
+    def num_decision_rows(self, mode: str) -> int:
+        if mode == "union":
+            return 1
+        if mode == "per_head":
+            return self.kv_heads
+        if mode == "per_layer_perhead":
+            return self.num_layers * self.kv_heads
+        raise ValueError(f"eviction_mode {mode!r}; accepted: {', '.join(MODES)}")
+
+    def layer_table(self, device: torch.device) -> torch.Tensor:
+        """int32 ``[scored]``: the cache layer of each scored layer, copied once per device."""
+        device = torch.device(device)
+        if device not in self._layers:
+            self._layers[device] = torch.tensor(self.scored_layers, dtype=torch.int32, device=device)
+        return self._layers[device]
+
+    # ---- checks (host-side facts only: nothing is read back from the device)
+
+    def _check_scores(self, scores: torch.Tensor) -> None:
+        expected = (len(self.scored_layers), self.query_heads)
+        if scores.dim() != 4 or scores.dtype != torch.float32 or (scores.shape[0], scores.shape[2]) != expected:
+            raise ValueError(f"scores: expected float32 [{expected[0]} scored layers, B, {expected[1]} query heads, "
+                             f"W], got {scores.dtype} {list(scores.shape)}")
+        if not scores.is_contiguous():
+            raise ValueError("scores: must be contiguous")
+
+    @staticmethod
+    def _check_rows(name: str, tensor: torch.Tensor, batch: int, device: torch.device) -> None:
+        if tensor.dtype != torch.int64 or tuple(tensor.shape) != (batch,) or tensor.device != device:
+            raise ValueError(f"{name}: expected int64 [{batch}] on {device}, got {tensor.dtype} "
+                             f"{list(tensor.shape)} on {tensor.device}")
+
+    # ---- the three stages
+
+    def statistics(self, scores: torch.Tensor, width: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 ``(mean, std)`` ``[scored, B, Hq]`` of ``zscore`` (std floored) over each row's
+        ``width[b]`` leading columns (``width`` int64 ``[B]``, each <= W)."""
+        self._check_scores(scores)
+        layers, batch, heads, W = scores.shape
+        self._check_rows("width", width, batch, scores.device)
+        mean = torch.empty((layers, batch, heads), dtype=torch.float32, device=scores.device)
+        std = torch.empty_like(mean)
+        num_rows = mean.numel()
+        if num_rows:
+            _stats_kernel[(triton.cdiv(num_rows, self.rows),)](
+                scores, width, mean, std, num_rows, batch, W, QUERY_HEADS=heads, ROWS=self.rows,
+                LANES=REDUCTION_LANES, LOG2_LANES=_LOG2_LANES, STD_FLOOR=STD_FLOOR, enable_fp_fusion=False)
+        return mean, std
+
+    def aggregate(self, scores: torch.Tensor, mean: torch.Tensor, std: torch.Tensor, width: torch.Tensor,
+                  mode: str) -> torch.Tensor:
+        """Decision values ``[B, R, W]`` float32: ``aggregate`` of the z-scores of ``scores``."""
+        rows = self.num_decision_rows(mode)
+        layers, batch, heads, W = scores.shape
+        sliding = mode == "per_layer_perhead" and len(self.scored_layers) < self.num_layers
+        alloc = torch.zeros if sliding else torch.empty   # rows of sliding layers are zeros
+        out = alloc((batch, rows, W), dtype=torch.float32, device=scores.device)
+        union = mode == "union"
+        if out.numel():
+            grid = (triton.cdiv(W, self.block_w), batch, 1 if union else self.kv_heads)
+            heads_per_program = heads if union else self.group
+            _aggregate_kernel[grid](
+                scores, mean, std, width, self.layer_table(scores.device), out, batch, W, layers, rows,
+                MODE=MODES.index(mode), QUERY_HEADS=heads, KV_HEADS=self.kv_heads, HEADS=heads_per_program,
+                HEADS_P2=triton.next_power_of_2(heads_per_program), BLOCK_W=self.block_w, enable_fp_fusion=False)
+        return out
+
+    def select(self, values: torch.Tensor, width: torch.Tensor, budget: int, P: torch.Tensor) -> Selection:
+        """``select_keep(values, width, budget, P)`` (``width``, ``P`` int64 ``[B]`` on the device)."""
+        if values.dim() != 3 or values.dtype != torch.float32 or not values.is_contiguous():
+            raise ValueError(f"values: expected contiguous float32 [B, R, W], got {values.dtype} {list(values.shape)}")
+        if budget < 1:
+            raise ValueError(f"budget {budget}: must be at least 1")
+        batch, rows, W = values.shape
+        for name, tensor in (("width", width), ("P", P)):
+            self._check_rows(name, tensor, batch, values.device)
+        kept = torch.empty((batch, rows, budget), dtype=torch.int64, device=values.device)
+        nan_rows = torch.zeros((batch, rows), dtype=torch.int32, device=values.device)
+        if kept.numel():
+            _select_kernel[(batch * rows,)](values, width, P, kept, nan_rows, rows, W, budget, BLOCK=self.block,
+                                            RADIX_BITS=self.radix_bits, enable_fp_fusion=False)
+        return Selection(kept, nan_rows)
+
+    def decide(self, scores: torch.Tensor, width: torch.Tensor, P: torch.Tensor, budget: int,
+               mode: str) -> Selection:
+        """Kept positions of ``scores`` ``[scored, B, Hq, W]``: statistics, aggregate, select."""
+        mean, std = self.statistics(scores, width)
+        return self.select(self.aggregate(scores, mean, std, width, mode), width, budget, P)

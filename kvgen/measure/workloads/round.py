@@ -1,0 +1,123 @@
+"""The whole-round workload: one TriAttention eviction round (score -> normalize/aggregate/select ->
+pack -> compact) of B requests, every one due, on the family's generated kernels, and the round's
+bytes limit.
+
+Bytes limit (PERFORMANCE.md): the K the scorer must read, once (scored layers x B x Hkv x W x the
+rotated span's bytes), at the copy ceiling, plus the compaction's moves (every cache layer, K and
+V, ``budget`` rows per (request, KV head), each read and written) at the copy ceiling. The
+ceiling is ``kvgen.measure.timing.copy_ceiling``'s bytes read + written per second.
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvgen.artifacts.manifest import RegistryError
+from kvgen.measure.libraries import registry_artifact
+from kvgen.measure.workloads.score import PROMPT, ScoreCache, ScoreFamily
+from kvgen.reference.triattention import EvictionConfig, save_calibration
+from kvgen.runtime.eviction import TriAttentionManager
+from kvgen.runtime.score import TORCH_DTYPES
+
+
+def cache_bytes(family: ScoreFamily, batch: int, width: int) -> int:
+    """K and V of every cache layer for ``batch`` requests of ``PROMPT + width`` tokens."""
+    g = family.geometry
+    pages = batch * math.ceil((PROMPT + width) / g.tokens_per_block)
+    elem = torch.empty((), dtype=TORCH_DTYPES[family.dtype]).element_size()
+    return 2 * g.num_layers * pages * math.prod(g.page_shape) * elem
+
+
+def bytes_limit(family: ScoreFamily, batch: int, width: int, budget: int) -> dict[str, int]:
+    """``{"k_read", "moves"}``: the bytes of the module docstring (moves counted read + written)."""
+    g = family.geometry
+    elem = torch.empty((), dtype=TORCH_DTYPES[family.dtype]).element_size()
+    k_read = len(g.scored_layers) * batch * g.kv_heads * width * g.rotary_dim * elem
+    moves = 2 * 2 * g.num_layers * batch * g.kv_heads * budget * g.head_dim * elem
+    return {"k_read": k_read, "moves": moves}
+
+
+@dataclass
+class Artifacts:
+    """Where each stage's kernel comes from, and what was used instead when it is missing."""
+
+    score: Path
+    pack: Path | None
+    compact: Path | None
+    select: Path
+    note: str
+
+
+def round_artifacts(family: str, registry: Path, arch: str, generated: Path) -> Artifacts:
+    """The registry's artifacts; the selection module falls back to ``generated/<family>/select.py``
+    of the checkout (the same text) for a registry built before the op existed, and the packer and
+    compactor to the oracle's when the registry lacks them (said in ``note``)."""
+    score = registry_artifact(registry, family, arch, "score")
+    notes = []
+    try:
+        select = registry_artifact(registry, family, arch, "select")
+    except RegistryError:
+        select = Path(generated) / family / "select.py"
+        notes.append(f"selection from {select} (not in the registry)")
+    try:
+        pack, compact = (registry_artifact(registry, family, arch, op) for op in ("pack", "compact"))
+    except RegistryError as exc:
+        pack = compact = None
+        notes.append(f"oracle pack_moves + compact_paged ({str(exc).splitlines()[0]})")
+    return Artifacts(score, pack, compact, select, "; ".join(notes) or "all from the registry")
+
+
+class RoundCase:
+    """A full cache of ``batch`` requests (``PROMPT`` + ``width`` tokens, pages scattered) and the
+    manager that runs its round with ``artifacts``; every request is due."""
+
+    def __init__(self, config: EvictionConfig, family: ScoreFamily, batch: int, width: int, artifacts: Artifacts,
+                 budget: int, mode: str):
+        self.cache = ScoreCache(family, batch, width, all_layers=True, with_v=True)
+        g = self.cache.geometry
+        k_pools = [self.cache.k_pools[layer] for layer in range(g.num_layers)]
+        v_pools = [self.cache.v_pools[layer] for layer in range(g.num_layers)]
+        backends = {}
+        if artifacts.pack is not None:
+            backends = {"pack_module": artifacts.pack, "compact_library": artifacts.compact}
+        with tempfile.TemporaryDirectory() as tmp:
+            calib_path = Path(tmp) / "calib.pt"
+            save_calibration(self.cache.calibration, calib_path)
+            self.manager = TriAttentionManager(config, calib_path, k_pools, v_pools, artifacts.score, budget=budget,
+                                               beta=128, eviction_mode=mode, max_position=PROMPT + width + 1,
+                                               select_module=artifacts.select, **backends)
+        self.P, self.S = self.cache.P, self.cache.S
+        self.L, self.tail = self.cache.S, [0] * batch
+
+    def stages(self) -> dict:
+        """Callables of each stage on this cache (inputs prepared once, as the round prepares them)."""
+        m, table = self.manager, self.cache.page_table
+        P, S, L, tail = self.P, self.S, self.L, self.tail
+        rows = m.round_rows(P, S, L, tail)
+        scores = m.score(table, P, S, L, rows)
+        kept = m.select(scores, P, S, rows).check()
+        active = torch.ones(len(P), dtype=torch.bool, device=m.device)
+        capacity = sum(m.budget + t for t in tail)
+        pack_args = (kept, rows[0], rows[2], rows[3], active, m.budget, m.mode, len(P), capacity)
+        moves = m.packer(*pack_args)
+        stages = {
+            "score": lambda: m.score(table, P, S, L, rows),
+            "normalize_aggregate_select": lambda: m.select(scores, P, S, rows).check(),
+            "pack": lambda: m.packer(*pack_args),
+            "compact": lambda: m.compactor(table, *moves),
+            "round": lambda: m.run_round(table, P, S, L, tail),
+        }
+        module = getattr(m.selector, "module", None)
+        if module is not None:   # the generated selection's three kernels, one by one
+            width = rows[1]
+            mean, std = module.statistics(scores, width)
+            values = module.aggregate(scores, mean, std, width, m.mode)
+            stages["statistics"] = lambda: module.statistics(scores, width)
+            stages["aggregate"] = lambda: module.aggregate(scores, mean, std, width, m.mode)
+            stages["select"] = lambda: module.select(values, width, m.budget, rows[0])
+        return stages

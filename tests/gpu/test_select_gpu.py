@@ -1,0 +1,126 @@
+"""The generated Triton normalize/aggregate/select on the GPU against the oracle, exactly.
+
+Modules: ``generated/<family>/select.py`` of this checkout (the registry's ``select`` artifact is
+the same text; a registry built before that op existed lacks it, and the test should not depend on
+its age). Triton JIT-compiles the kernels at the first call.
+
+1. Every scorable family and mode (its generated tunables, the scenario's 6 layers), on the
+   kernel's scores of tests/gpu/test_score_gpu.py's scenario (widths 300, 0, 517, duplicated K rows: ties): decision values and kept sets equal
+   the oracle's functions run on the same device (budgets 1 .. past the widest request).
+2. Qwen3-8B-shaped scores of a real round (36 scored layers, 32 query heads, B = 4, widths up to
+   16384: many lanes, long sums): statistics, values and kept sets bit-identical, every mode.
+3. Whole rounds with the generated selection (oracle and generated packer/compactor): pools, kept
+   sets and lengths byte-identical to ``eviction_round`` (tests/tri_sim.py), every family of
+   test_score_gpu's ROUND_CASES.
+4. A NaN score stops the round before anything moves, with the oracle's error.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvgen.kernels.triton.select import TritonSelector
+from kvgen.lower.triattention import calibration_defaults, eviction_config, tri_geometry
+from kvgen.reference import triattention as T
+from kvgen.runtime.eviction import TriAttentionManager
+from kvgen.runtime.select import load_select_module
+from kvgen.spec.schema import load_spec
+
+from ..conftest import ROOT, SPECS_DIR
+from ..tri_sim import DecodeSim, run_against_oracle, save_synthetic_calibration
+from .test_score_gpu import FAMILIES, PROMPTS, ROUND_CASES, _backends, scenario, score_library
+
+pytestmark = pytest.mark.gpu
+
+
+def select_module(family: str) -> Path:
+    return ROOT / "generated" / family / "select.py"
+
+
+def _long(values) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64, device="cuda")
+
+
+def _oracle(scores: torch.Tensor, width: torch.Tensor, mode: str, g) -> torch.Tensor:
+    valid = torch.arange(scores.shape[-1], device="cuda")[None, :] < width[:, None]
+    return T.aggregate([T.zscore(layer, valid[:, None, :]) for layer in scores], mode, g)
+
+
+@pytest.mark.parametrize("mode", T.MODES)
+@pytest.mark.parametrize("family", [f for f in FAMILIES if select_module(f).exists()])
+def test_selection_equals_the_oracle_on_the_kernel_scores(family: str, mode: str) -> None:
+    case = scenario(family)
+    scores, g = case["scores"], case["manager"].geometry   # the scenario keeps 6 cache layers
+    tuned = load_select_module(select_module(family))
+    module = TritonSelector(g.num_layers, g.kv_heads, g.group, g.scored_layers, rows=tuned.ROWS,
+                            block_w=tuned.BLOCK_W, block=tuned.BLOCK, radix_bits=tuned.RADIX_BITS)
+    P, width = _long(PROMPTS), _long(case["S"]) - _long(PROMPTS)
+    values = _oracle(scores, width, mode, g)
+    mean, std = module.statistics(scores, width)
+    assert torch.equal(module.aggregate(scores, mean, std, width, mode), values)
+    for budget in (1, 100, 300, 600):
+        kept = module.decide(scores, width, P, budget, mode).check()
+        assert torch.equal(kept, T.select_keep(values, width, budget, P)), f"budget {budget}"
+
+
+@pytest.mark.parametrize("mode", T.MODES)
+def test_round_sized_scores_are_bit_identical(mode: str) -> None:
+    g = tri_geometry(load_spec(SPECS_DIR / "qwen3-8b.yaml"))
+    module = load_select_module(select_module("qwen3-8b"))
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    W, widths = 16384, [16384, 9001, 513, 16000]
+    scores = torch.randn(len(g.scored_layers), len(widths), g.query_heads, W, device="cuda", generator=gen) * 40 + 7
+    width = _long(widths)
+    scores = torch.where(torch.arange(W, device="cuda") < width[None, :, None, None], scores, 0).contiguous()
+    mean, std = module.statistics(scores, width)
+    valid = (torch.arange(W, device="cuda")[None, :] < width[:, None])[None, :, None, :].expand_as(scores)
+    wide = torch.where(valid, scores, 0).double()
+    count = valid.sum(-1, keepdim=True).clamp(min=1).double()
+    ref_mean = T.lane_sum(wide) / count
+    dev = torch.where(valid, wide - ref_mean, 0)
+    ref_std = (T.lane_sum(dev * dev) / count).sqrt().float().clamp(min=T.STD_FLOOR)
+    assert torch.equal(mean, ref_mean.float()[..., 0]) and torch.equal(std, ref_std[..., 0])
+    values = _oracle(scores, width, mode, g)
+    assert torch.equal(module.aggregate(scores, mean, std, width, mode), values)
+    P = _long([1024] * len(widths))
+    for budget in (1, 2048, 9001):
+        assert torch.equal(module.decide(scores, width, P, budget, mode).check(), T.select_keep(values, width, budget, P))
+
+
+@pytest.mark.parametrize("backend", ["oracle", "generated"])
+@pytest.mark.parametrize("family,mode,budget,beta", ROUND_CASES)
+def test_rounds_with_the_generated_selection_are_byte_identical(tmp_path: Path, family: str, mode: str, budget: int,
+                                                                beta: int, backend: str) -> None:
+    spec = load_spec(SPECS_DIR / f"{family}.yaml")
+    prompts, tails, generated = [13, 150, 61, 7], [0, 1, 3, 2], [0, 9, 20, 31]
+    steps = budget + 3 * beta + 24
+    sim = DecodeSim(eviction_config(spec), prompts, tails, max(prompts) + max(tails) + max(generated) + steps + 8,
+                    torch.device("cuda"), seed=23, generated=generated, codebook=24)
+    calibration_path = save_synthetic_calibration(eviction_config(spec), tmp_path / "calib.pt", seed=9)
+    manager = TriAttentionManager(eviction_config(spec), calibration_path, sim.k_pools, sim.v_pools,
+                                  score_library(family), budget=budget, beta=beta, eviction_mode=mode,
+                                  select_module=select_module(family), **_backends(family, sim, backend))
+    assert manager.describe()["selection"].endswith("select.py")
+    omega, scale = calibration_defaults(spec)
+    calibration = T.load_calibration(calibration_path, tri_geometry(spec), omega, scale)
+    rounds = run_against_oracle(manager, sim, steps, calibration)
+    assert len(rounds) >= 3 and len({tuple(r["due"]) for r in rounds}) > 1
+
+
+def test_a_nan_score_stops_the_round_before_anything_moves() -> None:
+    g = tri_geometry(load_spec(SPECS_DIR / "qwen3-8b.yaml"))
+    selector = TritonSelector(g.num_layers, g.kv_heads, g.group, g.scored_layers, rows=2, block_w=128, block=512,
+                              radix_bits=4)
+    scores = torch.randn(len(g.scored_layers), 2, g.query_heads, 300, device="cuda")
+    scores[3, 1, 5, 17] = float("nan")
+    width = _long([300, 200])
+    with pytest.raises(ValueError, match="NaN among the decision values"):
+        T.select_keep(_oracle(scores, width, "union", g), width, 8, _long([0, 0]))
+    with pytest.raises(ValueError, match="NaN among the decision values"):
+        selector.decide(scores, width, _long([0, 0]), 8, "union").check()
+    scores[3, 1, 5, 17] = 0.0
+    scores[3, 1, 5, 250] = float("nan")      # past request 1's width: never read
+    selector.decide(scores, width, _long([0, 0]), 8, "union").check()

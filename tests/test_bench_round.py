@@ -1,0 +1,47 @@
+"""The round benchmark's host-side parts, without a GPU: the bytes limit, the report section, the
+suite's registration (the measurement itself: ``kvgen bench run --only round`` on the H200)."""
+
+from __future__ import annotations
+
+from kvgen.bench.report import round_section
+from kvgen.bench.score import score_family
+from kvgen.bench.suite import BENCHMARKS, RUNNERS
+from kvgen.measure.workloads.round import bytes_limit, cache_bytes
+
+
+def test_bytes_limit_of_the_qwen3_8b_round() -> None:
+    """K of 36 scored layers x 32 requests x 8 KV heads x 16384 tokens x 128 bf16 elements, and the
+    2048 kept rows of every layer, K and V, read and written: the ~13.8 ms of PERFORMANCE.md at
+    ~4.2 TB/s of copy."""
+    _, family = score_family("qwen3-8b")
+    limit = bytes_limit(family, 32, 16384, 2048)
+    assert limit == {"k_read": 36 * 32 * 8 * 16384 * 128 * 2, "moves": 2 * 2 * 36 * 32 * 8 * 2048 * 128 * 2}
+    assert 13.0 < sum(limit.values()) / 4200e9 * 1e3 < 14.5
+    assert cache_bytes(family, 1, 16384) == 2 * 36 * (17408 // 16) * 8 * 16 * 128 * 2   # 16-token pages
+
+
+def test_partial_rotary_reads_only_the_rotated_span() -> None:
+    _, family = score_family("qwen3.5-397b-a17b")
+    g = family.geometry
+    assert bytes_limit(family, 1, 100, 10)["k_read"] == len(g.scored_layers) * g.kv_heads * 100 * g.rotary_dim * 2
+
+
+def test_round_section_lists_every_case() -> None:
+    results = [
+        {"family": "qwen3-8b", "batch": 32, "width": 16384, "budget": 2048, "round_ms": 17.0, "limit_ms": 13.8,
+         "limit_parts_ms": {"k_read": 9.2, "moves": 4.6}, "round_over_limit": 17.0 / 13.8, "goal": 1.3,
+         "stages": {"score": {"median_ms": 11.0}, "normalize_aggregate_select": {"median_ms": 1.2}},
+         "artifacts": "all from the registry"},
+        {"family": "gemma-2-9b", "batch": 32, "width": 16384, "budget": 2048, "skipped": "K+V cache 191 GiB"},
+        {"family": "gpt-oss-20b", "batch": 1, "width": 16384, "budget": 2048, "error": "RegistryError: no score"},
+    ]
+    text = "\n".join(round_section(results))
+    assert "## Eviction rounds against the bytes limit" in text
+    assert "| qwen3-8b | 32 | 16384 | 2048 | 11.0 ms | 1.20 ms |" in text and "1.23× ✓" in text
+    assert "13.8 ms (9.20 ms + 4.60 ms)" in text
+    assert "skipped | K+V cache 191 GiB" in text and "failed | RegistryError: no score" in text
+    assert round_section([]) == []
+
+
+def test_the_suite_runs_the_round_benchmark() -> None:
+    assert "round" in BENCHMARKS and "round" in RUNNERS
