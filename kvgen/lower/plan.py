@@ -30,6 +30,13 @@ TUNABLES: dict[str, dict[str, tuple[tuple[int, ...], int]]] = {
         # 0 = integer bit arithmetic, 1 = FMA-pipe magic-add rounding (NaN-free blocks; others fall
         # back to 0). Same bytes; 1 issues about half the integer-pipe instructions per block.
         "rounding": ((0, 1), 1),
+        # Decode of plain blocks: 0 = binary32 multiply then per-pair rounding cvt, 1 = PRMT table
+        # lookup of the codes as fp16/bf16 pairs times the scale in one packed FMA (exact: Q = 1
+        # products are representable; other Q compile route 0). Same bytes.
+        "decode_route": ((0, 1), 1),
+        # __launch_bounds__ minimum CTAs per SM: registers capped near 64K / (threads * min_blocks)
+        # for occupancy; scripts/codec_sass.py --variant reports the registers and spills of each.
+        "min_blocks": ((1, 2, 3, 4), 1),
     },
     "compact": {
         "threads": ((64, 128, 256), 128),
