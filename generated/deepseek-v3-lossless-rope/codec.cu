@@ -2,13 +2,13 @@
 // family:   deepseek-v3-lossless-rope
 // op:       codec
 // template: codec.cu.j2
-// plan key: 480583246bdc2ec273018a54b847a4b2e939d58514e9713d2ad4c991e21ca680
+// plan key: e93003b94eeb346962fdfc192e46f837602e727b1f74135fb00b143a487966c6
 //
 // Cold-page codec of family deepseek-v3-lossless-rope (COLD_PAGE_FORMAT.md, version 1).
 // This file only describes the family; the kernels are kvgen/kernels/cuda/codec_kernels.cuh.
 //
 // Layer record: 13312 bytes (13312 before padding), hot dtype bf16, layout HND.
-// Launch: 256 threads per CTA (at least 1 per SM), one CTA per (page pair, layer), the record staged in shared memory;
+// Launch: 256 threads per CTA (min_blocks 0), one CTA per (page pair, layer), the record staged in shared memory;
 // 4 16-byte loads in flight per thread when the record crosses the bus;
 // E2M1 rounding route 1 of the software path (nvfp4::Rounding), decode route 1 of plain blocks (nvfp4::DecodeRoute).
 #include "codec_host.cuh"
@@ -46,10 +46,10 @@ using Layer = codec::Layer<13312, 13312, codec::Quantized<Buffer_latent, Hot, kR
 
 }  // namespace family
 
-// At least 1 resident CTA(s) per SM asked of ptxas (register cap, a tunable).
+// Minimum resident CTAs per SM asked of ptxas (register cap, a tunable; 0: none).
 template <>
 struct codec::LaunchBounds<family::Layer> {
-  static constexpr int kMinBlocks = 1;
+  static constexpr int kMinBlocks = 0;
 };
 
 namespace family {

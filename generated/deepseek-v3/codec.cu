@@ -2,13 +2,13 @@
 // family:   deepseek-v3
 // op:       codec
 // template: codec.cu.j2
-// plan key: d9b14241a4f722e7780f3cd7c6b43cb77c92585d60608747b2e7bb1db170ffb7
+// plan key: 46ab9a5326e48d9bb94aa8b50aa27d81bb2bb8c1a4dc2455bebc2cde824e514f
 //
 // Cold-page codec of family deepseek-v3 (COLD_PAGE_FORMAT.md, version 1).
 // This file only describes the family; the kernels are kvgen/kernels/cuda/codec_kernels.cuh.
 //
 // Layer record: 20736 bytes (20736 before padding), hot dtype bf16, layout HND.
-// Launch: 256 threads per CTA (at least 1 per SM), one CTA per (page pair, layer), the record staged in shared memory;
+// Launch: 256 threads per CTA (min_blocks 0), one CTA per (page pair, layer), the record staged in shared memory;
 // 4 16-byte loads in flight per thread when the record crosses the bus;
 // E2M1 rounding route 1 of the software path (nvfp4::Rounding), decode route 1 of plain blocks (nvfp4::DecodeRoute).
 #include "codec_host.cuh"
@@ -46,10 +46,10 @@ using Layer = codec::Layer<20736, 20736, codec::Quantized<Buffer_latent, Hot, kR
 
 }  // namespace family
 
-// At least 1 resident CTA(s) per SM asked of ptxas (register cap, a tunable).
+// Minimum resident CTAs per SM asked of ptxas (register cap, a tunable; 0: none).
 template <>
 struct codec::LaunchBounds<family::Layer> {
-  static constexpr int kMinBlocks = 1;
+  static constexpr int kMinBlocks = 0;
 };
 
 namespace family {

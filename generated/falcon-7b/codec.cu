@@ -2,13 +2,13 @@
 // family:   falcon-7b
 // op:       codec
 // template: codec.cu.j2
-// plan key: a21b0254bf82f9e56bc8dfcb2ad04c03edb92bd4513d47a8473f06d4cdaf5d2d
+// plan key: a7736d6d36568313255beb63b54dec12949b01c5aee22636f93201b65d0177b1
 //
 // Cold-page codec of family falcon-7b (COLD_PAGE_FORMAT.md, version 1).
 // This file only describes the family; the kernels are kvgen/kernels/cuda/codec_kernels.cuh.
 //
 // Layer record: 4608 bytes (4608 before padding), hot dtype bf16, layout NHD.
-// Launch: 256 threads per CTA (at least 1 per SM), one CTA per (page pair, layer), the record staged in shared memory;
+// Launch: 256 threads per CTA (min_blocks 0), one CTA per (page pair, layer), the record staged in shared memory;
 // 4 16-byte loads in flight per thread when the record crosses the bus;
 // E2M1 rounding route 1 of the software path (nvfp4::Rounding), decode route 1 of plain blocks (nvfp4::DecodeRoute).
 #include "codec_host.cuh"
@@ -68,10 +68,10 @@ using Layer = codec::Layer<4608, 4608, codec::Quantized<Buffer_k, Hot, kRounding
 
 }  // namespace family
 
-// At least 1 resident CTA(s) per SM asked of ptxas (register cap, a tunable).
+// Minimum resident CTAs per SM asked of ptxas (register cap, a tunable; 0: none).
 template <>
 struct codec::LaunchBounds<family::Layer> {
-  static constexpr int kMinBlocks = 1;
+  static constexpr int kMinBlocks = 0;
 };
 
 namespace family {

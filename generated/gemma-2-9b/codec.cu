@@ -2,13 +2,13 @@
 // family:   gemma-2-9b
 // op:       codec
 // template: codec.cu.j2
-// plan key: 3f5b654fd127f25ccd5f295ee7c23183ec740d5b85a430df1e1ae57b4973ecbd
+// plan key: d976434447077d5b76c898d29b268c62b410bca66f66ec576623b36b0f62667a
 //
 // Cold-page codec of family gemma-2-9b (COLD_PAGE_FORMAT.md, version 1).
 // This file only describes the family; the kernels are kvgen/kernels/cuda/codec_kernels.cuh.
 //
 // Layer record: 73728 bytes (73728 before padding), hot dtype bf16, layout HND.
-// Launch: 256 threads per CTA (at least 1 per SM), one CTA per (page pair, layer), the record staged in shared memory;
+// Launch: 256 threads per CTA (min_blocks 0), one CTA per (page pair, layer), the record staged in shared memory;
 // 4 16-byte loads in flight per thread when the record crosses the bus;
 // E2M1 rounding route 1 of the software path (nvfp4::Rounding), decode route 1 of plain blocks (nvfp4::DecodeRoute).
 #include "codec_host.cuh"
@@ -68,10 +68,10 @@ using Layer = codec::Layer<73728, 73728, codec::Quantized<Buffer_k, Hot, kRoundi
 
 }  // namespace family
 
-// At least 1 resident CTA(s) per SM asked of ptxas (register cap, a tunable).
+// Minimum resident CTAs per SM asked of ptxas (register cap, a tunable; 0: none).
 template <>
 struct codec::LaunchBounds<family::Layer> {
-  static constexpr int kMinBlocks = 1;
+  static constexpr int kMinBlocks = 0;
 };
 
 namespace family {

@@ -2,13 +2,13 @@
 // family:   glm-5
 // op:       codec
 // template: codec.cu.j2
-// plan key: adf35c73aacfc81ad53dc4e0ea18fef23b896084f741918fb8bc77d979572589
+// plan key: bdf24f6bdf25290caeae2d339b76c7361132992fe34a3496c19e26db2483edd8
 //
 // Cold-page codec of family glm-5 (COLD_PAGE_FORMAT.md, version 1).
 // This file only describes the family; the kernels are kvgen/kernels/cuda/codec_kernels.cuh.
 //
 // Layer record: 29184 bytes (29184 before padding), hot dtype bf16, layout HND.
-// Launch: 256 threads per CTA (at least 1 per SM), one CTA per (page pair, layer), the record staged in shared memory;
+// Launch: 256 threads per CTA (min_blocks 0), one CTA per (page pair, layer), the record staged in shared memory;
 // 4 16-byte loads in flight per thread when the record crosses the bus;
 // E2M1 rounding route 1 of the software path (nvfp4::Rounding), decode route 1 of plain blocks (nvfp4::DecodeRoute).
 #include "codec_host.cuh"
@@ -53,10 +53,10 @@ using Layer = codec::Layer<29184, 29184, codec::Quantized<Buffer_latent, Hot, kR
 
 }  // namespace family
 
-// At least 1 resident CTA(s) per SM asked of ptxas (register cap, a tunable).
+// Minimum resident CTAs per SM asked of ptxas (register cap, a tunable; 0: none).
 template <>
 struct codec::LaunchBounds<family::Layer> {
-  static constexpr int kMinBlocks = 1;
+  static constexpr int kMinBlocks = 0;
 };
 
 namespace family {

@@ -2,13 +2,13 @@
 // family:   mistral-7b
 // op:       codec
 // template: codec.cu.j2
-// plan key: d499d97d3cc786acfc4c6b3a414d79c47c5f693a63d01e6e4bfe643f7fa699c3
+// plan key: b7f63cbfe9c0a8479d915242306d2e4ba853c2519509b153d042718a400c01b1
 //
 // Cold-page codec of family mistral-7b (COLD_PAGE_FORMAT.md, version 1).
 // This file only describes the family; the kernels are kvgen/kernels/cuda/codec_kernels.cuh.
 //
 // Layer record: 18432 bytes (18432 before padding), hot dtype fp16, layout NHD.
-// Launch: 256 threads per CTA (at least 1 per SM), one CTA per (page pair, layer), the record staged in shared memory;
+// Launch: 256 threads per CTA (min_blocks 0), one CTA per (page pair, layer), the record staged in shared memory;
 // 4 16-byte loads in flight per thread when the record crosses the bus;
 // E2M1 rounding route 1 of the software path (nvfp4::Rounding), decode route 1 of plain blocks (nvfp4::DecodeRoute).
 #include "codec_host.cuh"
@@ -68,10 +68,10 @@ using Layer = codec::Layer<18432, 18432, codec::Quantized<Buffer_k, Hot, kRoundi
 
 }  // namespace family
 
-// At least 1 resident CTA(s) per SM asked of ptxas (register cap, a tunable).
+// Minimum resident CTAs per SM asked of ptxas (register cap, a tunable; 0: none).
 template <>
 struct codec::LaunchBounds<family::Layer> {
-  static constexpr int kMinBlocks = 1;
+  static constexpr int kMinBlocks = 0;
 };
 
 namespace family {

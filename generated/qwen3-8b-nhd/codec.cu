@@ -2,13 +2,13 @@
 // family:   qwen3-8b-nhd
 // op:       codec
 // template: codec.cu.j2
-// plan key: bfd8543d065961ac11f31a2c85fbf78d4308a9204dcaedfe4870cb766e873314
+// plan key: 9bfd80e9b3a023c1566375ba373b5f243bbaef46eb1f7bf3f0b3a2d87a07435b
 //
 // Cold-page codec of family qwen3-8b-nhd (COLD_PAGE_FORMAT.md, version 1).
 // This file only describes the family; the kernels are kvgen/kernels/cuda/codec_kernels.cuh.
 //
 // Layer record: 36864 bytes (36864 before padding), hot dtype bf16, layout NHD.
-// Launch: 256 threads per CTA (at least 1 per SM), one CTA per (page pair, layer), the record staged in shared memory;
+// Launch: 256 threads per CTA (min_blocks 0), one CTA per (page pair, layer), the record staged in shared memory;
 // 4 16-byte loads in flight per thread when the record crosses the bus;
 // E2M1 rounding route 1 of the software path (nvfp4::Rounding), decode route 1 of plain blocks (nvfp4::DecodeRoute).
 #include "codec_host.cuh"
@@ -68,10 +68,10 @@ using Layer = codec::Layer<36864, 36864, codec::Quantized<Buffer_k, Hot, kRoundi
 
 }  // namespace family
 
-// At least 1 resident CTA(s) per SM asked of ptxas (register cap, a tunable).
+// Minimum resident CTAs per SM asked of ptxas (register cap, a tunable; 0: none).
 template <>
 struct codec::LaunchBounds<family::Layer> {
-  static constexpr int kMinBlocks = 1;
+  static constexpr int kMinBlocks = 0;
 };
 
 namespace family {

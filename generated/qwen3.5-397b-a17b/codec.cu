@@ -2,13 +2,13 @@
 // family:   qwen3.5-397b-a17b
 // op:       codec
 // template: codec.cu.j2
-// plan key: 5d4a9b843c21d183ed00750396941f2b8e1e3a68685d335904d964802a93ee59
+// plan key: 584664af499ce5ca83d01d413d2c27e936c87814e508bb3de56367c02eefa458
 //
 // Cold-page codec of family qwen3.5-397b-a17b (COLD_PAGE_FORMAT.md, version 1).
 // This file only describes the family; the kernels are kvgen/kernels/cuda/codec_kernels.cuh.
 //
 // Layer record: 18432 bytes (18432 before padding), hot dtype bf16, layout HND.
-// Launch: 256 threads per CTA (at least 1 per SM), one CTA per (page pair, layer), the record staged in shared memory;
+// Launch: 256 threads per CTA (min_blocks 0), one CTA per (page pair, layer), the record staged in shared memory;
 // 4 16-byte loads in flight per thread when the record crosses the bus;
 // E2M1 rounding route 1 of the software path (nvfp4::Rounding), decode route 1 of plain blocks (nvfp4::DecodeRoute).
 #include "codec_host.cuh"
@@ -68,10 +68,10 @@ using Layer = codec::Layer<18432, 18432, codec::Quantized<Buffer_k, Hot, kRoundi
 
 }  // namespace family
 
-// At least 1 resident CTA(s) per SM asked of ptxas (register cap, a tunable).
+// Minimum resident CTAs per SM asked of ptxas (register cap, a tunable; 0: none).
 template <>
 struct codec::LaunchBounds<family::Layer> {
-  static constexpr int kMinBlocks = 1;
+  static constexpr int kMinBlocks = 0;
 };
 
 namespace family {

@@ -68,9 +68,6 @@ def canonical(op: Op, params: Mapping[str, int], spec: FamilySpec) -> dict[str, 
         out["max_heads"] = min(m for m in TUNABLES["score"]["max_heads"][0] if math.ceil(group / m) == passes)
         chunks = row_chunks(g["rotary_start"], g["rotary_dim"], g["pairing"], spec.elem_bytes)
         out["lanes"] = effective_lanes(out["lanes"], chunks)
-    if op == "codec" and out["threads"] * out["min_blocks"] <= 256:
-        # 64K registers / 256 threads is above the 255-register limit: the bound constrains nothing
-        out["min_blocks"] = 1
     return out
 
 

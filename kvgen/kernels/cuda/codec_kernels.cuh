@@ -392,10 +392,11 @@ __device__ __forceinline__ void copy_record(uint8_t* __restrict__ dst, const uin
 // Minimum resident CTAs per SM the kernels of layer type L ask ptxas for (the second
 // __launch_bounds__ argument): it caps registers at about 64K / (threads * kMinBlocks), trading
 // registers (and possibly spills) for occupancy.  A tunable: a generated file specializes this for
-// its Layer; 1 leaves ptxas as free as __launch_bounds__(threads) alone.
+// its Layer; 0 compiles like __launch_bounds__(threads) alone (1 does not: ptxas then allocates
+// registers differently, e.g. 54 instead of 40 for qwen3-8b encode).
 template <class L>
 struct LaunchBounds {
-  static constexpr int kMinBlocks = 1;
+  static constexpr int kMinBlocks = 0;
 };
 
 template <bool kDevicePairs>
