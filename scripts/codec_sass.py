@@ -20,6 +20,11 @@ float min/max, PRMT), ``imad`` (IMAD/IMUL: integer work that issues on the FMA-h
     python scripts/codec_sass.py                       # the working tree
     python scripts/codec_sass.py --rev 0469adf         # a commit (its kernels and generated/)
     python scripts/codec_sass.py --rev 0469adf --rev WORKTREE --out results/x.json
+    python scripts/codec_sass.py --variant decode_route=0 --variant decode_route=1,min_blocks=2
+
+``--variant NAME=VALUE,...`` renders the working tree's codec plan of each family with those
+tunables (``TUNABLES["codec"]``, the rest at their defaults) instead of reading generated/, so one
+run compares the choices of a tunable; ``per_element`` is ``per_class`` divided by 16.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-FAMILIES = ("qwen3-8b", "qwen3-8b-fp8")
+FAMILIES = ("qwen3-8b", "qwen3-8b-fp8", "mistral-7b")
 WORKTREE = "WORKTREE"
 
 CLASSES: dict[str, tuple[str, ...]] = {
@@ -124,17 +129,20 @@ def mix(insns, blocks: int) -> dict:
     per_op = Counter(insn[1] for insn in insns)
     return {"total": round(len(insns) / blocks, 2),
             "per_class": {cls: round(n / blocks, 2) for cls, n in sorted(per_class.items())},
+            "per_element": {cls: round(n / blocks / 16, 3) for cls, n in sorted(per_class.items())},
             "per_opcode": {op: round(n / blocks, 2) for op, n in per_op.most_common()}}
 
 
 def ptxas_info(log: str) -> dict[str, dict[str, int]]:
-    """Kernel name -> registers and static shared memory, from ``ptxas -v``."""
+    """Kernel name -> registers, static shared memory and spill bytes, from ``ptxas -v``."""
     out: dict[str, dict[str, int]] = {}
     name = None
     for line in log.splitlines():
         if m := re.search(r"Compiling entry function '([^']+)'", line):
             name = m.group(1)
-            out[name] = {"registers": 0, "static_smem_bytes": 0}
+            out[name] = {"registers": 0, "static_smem_bytes": 0, "spill_bytes": 0}
+        elif name and (m := re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", line)):
+            out[name]["spill_bytes"] = int(m.group(1)) + int(m.group(2))
         elif name and (m := re.search(r"Used (\d+) registers", line)):
             out[name]["registers"] = int(m.group(1))
             if s := re.search(r"(\d+) bytes smem", line):
@@ -160,9 +168,29 @@ def source_tree(rev: str, tmp: Path) -> Path:
     return dest
 
 
-def analyse(tree: Path, family: str, tmp: Path) -> dict:
-    source = tree / "generated" / family / "codec.cu"
-    cubin = tmp / f"{tree.name}-{family}.cubin"
+def render_variant(params: dict[str, int], family: str, tmp: Path, label: str) -> Path:
+    """The working tree's codec.cu of ``family`` rendered with ``params``, under tmp/<label>/generated."""
+    sys.path.insert(0, str(ROOT))
+    from kvgen.render.source import render_family
+    from kvgen.spec.schema import load_spec
+
+    rendered = render_family(load_spec(ROOT / "specs" / f"{family}.yaml"), params={"codec": params})
+    dest = tmp / label / "generated" / family / "codec.cu"
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    dest.write_text(rendered[f"{family}/codec.cu"])
+    return dest
+
+
+def parse_variant(text: str) -> dict[str, int]:
+    pairs = [item.split("=", 1) for item in text.split(",") if item]
+    if any(len(p) != 2 or not p[1].lstrip("-").isdigit() for p in pairs):
+        raise SystemExit(f"--variant {text!r}: expected NAME=INT[,NAME=INT...]")
+    return {name: int(value) for name, value in pairs}
+
+
+def analyse(tree: Path, family: str, tmp: Path, source: Path | None = None) -> dict:
+    source = source or tree / "generated" / family / "codec.cu"
+    cubin = tmp / f"{source.parent.parent.parent.name}-{family}.cubin"
     includes = [f"-I{tree / 'kvgen' / 'kernels' / d}" for d in ("include", "cuda")]
     cmd = ["nvcc", "-cubin", "-O3", "-std=c++17", "--fmad=false", "-gencode", "arch=compute_90a,code=sm_90a",
            "-Xptxas", "-v", *includes, "-o", str(cubin), str(source)]
@@ -184,6 +212,7 @@ def analyse(tree: Path, family: str, tmp: Path) -> dict:
             "path": mix(shortest_path(body), blocks),
             "static": mix(body, blocks),
             "registers": resources[name]["registers"],
+            "spill_bytes": resources[name]["spill_bytes"],
             "smem_per_cta_bytes": resources[name]["static_smem_bytes"] + record,
         }
     return result
@@ -202,10 +231,12 @@ def git_commit(rev: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rev", action="append", help=f"git revision to analyse (default: {WORKTREE})")
-    parser.add_argument("--family", action="append", choices=FAMILIES, help="default: both")
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME=INT,...",
+                        help="the working tree rendered with these codec tunables (repeatable)")
+    parser.add_argument("--family", action="append", choices=FAMILIES, help="default: all three")
     parser.add_argument("--out", type=Path, help="write the JSON here (default: stdout)")
     args = parser.parse_args(argv)
-    revs = args.rev or [WORKTREE]
+    revs = args.rev or ([] if args.variant else [WORKTREE])
     report = {"arch": "sm_90a", "method": __doc__.split("\n\n")[1].replace("\n", " "), "revisions": {}}
     with tempfile.TemporaryDirectory() as tmpdir:
         tmp = Path(tmpdir)
@@ -213,6 +244,13 @@ def main(argv: list[str] | None = None) -> int:
             tree = source_tree(rev, tmp)
             report["revisions"][rev] = {"commit": git_commit(rev),
                                         "families": {f: analyse(tree, f, tmp) for f in args.family or FAMILIES}}
+        for text in args.variant:
+            params = parse_variant(text)
+            label = "variant-" + re.sub(r"\W", "_", text)
+            report["revisions"][f"{WORKTREE}[{text}]"] = {
+                "commit": git_commit(WORKTREE), "params": params,
+                "families": {f: analyse(ROOT, f, tmp, render_variant(params, f, tmp, label))
+                             for f in args.family or FAMILIES}}
     text = json.dumps(report, indent=2) + "\n"
     if args.out:
         args.out.write_text(text)

@@ -423,7 +423,7 @@ def test_tuned_parameters_are_compiled_per_arch_and_recorded(tmp_path: Path, tem
                     environ={"KVGEN_TUNED_PARAMS": f"{FAMILY}:codec:threads=512,in_flight=2"})
     assert report.ok and report.tuning_notes == [f"KVGEN_TUNED_PARAMS overrides: {FAMILY}:codec:threads=512,in_flight=2"]
     entry = read_manifest(tmp_path / "registry" / "sm_90a" / "manifest.json").family(FAMILY)
-    assert entry.op("codec").params == {"threads": 512, "in_flight": 2, "rounding": 1}
+    assert entry.op("codec").params == {**default_params("codec"), "threads": 512, "in_flight": 2}
     assert "<<<(n + 256 - 1) / 256, 256" in (tmp_path / "generated" / FAMILY / "codec.cu").read_text()
     kept = next((tmp_path / "cache").rglob("src/codec.cu")).read_text()   # what was compiled
     assert "<<<(n + 512 - 1) / 512, 512" in kept

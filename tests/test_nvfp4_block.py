@@ -680,6 +680,30 @@ def test_fma_rounding_equals_integer_rounding_over_float_patterns(host_check):
     assert r.returncode == 0 and "mismatches=0" in r.stdout, r.stdout + r.stderr
 
 
+def test_packed_decode_route_equals_oracle_for_every_code_and_scale(host_check):
+    """DecodeRoute::Lut (PRMT table lookups, packed fp16/bf16 multiply, packed fp8 cvt) over every
+    (code byte, E4M3 scale byte) pair at Q = 1, the only Q shipped specs use (the route is compiled
+    only for Q == 1): the host build compares every element at every byte position with the float
+    route (exit status), and the byte-0 elements are held here against kvgen.reference's decode and
+    hot rounding, bit for bit, for bf16, fp16 and fp8_e4m3. The device side of the multiply is exact
+    by the argument in nvfp4.cuh (exact products); tests/gpu/test_codec_gpu.py checks it on the GPU."""
+    r = subprocess.run([str(host_check), "--sweep-decode"], capture_output=True)
+    assert r.returncode == 0 and b"mismatches=0" in r.stderr, r.stderr.decode()
+    rec = np.dtype([("bf16", "<u2", 2), ("fp16", "<u2", 2), ("fp8", "u1", 2)])
+    got = np.frombuffer(r.stdout, dtype=rec).reshape(256, 256)
+    scales = torch.arange(256, dtype=torch.uint8).repeat_interleave(256)
+    byte = torch.arange(256, dtype=torch.uint8).repeat(256)
+    codes = torch.zeros(256 * 256, 16, dtype=torch.uint8)
+    codes[:, 0] = byte & 0xF
+    codes[:, 1] = byte >> 4
+    y = R.decode_blocks(codes, scales, 1.0)[:, :2]
+    for dtype, view in (("bf16", torch.int16), ("fp16", torch.int16), ("fp8_e4m3", torch.uint8)):
+        want = R.round_to_hot(y, dtype).view(view).numpy().astype(np.int64) & (0xFF if dtype == "fp8_e4m3" else 0xFFFF)
+        field = got["fp8" if dtype == "fp8_e4m3" else dtype].reshape(-1, 2).astype(np.int64)
+        bad = np.argwhere(field != want)
+        assert bad.size == 0, f"{dtype}: scale 0x{bad[0][0] // 256:02X} byte 0x{bad[0][0] % 256:02X}"
+
+
 def test_header_scale_is_exhaustive_near_e4m3_range(host_check):
     """Every float32 in [2^-11, 2^-6] (the whole E4M3 subnormal range and the 2^-10 tie) and
     every float32 in [416, 480] (the top binade and saturation), through the scale rounding of

@@ -2,15 +2,15 @@
 // family:   deepseek-v3-lossless-rope
 // op:       codec
 // template: codec.cu.j2
-// plan key: d1d4cf75a0ecdfabb35330e11d78843655b0497ab0be812b081748e9732e0a0e
+// plan key: e93003b94eeb346962fdfc192e46f837602e727b1f74135fb00b143a487966c6
 //
 // Cold-page codec of family deepseek-v3-lossless-rope (COLD_PAGE_FORMAT.md, version 1).
 // This file only describes the family; the kernels are kvgen/kernels/cuda/codec_kernels.cuh.
 //
 // Layer record: 13312 bytes (13312 before padding), hot dtype bf16, layout HND.
-// Launch: 256 threads per CTA, one CTA per (page pair, layer), the record staged in shared memory;
+// Launch: 256 threads per CTA (min_blocks 0), one CTA per (page pair, layer), the record staged in shared memory;
 // 4 16-byte loads in flight per thread when the record crosses the bus;
-// E2M1 rounding route 1 of the software path (nvfp4::Rounding).
+// E2M1 rounding route 1 of the software path (nvfp4::Rounding), decode route 1 of plain blocks (nvfp4::DecodeRoute).
 #include "codec_host.cuh"
 
 namespace kvgen {
@@ -18,6 +18,7 @@ namespace family {
 
 using Hot = codec::HotBF16;
 constexpr auto kRounding = static_cast<nvfp4::Rounding>(1);
+constexpr auto kDecodeRoute = static_cast<nvfp4::DecodeRoute>(1);
 
 // Quantized buffer "latent": 32 rows of 576 elements per page
 // = [lossless 0][quantized 512][lossless 64].
@@ -41,7 +42,18 @@ struct Buffer_latent {
   static constexpr float kQdec = 0x1.0000000000000p+0f;
 };
 
-using Layer = codec::Layer<13312, 13312, codec::Quantized<Buffer_latent, Hot, kRounding>>;
+using Layer = codec::Layer<13312, 13312, codec::Quantized<Buffer_latent, Hot, kRounding, kDecodeRoute>>;
+
+}  // namespace family
+
+// Minimum resident CTAs per SM asked of ptxas (register cap, a tunable; 0: none).
+template <>
+struct codec::LaunchBounds<family::Layer> {
+  static constexpr int kMinBlocks = 0;
+};
+
+namespace family {
+
 using CodecT = codec::Codec<Layer, 256, 4>;
 
 // Required alignment of each buffer's pool base and page stride.

@@ -2,15 +2,15 @@
 // family:   deepseek-v3
 // op:       codec
 // template: codec.cu.j2
-// plan key: f8a66c80a8ccfa2022ce8a1cd6ea1cbbdbf4d4900ccb3653945e89e4bc7bca14
+// plan key: 46ab9a5326e48d9bb94aa8b50aa27d81bb2bb8c1a4dc2455bebc2cde824e514f
 //
 // Cold-page codec of family deepseek-v3 (COLD_PAGE_FORMAT.md, version 1).
 // This file only describes the family; the kernels are kvgen/kernels/cuda/codec_kernels.cuh.
 //
 // Layer record: 20736 bytes (20736 before padding), hot dtype bf16, layout HND.
-// Launch: 256 threads per CTA, one CTA per (page pair, layer), the record staged in shared memory;
+// Launch: 256 threads per CTA (min_blocks 0), one CTA per (page pair, layer), the record staged in shared memory;
 // 4 16-byte loads in flight per thread when the record crosses the bus;
-// E2M1 rounding route 1 of the software path (nvfp4::Rounding).
+// E2M1 rounding route 1 of the software path (nvfp4::Rounding), decode route 1 of plain blocks (nvfp4::DecodeRoute).
 #include "codec_host.cuh"
 
 namespace kvgen {
@@ -18,6 +18,7 @@ namespace family {
 
 using Hot = codec::HotBF16;
 constexpr auto kRounding = static_cast<nvfp4::Rounding>(1);
+constexpr auto kDecodeRoute = static_cast<nvfp4::DecodeRoute>(1);
 
 // Quantized buffer "latent": 64 rows of 576 elements per page
 // = [lossless 0][quantized 576][lossless 0].
@@ -41,7 +42,18 @@ struct Buffer_latent {
   static constexpr float kQdec = 0x1.0000000000000p+0f;
 };
 
-using Layer = codec::Layer<20736, 20736, codec::Quantized<Buffer_latent, Hot, kRounding>>;
+using Layer = codec::Layer<20736, 20736, codec::Quantized<Buffer_latent, Hot, kRounding, kDecodeRoute>>;
+
+}  // namespace family
+
+// Minimum resident CTAs per SM asked of ptxas (register cap, a tunable; 0: none).
+template <>
+struct codec::LaunchBounds<family::Layer> {
+  static constexpr int kMinBlocks = 0;
+};
+
+namespace family {
+
 using CodecT = codec::Codec<Layer, 256, 4>;
 
 // Required alignment of each buffer's pool base and page stride.

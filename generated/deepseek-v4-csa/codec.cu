@@ -2,15 +2,15 @@
 // family:   deepseek-v4-csa
 // op:       codec
 // template: codec.cu.j2
-// plan key: c1712032b7d6ae6e3ae273f46c5d375972fdb24373a9aaac3f3f7892c2ec4b41
+// plan key: 69055e940494ff83ac0423181d66827a18d8e1cf36a1611e09421c7a62511804
 //
 // Cold-page codec of family deepseek-v4-csa (COLD_PAGE_FORMAT.md, version 1).
 // This file only describes the family; the kernels are kvgen/kernels/cuda/codec_kernels.cuh.
 //
 // Layer record: 10368 bytes (10368 before padding), hot dtype bf16, layout HND.
-// Launch: 256 threads per CTA, one CTA per (page pair, layer), the record staged in shared memory;
+// Launch: 256 threads per CTA (min_blocks 0), one CTA per (page pair, layer), the record staged in shared memory;
 // 4 16-byte loads in flight per thread when the record crosses the bus;
-// E2M1 rounding route 1 of the software path (nvfp4::Rounding).
+// E2M1 rounding route 1 of the software path (nvfp4::Rounding), decode route 1 of plain blocks (nvfp4::DecodeRoute).
 #include "codec_host.cuh"
 
 namespace kvgen {
@@ -18,6 +18,7 @@ namespace family {
 
 using Hot = codec::HotBF16;
 constexpr auto kRounding = static_cast<nvfp4::Rounding>(1);
+constexpr auto kDecodeRoute = static_cast<nvfp4::DecodeRoute>(1);
 
 // Quantized buffer "entry": 32 rows of 512 elements per page
 // = [lossless 0][quantized 512, 2FP4 64 from element 448][lossless 0].
@@ -41,7 +42,18 @@ struct Buffer_entry {
   static constexpr float kQdec = 0x1.0000000000000p+0f;
 };
 
-using Layer = codec::Layer<10368, 10368, codec::Quantized<Buffer_entry, Hot, kRounding>>;
+using Layer = codec::Layer<10368, 10368, codec::Quantized<Buffer_entry, Hot, kRounding, kDecodeRoute>>;
+
+}  // namespace family
+
+// Minimum resident CTAs per SM asked of ptxas (register cap, a tunable; 0: none).
+template <>
+struct codec::LaunchBounds<family::Layer> {
+  static constexpr int kMinBlocks = 0;
+};
+
+namespace family {
+
 using CodecT = codec::Codec<Layer, 256, 4>;
 
 // Required alignment of each buffer's pool base and page stride.

@@ -2,15 +2,15 @@
 // family:   falcon-7b
 // op:       codec
 // template: codec.cu.j2
-// plan key: 33da87f122d5a35156b8cf27601356ebf8b9df0b42d19268f0d9c0e765219a4d
+// plan key: a7736d6d36568313255beb63b54dec12949b01c5aee22636f93201b65d0177b1
 //
 // Cold-page codec of family falcon-7b (COLD_PAGE_FORMAT.md, version 1).
 // This file only describes the family; the kernels are kvgen/kernels/cuda/codec_kernels.cuh.
 //
 // Layer record: 4608 bytes (4608 before padding), hot dtype bf16, layout NHD.
-// Launch: 256 threads per CTA, one CTA per (page pair, layer), the record staged in shared memory;
+// Launch: 256 threads per CTA (min_blocks 0), one CTA per (page pair, layer), the record staged in shared memory;
 // 4 16-byte loads in flight per thread when the record crosses the bus;
-// E2M1 rounding route 1 of the software path (nvfp4::Rounding).
+// E2M1 rounding route 1 of the software path (nvfp4::Rounding), decode route 1 of plain blocks (nvfp4::DecodeRoute).
 #include "codec_host.cuh"
 
 namespace kvgen {
@@ -18,6 +18,7 @@ namespace family {
 
 using Hot = codec::HotBF16;
 constexpr auto kRounding = static_cast<nvfp4::Rounding>(1);
+constexpr auto kDecodeRoute = static_cast<nvfp4::DecodeRoute>(1);
 
 // Quantized buffer "k": 64 rows of 64 elements per page
 // = [lossless 0][quantized 64][lossless 0].
@@ -63,7 +64,18 @@ struct Buffer_v {
   static constexpr float kQdec = 0x1.0000000000000p+0f;
 };
 
-using Layer = codec::Layer<4608, 4608, codec::Quantized<Buffer_k, Hot, kRounding>, codec::Quantized<Buffer_v, Hot, kRounding>>;
+using Layer = codec::Layer<4608, 4608, codec::Quantized<Buffer_k, Hot, kRounding, kDecodeRoute>, codec::Quantized<Buffer_v, Hot, kRounding, kDecodeRoute>>;
+
+}  // namespace family
+
+// Minimum resident CTAs per SM asked of ptxas (register cap, a tunable; 0: none).
+template <>
+struct codec::LaunchBounds<family::Layer> {
+  static constexpr int kMinBlocks = 0;
+};
+
+namespace family {
+
 using CodecT = codec::Codec<Layer, 256, 4>;
 
 // Required alignment of each buffer's pool base and page stride.

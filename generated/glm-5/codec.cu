@@ -2,15 +2,15 @@
 // family:   glm-5
 // op:       codec
 // template: codec.cu.j2
-// plan key: 3121b35289fdb5cc4d6bf11caae42d56d9a60a1e20ca0aa26061c8a388028e7c
+// plan key: bdf24f6bdf25290caeae2d339b76c7361132992fe34a3496c19e26db2483edd8
 //
 // Cold-page codec of family glm-5 (COLD_PAGE_FORMAT.md, version 1).
 // This file only describes the family; the kernels are kvgen/kernels/cuda/codec_kernels.cuh.
 //
 // Layer record: 29184 bytes (29184 before padding), hot dtype bf16, layout HND.
-// Launch: 256 threads per CTA, one CTA per (page pair, layer), the record staged in shared memory;
+// Launch: 256 threads per CTA (min_blocks 0), one CTA per (page pair, layer), the record staged in shared memory;
 // 4 16-byte loads in flight per thread when the record crosses the bus;
-// E2M1 rounding route 1 of the software path (nvfp4::Rounding).
+// E2M1 rounding route 1 of the software path (nvfp4::Rounding), decode route 1 of plain blocks (nvfp4::DecodeRoute).
 #include "codec_host.cuh"
 
 namespace kvgen {
@@ -18,6 +18,7 @@ namespace family {
 
 using Hot = codec::HotBF16;
 constexpr auto kRounding = static_cast<nvfp4::Rounding>(1);
+constexpr auto kDecodeRoute = static_cast<nvfp4::DecodeRoute>(1);
 
 // Quantized buffer "latent": 64 rows of 576 elements per page
 // = [lossless 0][quantized 576][lossless 0].
@@ -48,7 +49,18 @@ struct Side_indexer_k {
   static constexpr int kOffset = 20736;
 };
 
-using Layer = codec::Layer<29184, 29184, codec::Quantized<Buffer_latent, Hot, kRounding>, codec::Side<Side_indexer_k>>;
+using Layer = codec::Layer<29184, 29184, codec::Quantized<Buffer_latent, Hot, kRounding, kDecodeRoute>, codec::Side<Side_indexer_k>>;
+
+}  // namespace family
+
+// Minimum resident CTAs per SM asked of ptxas (register cap, a tunable; 0: none).
+template <>
+struct codec::LaunchBounds<family::Layer> {
+  static constexpr int kMinBlocks = 0;
+};
+
+namespace family {
+
 using CodecT = codec::Codec<Layer, 256, 4>;
 
 // Required alignment of each buffer's pool base and page stride.

@@ -2,15 +2,15 @@
 // family:   qwen3-8b-nhd
 // op:       codec
 // template: codec.cu.j2
-// plan key: e9c8ed97ed08b32a3f22406760a64779202e5092b274bc5e3b565783e820e30f
+// plan key: 9bfd80e9b3a023c1566375ba373b5f243bbaef46eb1f7bf3f0b3a2d87a07435b
 //
 // Cold-page codec of family qwen3-8b-nhd (COLD_PAGE_FORMAT.md, version 1).
 // This file only describes the family; the kernels are kvgen/kernels/cuda/codec_kernels.cuh.
 //
 // Layer record: 36864 bytes (36864 before padding), hot dtype bf16, layout NHD.
-// Launch: 256 threads per CTA, one CTA per (page pair, layer), the record staged in shared memory;
+// Launch: 256 threads per CTA (min_blocks 0), one CTA per (page pair, layer), the record staged in shared memory;
 // 4 16-byte loads in flight per thread when the record crosses the bus;
-// E2M1 rounding route 1 of the software path (nvfp4::Rounding).
+// E2M1 rounding route 1 of the software path (nvfp4::Rounding), decode route 1 of plain blocks (nvfp4::DecodeRoute).
 #include "codec_host.cuh"
 
 namespace kvgen {
@@ -18,6 +18,7 @@ namespace family {
 
 using Hot = codec::HotBF16;
 constexpr auto kRounding = static_cast<nvfp4::Rounding>(1);
+constexpr auto kDecodeRoute = static_cast<nvfp4::DecodeRoute>(1);
 
 // Quantized buffer "k": 256 rows of 128 elements per page
 // = [lossless 0][quantized 128][lossless 0].
@@ -63,7 +64,18 @@ struct Buffer_v {
   static constexpr float kQdec = 0x1.0000000000000p+0f;
 };
 
-using Layer = codec::Layer<36864, 36864, codec::Quantized<Buffer_k, Hot, kRounding>, codec::Quantized<Buffer_v, Hot, kRounding>>;
+using Layer = codec::Layer<36864, 36864, codec::Quantized<Buffer_k, Hot, kRounding, kDecodeRoute>, codec::Quantized<Buffer_v, Hot, kRounding, kDecodeRoute>>;
+
+}  // namespace family
+
+// Minimum resident CTAs per SM asked of ptxas (register cap, a tunable; 0: none).
+template <>
+struct codec::LaunchBounds<family::Layer> {
+  static constexpr int kMinBlocks = 0;
+};
+
+namespace family {
+
 using CodecT = codec::Codec<Layer, 256, 4>;
 
 // Required alignment of each buffer's pool base and page stride.

@@ -30,10 +30,21 @@ TUNABLES: dict[str, dict[str, tuple[tuple[int, ...], int]]] = {
         # 0 = integer bit arithmetic, 1 = FMA-pipe magic-add rounding (NaN-free blocks; others fall
         # back to 0). Same bytes; 1 issues about half the integer-pipe instructions per block.
         "rounding": ((0, 1), 1),
+        # Decode of plain blocks: 0 = binary32 multiply then per-pair rounding cvt, 1 = PRMT table
+        # lookup of the codes as fp16/bf16 pairs times the scale in one packed FMA (exact: Q = 1
+        # products are representable; other Q compile route 0). Same bytes.
+        "decode_route": ((0, 1), 1),
+        # __launch_bounds__ minimum CTAs per SM: registers capped near 64K / (threads * min_blocks)
+        # for occupancy; 0 = none (ptxas' own choice: 40 registers for qwen3-8b encode, while 1 gives
+        # 54). scripts/codec_sass.py --variant reports registers and spills: threads 512 with 4 spills
+        # 40-48 bytes in encode (results/2026-12-01-h200/2026-12-01-codec-sass-v2.json).
+        "min_blocks": ((0, 1, 2, 3, 4), 0),
     },
     "compact": {
-        "threads": ((64, 128, 256), 128),
-        "tile_tokens": ((8, 16, 32, 64), 32),
+        # 512 threads and 128-move tiles raise the bytes in flight per CTA (batch 1 has few CTAs);
+        # tile_moves() still caps a tile at 16 vectors per thread, so long rows do not spill.
+        "threads": ((64, 128, 256, 512), 128),
+        "tile_tokens": ((8, 16, 32, 64, 128), 32),
     },
     "pack": {
         "block": ((64, 128, 256, 512), 256),

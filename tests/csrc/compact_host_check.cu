@@ -10,8 +10,8 @@
 //
 // stdin (little-endian):
 //   int64 header[13]: layout (0 HND, 1 NHD), row_bytes, kv_heads, tokens_per_block, num_layers,
-//                     num_pages, max_requests, max_pages, moves_per_head (N), threads (64, 128 or
-//                     256), tile_tokens, stores_first (0/1), kv_interleaved (0/1: K and V of a
+//                     num_pages, max_requests, max_pages, moves_per_head (N), threads (64, 128,
+//                     256 or 512), tile_tokens, stores_first (0/1), kv_interleaved (0/1: K and V of a
 //                     layer share one buffer, page stride = 2 pages, as a combined KV pool)
 //   int32 page_table[max_requests * max_pages]
 //   int32 src[num_layers * kv_heads * N], int32 dst[same], int32 offsets[max_requests + 1]
@@ -171,6 +171,7 @@ int main() {
   if (c.threads == 64) overlaps = compact_all<64>(c, pools, errors);
   if (c.threads == 128) overlaps = compact_all<128>(c, pools, errors);
   if (c.threads == 256) overlaps = compact_all<256>(c, pools, errors);
+  if (c.threads == 512) overlaps = compact_all<512>(c, pools, errors);
   if (overlaps < 0) return 5;
   const int64_t out[3] = {overlaps, errors.hit[kvgen::kCompactPosition], errors.hit[kvgen::kCompactPage]};
   fwrite(out, sizeof(int64_t), 3, stdout);

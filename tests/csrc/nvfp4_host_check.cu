@@ -13,6 +13,12 @@
 //                                      every S-th group (default 1: all; about 3 minutes here),
 //                                      through both software roundings, one code and eight at a
 //                                      time; prints "mismatches=N" (and the first few), exit 1 if any
+//   nvfp4_host_check --sweep-decode    every (code byte, E4M3 scale byte) pair through the packed
+//                                      decode route (DecodeRoute::Lut, Q = 1) at every byte position
+//                                      of a block, against the float route; prints "mismatches=N",
+//                                      exit 1 if any, and writes to stdout 256 x 256 records (scale
+//                                      major) of u16 bf16[2], u16 fp16[2], u8 fp8[2]: the two elements
+//                                      of the code byte, for the Python test to hold against the oracle
 //
 // Input: records of 72 bytes: float x[16], float G, float Q (little-endian).
 // Output: one record of kOutBytes per input record, fields in this order, no padding, LE:
@@ -176,6 +182,54 @@ int sweep_e2m1(uint64_t stride) {
   return mismatches ? 1 : 0;
 }
 
+// The packed decode route against the float route (decode_block, Q = 1, then round_to_*) for every
+// scale byte and every code byte, each byte at every position: block bytes are b, b+1, .., b+7
+// (mod 256), so over all b each value sits at each of the 8 byte positions.
+int sweep_decode() {
+  uint64_t mismatches = 0;
+  std::vector<unsigned char> table;
+  for (uint32_t sb = 0; sb < 256; ++sb) {
+    for (uint32_t b = 0; b < 256; ++b) {
+      kn::Block blk;
+      blk.scale = (uint8_t)sb;
+      for (int w = 0; w < 2; ++w) {
+        blk.packed[w] = 0;
+        for (int k = 0; k < 4; ++k) blk.packed[w] |= ((b + 4 * w + k) & 0xFFu) << (8 * k);
+      }
+      float y[16];
+      kn::decode_block(blk, 1.0f, y);
+      uint32_t bf[8], hf[8], f8[4];
+      kn::decode_block_bf16_lut(blk, bf);
+      kn::decode_block_f16_lut(blk, hf);
+      kn::decode_block_fp8_lut(blk, f8);
+      for (int i = 0; i < 16; ++i) {
+        const uint32_t got_bf = (bf[i / 2] >> (16 * (i % 2))) & 0xFFFFu;
+        const uint32_t got_hf = (hf[i / 2] >> (16 * (i % 2))) & 0xFFFFu;
+        const uint32_t got_f8 = (f8[i / 4] >> (8 * (i % 4))) & 0xFFu;
+        const bool ok = got_bf == kn::round_to_bf16_bits(y[i]) && got_hf == kn::round_to_fp16_bits(y[i]) &&
+                        got_f8 == kn::round_to_fp8_e4m3_bits(y[i]);
+        if (!ok && mismatches++ < 8)
+          fprintf(stderr, "scale 0x%02X byte 0x%02X element %d: lut %04X %04X %02X float %04X %04X %02X\n", sb, b, i,
+                  got_bf, got_hf, got_f8, kn::round_to_bf16_bits(y[i]), kn::round_to_fp16_bits(y[i]),
+                  kn::round_to_fp8_e4m3_bits(y[i]));
+      }
+      // Elements 0 and 1 come from code byte b (block byte 0).
+      for (int i = 0; i < 2; ++i) {
+        const uint32_t v = (bf[0] >> (16 * i)) & 0xFFFFu;
+        table.push_back(v & 0xFFu), table.push_back(v >> 8);
+      }
+      for (int i = 0; i < 2; ++i) {
+        const uint32_t v = (hf[0] >> (16 * i)) & 0xFFFFu;
+        table.push_back(v & 0xFFu), table.push_back(v >> 8);
+      }
+      table.push_back(f8[0] & 0xFFu), table.push_back((f8[0] >> 8) & 0xFFu);
+    }
+  }
+  fwrite(table.data(), 1, table.size(), stdout);
+  fprintf(stderr, "mismatches=%llu\n", (unsigned long long)mismatches);
+  return mismatches ? 1 : 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -195,6 +249,7 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (strcmp(argv[a], "--sweep-e2m1") == 0) return sweep_e2m1(a + 1 < argc ? strtoull(argv[a + 1], nullptr, 10) : 1);
+    if (strcmp(argv[a], "--sweep-decode") == 0) return sweep_decode();
     if (strcmp(argv[a], "--device") == 0) device = true;
   }
   std::vector<float> in;

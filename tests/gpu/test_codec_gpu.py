@@ -9,6 +9,7 @@ host index array is split over two launches (256 pairs each at most).
 
 from __future__ import annotations
 
+import os
 import zlib
 
 import pytest
@@ -113,8 +114,53 @@ CASES = [(f, "device", "host", 40) for f in FAMILIES] + [
 
 @pytest.mark.parametrize("family, where, index_location, n", CASES)
 def test_encode_decode_bit_exact(family, where, index_location, n):
+    roundtrip(FamilyLibrary(library_path(family), family), family, where, index_location, n)
+
+
+# Each value of the codec tunables that change the arithmetic or the register budget, the others at
+# their defaults (scripts/codec_variants_bundle.py builds the same set for timing).
+VARIANTS = [{"decode_route": 0}, {"decode_route": 1}, {"rounding": 0}, {"rounding": 1},
+            *({"threads": 512, "min_blocks": m} for m in (1, 2, 3, 4)), {"threads": 256, "min_blocks": 4}]
+VARIANT_FAMILIES = ["qwen3-8b", "mistral-7b", "qwen3-8b-fp8", "deepseek-v4-csa"]
+
+
+@pytest.fixture(scope="module")
+def variant_libraries(tmp_path_factory):
+    """Every (family, variant) library, built here with nvcc (skipped without one)."""
+    from kvgen.build.job import load_spec_source
+    from kvgen.build.nvcc import ToolchainError
+    from kvgen.cli import discover_toolchains
+    from kvgen.lower.plan import default_params
+    from kvgen.tuning.candidates import Request, build_candidates
+
+    try:
+        toolchains = discover_toolchains()
+    except ToolchainError as exc:
+        pytest.skip(f"no nvcc on this GPU machine: {exc}")
+    out = tmp_path_factory.mktemp("codec-variants")
+    requests = [Request(load_spec_source(SPECS_DIR / f"{f}.yaml"), "codec", {**default_params("codec"), **v})
+                for f in VARIANT_FAMILIES for v in VARIANTS]
+    built = build_candidates(requests, "sm_90a", out / "bundle", out / "cache", toolchains=toolchains,
+                             jobs=max(2, (os.cpu_count() or 2) // 2))
+    return {(c.family, c.config): out / "bundle" / c.artifact for c in built if c.status != "failed"}
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: ",".join(f"{k}={x}" for k, x in v.items()))
+@pytest.mark.parametrize("family", VARIANT_FAMILIES)
+def test_codec_variants_bit_exact(variant_libraries, family, variant):
+    """Every value of decode_route / rounding / min_blocks writes the oracle's bytes, both ways."""
+    from kvgen.lower.plan import default_params
+    from kvgen.tuning.space import config_id
+
+    path = variant_libraries.get((family, config_id("codec", {**default_params("codec"), **variant})))
+    assert path is not None, f"{family} {variant}: build failed"
+    roundtrip(FamilyLibrary(path, family), family, "device", "device", 40)
+
+
+def roundtrip(library, family: str, where: str, index_location: str, n: int) -> None:
+    """Encode n scattered pairs against the oracle's records, then decode the oracle's records into
+    fresh pools against the oracle's hot pages (pages not hit keep FILL)."""
     spec, layout = spec_and_layout(family)
-    library = FamilyLibrary(library_path(family), family)
     gen = torch.Generator().manual_seed(zlib.crc32(f"{family}-{where}-{index_location}-{n}".encode()))
     pages = max(8, n // 2)
     slots = n + 7

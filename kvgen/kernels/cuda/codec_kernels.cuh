@@ -83,6 +83,9 @@ struct HotBF16 {
     const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
     return *reinterpret_cast<const uint32_t*>(&h);
   }
+  static __device__ __forceinline__ void decode_lut(const nvfp4::Block& b, uint32_t (&w)[8]) {
+    nvfp4::decode_block_bf16_lut(b, w);
+  }
 };
 
 struct HotFP16 {
@@ -93,6 +96,9 @@ struct HotFP16 {
   static __device__ __forceinline__ uint32_t narrow2(float a, float b) {
     const __half2 h = __floats2half2_rn(a, b);
     return *reinterpret_cast<const uint32_t*>(&h);
+  }
+  static __device__ __forceinline__ void decode_lut(const nvfp4::Block& b, uint32_t (&w)[8]) {
+    nvfp4::decode_block_f16_lut(b, w);
   }
 };
 
@@ -108,6 +114,9 @@ struct HotFP8E4M3 {
   // is not needed here.
   static __device__ __forceinline__ uint32_t narrow2(float a, float b) {
     return __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
+  }
+  static __device__ __forceinline__ void decode_lut(const nvfp4::Block& b, uint32_t (&w)[4]) {
+    nvfp4::decode_block_fp8_lut(b, w);
   }
 };
 
@@ -143,6 +152,8 @@ struct HotBlock {
       x[2 * i + 1] = v.y;
     }
   }
+  // One NVFP4 block (Q == 1) straight to hot words, nvfp4::DecodeRoute::Lut.
+  __device__ __forceinline__ void decode_lut(const nvfp4::Block& b) { Hot::decode_lut(b, w); }
   __device__ __forceinline__ void narrow(const float (&y)[16]) {
 #pragma unroll
     for (int i = 0; i < kWords; ++i) w[i] = 0;
@@ -217,10 +228,12 @@ __device__ __forceinline__ nvfp4::Block get8(const uint8_t* p, uint8_t scale) {
 // Record parts.  B (generated) provides:
 //   kIndex, kRows, kRowDim, kPrefix, kQ, kSuffix, kR, kResStart,
 //   kData, kScales, kResidual, kResidualScales, kLossless (record offsets), kG, kQdec.
-// R is the software path's E2M1 rounding route (a tunable: both give the contract's bytes).
+// R is the software path's E2M1 rounding route and D the decode route of plain blocks (tunables:
+// every choice gives the contract's bytes).  DecodeRoute::Lut needs Q == 1 (every shipped spec);
+// with another Q the float route is compiled whatever D says.
 // ---------------------------------------------------------------------------------------------
 
-template <class B, class Hot, nvfp4::Rounding R>
+template <class B, class Hot, nvfp4::Rounding R, nvfp4::DecodeRoute D = nvfp4::DecodeRoute::Float>
 struct Quantized {
   static constexpr int kIndex = B::kIndex;
   static constexpr int kBlocksPerRow = B::kQ / 16;
@@ -238,6 +251,7 @@ struct Quantized {
   // a warp then runs one path only (a 2FP4 block costs three plain ones), instead of diverging
   // whenever a row's RoPE blocks fall into it.
   static constexpr int kPlainPerRow = kBlocksPerRow - kResBlocksPerRow;
+  static constexpr bool kLutDecode = D == nvfp4::DecodeRoute::Lut && B::kQdec == 1.0f;
 
   // Row and block-in-row of the i-th plain block (the 2FP4 run is contiguous inside the row).
   static __device__ __forceinline__ int2 plain_block(int i) {
@@ -285,10 +299,15 @@ struct Quantized {
     for (int i = threadIdx.x; i < B::kRows * kPlainPerRow; i += blockDim.x) {
       const int2 at = plain_block(i);
       const int t = at.x * kBlocksPerRow + at.y;
-      float y[16];
-      nvfp4::decode_block(get8<8>(rec + B::kData + t * 8, rec[B::kScales + t]), B::kQdec, y);
+      const nvfp4::Block blk = get8<8>(rec + B::kData + t * 8, rec[B::kScales + t]);
       HotBlock<Hot> hot;
-      hot.narrow(y);
+      if constexpr (kLutDecode) {
+        hot.decode_lut(blk);
+      } else {
+        float y[16];
+        nvfp4::decode_block(blk, B::kQdec, y);
+        hot.narrow(y);
+      }
       hot.store(const_cast<uint8_t*>(hot_block(page, at.x, at.y)));
     }
     if constexpr (kResBlocksPerRow > 0) {
@@ -396,6 +415,16 @@ __device__ __forceinline__ void copy_record(uint8_t* __restrict__ dst, const uin
   }
 }
 
+// Minimum resident CTAs per SM the kernels of layer type L ask ptxas for (the second
+// __launch_bounds__ argument): it caps registers at about 64K / (threads * kMinBlocks), trading
+// registers (and possibly spills) for occupancy.  A tunable: a generated file specializes this for
+// its Layer; 0 compiles like __launch_bounds__(threads) alone (1 does not: ptxas then allocates
+// registers differently, e.g. 54 instead of 40 for qwen3-8b encode).
+template <class L>
+struct LaunchBounds {
+  static constexpr int kMinBlocks = 0;
+};
+
 template <bool kDevicePairs>
 __device__ __forceinline__ PagePair pair_at(const PairBatch& batch, const PagePair* pairs, int64_t i) {
   if constexpr (kDevicePairs) return pairs[i];
@@ -403,7 +432,7 @@ __device__ __forceinline__ PagePair pair_at(const PairBatch& batch, const PagePa
 }
 
 template <class L, int kThreads, int kInFlight, bool kDevicePairs>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, LaunchBounds<L>::kMinBlocks)
 encode_kernel(const PoolDesc* __restrict__ pools, uint8_t* cold, int64_t cold_page_bytes, PairBatch batch,
               const PagePair* __restrict__ pairs, PairLimits limits) {
   extern __shared__ uint4 smem[];
@@ -417,7 +446,7 @@ encode_kernel(const PoolDesc* __restrict__ pools, uint8_t* cold, int64_t cold_pa
 }
 
 template <class L, int kThreads, int kInFlight, bool kDevicePairs>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, LaunchBounds<L>::kMinBlocks)
 decode_kernel(const PoolDesc* __restrict__ pools, const uint8_t* cold, int64_t cold_page_bytes, PairBatch batch,
               const PagePair* __restrict__ pairs, PairLimits limits) {
   extern __shared__ uint4 smem[];

@@ -160,11 +160,17 @@ __host__ __device__ inline CtaTask cta_task(const Geometry& g, const LayerPools&
 // live at once (the one being stored and the one being loaded).
 constexpr int kMaxVectorsPerThread = 16;
 
+// Vectors per thread and tile that fit the register file: 16 up to 256 threads; above, 64K
+// registers / 512 threads = 128 per thread, which two tiles of 16 vectors would fill, so 8.
+__host__ __device__ constexpr int max_vectors_per_thread(int threads) {
+  return threads > 256 ? kMaxVectorsPerThread / 2 : kMaxVectorsPerThread;
+}
+
 // Moves per tile: the tunable tile_tokens, reduced when long rows would need more than
-// kMaxVectorsPerThread vectors per thread (then the kernel would spill), and to one move per
+// max_vectors_per_thread vectors per thread (then the kernel would spill), and to one move per
 // thread (each thread resolves at most one move of a tile).  At least one move.
 __host__ __device__ constexpr int tile_moves(int threads, int tile_tokens, int row_vectors) {
-  const int spill_cap = kMaxVectorsPerThread * threads / (2 * row_vectors);
+  const int spill_cap = max_vectors_per_thread(threads) * threads / (2 * row_vectors);
   const int cap = spill_cap < threads ? spill_cap : threads;
   return cap < 1 ? 1 : (tile_tokens < cap ? tile_tokens : cap);
 }

@@ -598,6 +598,195 @@ KVGEN_NVFP4_HD float bf16_bits_to_f32(uint16_t h) { return bits_f32((uint32_t)h 
 KVGEN_NVFP4_HD float fp16_bits_to_f32(uint16_t h) { return __half2float(__ushort_as_half(h)); }
 KVGEN_NVFP4_HD float fp8_e4m3_bits_to_f32(uint8_t b) { return e4m3_to_f32(b); }
 
+// ---------------------------------------------------------------------------------------------
+// Decoding straight to packed 16-bit pairs (DecodeRoute::Lut), for Q == 1 (every shipped spec)
+// ---------------------------------------------------------------------------------------------
+// With Q == 1 the decoded value e2m1(code) * S is exact in binary32 and, being a product of a 2-bit
+// and a 4-bit significand with |e2m1 * S| in {0} u [2^-10, 2688], also exact in fp16 (11 bits,
+// normal from 2^-14, max 65504) and in bf16 (8 bits, huge range).  So a packed fp16/bf16 multiply
+// of the exact code value by the exact scale is exact under any rounding and gives the bits of
+// round_to_{fp16,bf16}_bits(decode_block(...)), zeros' signs included (IEEE product signs;
+// the multiply is an FMA with addend -0, which keeps -0 and +0 alike).  FP8 hot pages round that
+// exact fp16 product once, with the same satfinite nearest-even cvt the f32 route uses.  A NaN
+// scale byte (0x7F/0xFF) makes every element the canonical NaN, pinned by a select.
+//
+// The code values come from PRMT table lookups, 8 codes per word, no per-element integer math:
+// fp16 values of E2M1 codes have a zero low byte, so one 8-byte table of high bytes (index =
+// magnitude code) gives a pair with one PRMT, its selector nibbles 0 and 2 picking entry 0 (code 0:
+// byte 0x00); bf16 needs a table of low bytes too, and a bit select of the two lookups.
+
+enum class DecodeRoute { Float = 0, Lut = 1 };
+
+// High bytes of the fp16 values 0, .5, 1, 1.5, 2, 3, 4, 6 (low bytes are all 0).
+constexpr uint32_t kF16HiLo = 0x3E3C3800u, kF16HiHi = 0x46444240u;
+// bf16 values 0x0000 3F00 3F80 3FC0 4000 4040 4080 40C0: low bytes, then high bytes.
+constexpr uint32_t kBF16LoLo = 0xC0800000u, kBF16LoHi = 0xC0804000u;
+constexpr uint32_t kBF16HiLo = 0x3F3F3F00u, kBF16HiHi = 0x40404040u;
+
+// PRMT with a run-time selector whose four low nibbles are all < 8 (callers guarantee it): the raw
+// `prmt.b32` in device code, where __byte_perm would first mask the selector with 0x7777 (one LOP3
+// per lookup); byte_perm's host twin otherwise.  With no nibble's bit 3 set, PRMT's sign-replicate
+// mode is never entered, so both select the same bytes.
+KVGEN_NVFP4_HD uint32_t prmt_lookup(uint32_t lo, uint32_t hi, uint32_t selector) {
+#if defined(__CUDA_ARCH__)
+  uint32_t r;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(lo), "r"(hi), "r"(selector));
+  return r;
+#else
+  return byte_perm(lo, hi, selector);
+#endif
+}
+
+// The byte_perm selector whose result byte k is byte j of a (nibble k of kPattern is 0) or byte j
+// of b (nibble k is 1).
+template <int kJ, uint32_t kPattern>
+constexpr uint32_t kPick = (((kPattern >> 0) & 1u) * 4 + kJ) | ((((kPattern >> 4) & 1u) * 4 + kJ) << 4) |
+                           ((((kPattern >> 8) & 1u) * 4 + kJ) << 8) | ((((kPattern >> 12) & 1u) * 4 + kJ) << 12);
+
+// Signs of word j's two elements at bits 15 and 31: the even element's sign is bit 3 of byte j of
+// the code word w (bit 7 of byte j of w << 4), the odd one's bit 7 of byte j of w.
+template <int kJ>
+KVGEN_NVFP4_HD uint32_t pair_signs(uint32_t w, uint32_t w4) {
+  return byte_perm(w4, w, kPick<kJ, 0x1000u>) & 0x80008000u;
+}
+
+// fp16 bits of the 8 codes of w (element k in nibble k), element 2j | 2j+1 in word j.
+KVGEN_NVFP4_HD void e2m1x8_to_f16x2(uint32_t w, uint32_t (&out)[4]) {
+  const uint32_t w4 = w << 4;
+  const uint32_t even = w4 & 0x70707070u;  // byte j: magnitude of element 2j in its high nibble
+  const uint32_t odd = w & 0x70707070u;    // byte j: magnitude of element 2j+1 in its high nibble
+  // Selector of word j: [even_j, odd_j] = nibbles [0, m_2j, 0, m_2j+1].
+#define KVGEN_NVFP4_F16_WORD(J) \
+  out[J] = prmt_lookup(kF16HiLo, kF16HiHi, byte_perm(even, odd, kPick<J, 0x1010u>)) | pair_signs<J>(w, w4)
+  KVGEN_NVFP4_F16_WORD(0);
+  KVGEN_NVFP4_F16_WORD(1);
+  KVGEN_NVFP4_F16_WORD(2);
+  KVGEN_NVFP4_F16_WORD(3);
+#undef KVGEN_NVFP4_F16_WORD
+}
+
+// bf16 bits of the 8 codes of w, laid out as e2m1x8_to_f16x2's.  One selector per word, nibbles
+// [m_2j, m_2j, m_2j+1, m_2j+1], serves both tables; the low table's bytes 0 and 2 and the high
+// table's bytes 1 and 3 are then kept.
+KVGEN_NVFP4_HD void e2m1x8_to_bf16x2(uint32_t w, uint32_t (&out)[4]) {
+  const uint32_t w4 = w << 4;
+  const uint32_t even = (w & 0x07070707u) * 0x11u;         // byte j: m_2j in both nibbles
+  const uint32_t odd = ((w >> 4) & 0x07070707u) * 0x11u;   // byte j: m_2j+1 in both nibbles
+#define KVGEN_NVFP4_BF16_WORD(J)                                                              \
+  do {                                                                                        \
+    const uint32_t sel = byte_perm(even, odd, kPick<J, 0x1010u>);                             \
+    const uint32_t lo = prmt_lookup(kBF16LoLo, kBF16LoHi, sel);                               \
+    const uint32_t hi = prmt_lookup(kBF16HiLo, kBF16HiHi, sel);                               \
+    out[J] = ((hi & 0xFF00FF00u) | (lo & 0x00FF00FFu)) | pair_signs<J>(w, w4);                \
+  } while (0)
+  KVGEN_NVFP4_BF16_WORD(0);
+  KVGEN_NVFP4_BF16_WORD(1);
+  KVGEN_NVFP4_BF16_WORD(2);
+  KVGEN_NVFP4_BF16_WORD(3);
+#undef KVGEN_NVFP4_BF16_WORD
+}
+
+// Both halves of a scale byte as exact fp16 (one cvt.f16x2.e4m3x2 on sm_89+) and as exact bf16.
+KVGEN_NVFP4_HD uint32_t e4m3_scale_f16x2(uint32_t sb) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(sb * 0x101u), __NV_E4M3);
+  return (uint32_t)h.x | ((uint32_t)h.y << 16);
+}
+
+// Through fp16 (every E4M3 value is an fp16 and a bf16): cvt, widen, F2FP instead of
+// e4m3_to_f32's branches.  A NaN scale gives some NaN here, overridden by the caller.
+KVGEN_NVFP4_HD uint32_t e4m3_scale_bf16x2(uint32_t sb) {
+  const float s = __half2float(__ushort_as_half((uint16_t)(e4m3_scale_f16x2(sb) & 0xFFFFu)));
+  return (uint32_t)__bfloat16_as_ushort(__float2bfloat16_rn(s)) * 0x10001u;
+}
+
+// a * b + (-0) on two fp16 / bf16 lanes (exact here, see above).  Host: each lane in binary32,
+// rounded to the lane type, which is the same exact product.
+KVGEN_NVFP4_HD uint32_t mul_f16x2(uint32_t a, uint32_t b) {
+#if defined(__CUDA_ARCH__)
+  uint32_t r;
+  asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(0x80008000u));
+  return r;
+#else
+  uint32_t r = 0;
+  for (int k = 0; k < 2; ++k) {
+    const float x = __half2float(__ushort_as_half((uint16_t)(a >> (16 * k))));
+    const float y = __half2float(__ushort_as_half((uint16_t)(b >> (16 * k))));
+    r |= (uint32_t)__half_as_ushort(__float2half_rn(mul_rn(x, y))) << (16 * k);
+  }
+  return r;
+#endif
+}
+
+KVGEN_NVFP4_HD uint32_t mul_bf16x2(uint32_t a, uint32_t b) {
+#if defined(__CUDA_ARCH__)
+  uint32_t r;
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(0x80008000u));
+  return r;
+#else
+  uint32_t r = 0;
+  for (int k = 0; k < 2; ++k) {
+    const float x = bits_f32((a >> (16 * k)) << 16);
+    const float y = bits_f32((b >> (16 * k)) << 16);
+    r |= (uint32_t)__bfloat16_as_ushort(__float2bfloat16_rn(mul_rn(x, y))) << (16 * k);
+  }
+  return r;
+#endif
+}
+
+KVGEN_NVFP4_HD bool e4m3_is_nan(uint32_t sb) { return (sb & 0x7Fu) == 0x7Fu; }
+
+// The exact fp16 products of one block (Q == 1), unpinned: word i holds elements 2i, 2i+1.
+KVGEN_NVFP4_HD void f16_products(const Block& blk, uint32_t (&out)[8]) {
+  const uint32_t scale = e4m3_scale_f16x2(blk.scale);
+#pragma unroll
+  for (int w = 0; w < 2; ++w) {
+    uint32_t v[4];
+    e2m1x8_to_f16x2(blk.packed[w], v);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) out[4 * w + j] = mul_f16x2(v[j], scale);
+  }
+}
+
+// One block (Q == 1) to 8 words of fp16 pairs (word i: elements 2i, 2i+1).
+KVGEN_NVFP4_HD void decode_block_f16_lut(const Block& blk, uint32_t (&out)[8]) {
+  f16_products(blk, out);
+  const bool nan = e4m3_is_nan(blk.scale);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) out[i] = nan ? (uint32_t)kFP16NaN * 0x10001u : out[i];
+}
+
+KVGEN_NVFP4_HD void decode_block_bf16_lut(const Block& blk, uint32_t (&out)[8]) {
+  const uint32_t scale = e4m3_scale_bf16x2(blk.scale);
+  const bool nan = e4m3_is_nan(blk.scale);
+#pragma unroll
+  for (int w = 0; w < 2; ++w) {
+    uint32_t v[4];
+    e2m1x8_to_bf16x2(blk.packed[w], v);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) out[4 * w + j] = nan ? (uint32_t)kBF16NaN * 0x10001u : mul_bf16x2(v[j], scale);
+  }
+}
+
+// FP8 E4M3 hot bytes (word i: elements 4i..4i+3): the exact fp16 products rounded by the packed
+// satfinite cvt (cvt.rn.satfinite.e4m3x2.f16x2 on sm_89+, NVIDIA's host model elsewhere).
+KVGEN_NVFP4_HD void decode_block_fp8_lut(const Block& blk, uint32_t (&out)[4]) {
+  uint32_t h[8];
+  f16_products(blk, h);
+  const bool nan = e4m3_is_nan(blk.scale);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    uint32_t pair[2];
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      __half2_raw r;
+      r.x = (unsigned short)(h[2 * i + k] & 0xFFFFu);
+      r.y = (unsigned short)(h[2 * i + k] >> 16);
+      pair[k] = __nv_cvt_halfraw2_to_fp8x2(r, __NV_SATFINITE, __NV_E4M3);
+    }
+    out[i] = nan ? (uint32_t)kE4M3NaN * 0x01010101u : pair[0] | (pair[1] << 16);
+  }
+}
+
 }  // namespace nvfp4
 }  // namespace kvgen
 

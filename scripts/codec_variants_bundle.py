@@ -1,0 +1,61 @@
+#!/usr/bin/env python3
+"""A small tuning bundle of codec variants: one candidate per value of each new codec tunable, the
+others at their defaults, for the GPU machine to verify and time (no full ``kvgen tune`` grid).
+
+Built here (nvcc, no GPU); measured there with the tuner's correctness-gated timer, which checks
+every candidate's bytes against the oracle before timing it per bucket:
+
+    python scripts/codec_variants_bundle.py --out build/tune/codec-variants     # here
+    python -m kvgen.tuning.measure build/tune/codec-variants.tar.xz --out m.jsonl  # on the H200
+
+Variants: the defaults; ``decode_route`` 0; ``rounding`` 0; ``min_blocks`` 0..4 at 512 threads and
+1..4 at 256 (0 at 256 is the default).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+FAMILIES = ("qwen3-8b", "deepseek-v3", "deepseek-v4-csa", "qwen3-8b-fp8")
+
+
+def variants() -> list[dict[str, int]]:
+    sys.path.insert(0, str(ROOT))
+    from kvgen.lower.plan import default_params
+
+    base = default_params("codec")
+    changes = [{}, {"decode_route": 0}, {"rounding": 0}]
+    changes += [{"threads": 512, "min_blocks": m} for m in (0, 1, 2, 3, 4)]
+    changes += [{"threads": 256, "min_blocks": m} for m in (1, 2, 3, 4)]
+    return [{**base, **c} for c in changes]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=ROOT / "build" / "tune" / "codec-variants")
+    parser.add_argument("--family", action="append", choices=FAMILIES, help="default: all four")
+    parser.add_argument("--arch", default="sm_90a")
+    parser.add_argument("--jobs", type=int, default=2)
+    args = parser.parse_args(argv)
+    sys.path.insert(0, str(ROOT))
+    from kvgen import paths
+    from kvgen.build.job import load_spec_source
+    from kvgen.cli import discover_toolchains
+    from kvgen.tuning.candidates import Request, build_candidates, pack_bundle
+
+    requests = [Request(load_spec_source(ROOT / "specs" / f"{family}.yaml"), "codec", params)
+                for family in args.family or FAMILIES for params in variants()]
+    built = build_candidates(requests, args.arch, args.out, paths.cache_dir(), toolchains=discover_toolchains(),
+                             jobs=args.jobs)
+    for c in built:
+        print(f"{c.family} {c.config}: {c.status}")
+    archive = pack_bundle(args.out, args.out.with_suffix(".tar.xz"))
+    print(f"bundle {args.out} -> {archive}")
+    return 0 if all(c.status != "failed" for c in built) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
