@@ -39,8 +39,47 @@ from cutlass import Float32, Int32, Int64
 
 from kvgen.kernels.cute.geometry import effective_lanes, pairs_per_chunk, vector_width
 
-ELEMENT_TYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
-ELEMENT_BYTES = {"bf16": 2, "fp16": 2}
+# fp8_e4m3 K is read as stored: the score of a dequantized pool (K × k_scale, k_scale > 0) is the
+# same score × k_scale, which z-normalization removes (TRIATTENTION.md §3 and reference.score_keys).
+ELEMENT_TYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "fp8_e4m3": cutlass.Float8E4M3FN}
+ELEMENT_BYTES = {"bf16": 2, "fp16": 2, "fp8_e4m3": 1}
+# errors[0] = 1 when a page id from the page table was outside [0, num_pages) and skipped,
+# errors[1] = one such id (score_abi.cpp reports it on the next call).
+ERROR_WORDS = 2
+
+
+class RowSource:
+    """Where the K rows of one thread's tokens are: the (layer, request, KV head) of its CTA and
+    the pool's bounds. Traced inside the kernel (values are the kernel's)."""
+
+    def __init__(self, k_ptrs, page_table, P, errors, page_stride, num_pages, layer, request, kv_head, lane,
+                 valid_width):
+        self.k_ptrs, self.page_table, self.P, self.errors = k_ptrs, page_table, P, errors
+        self.page_stride, self.num_pages = page_stride, num_pages
+        self.layer, self.request, self.kv_head, self.lane = layer, request, kv_head, lane
+        self.valid_width = valid_width
+
+    def locate(self, kernel: "TriScoreKernel", j) -> tuple:
+        """``(use, span)``: whether column ``j`` is a token of the request whose page is in the
+        pool, and its rotated span. Branch-free, so the loads of several tokens can be in flight
+        together: a column past the width reads page-table entry 0, and a column that is not used
+        (past the width, or its page outside ``[0, num_pages)``: recorded, never dereferenced)
+        reads slot 0 of page 0 instead; its score is written as 0."""
+        valid = j < self.valid_width
+        position = self.P[self.request] + j
+        block = position // kernel.tokens_per_block
+        slot = position - block * kernel.tokens_per_block
+        page = self.page_table[self.request, cutlass.select_(valid, block, Int32(0))]
+        in_pool = (page >= 0) & (page < self.num_pages)
+        kernel.record_skipped_page(self.errors, valid & ((page < 0) | (page >= self.num_pages)), page)
+        use = valid & in_pool
+        page = cutlass.select_(use, page, Int32(0))
+        slot = cutlass.select_(use, slot, Int32(0))
+        offset = (Int64(page) * self.page_stride + self.kv_head * kernel.head_stride + slot * kernel.slot_stride
+                  + kernel.rotary_start)
+        span_ptr = cute.make_ptr(kernel.element, self.k_ptrs[self.layer] + offset * kernel.elem_bytes,
+                                 cute.AddressSpace.gmem, assumed_align=kernel.vec * kernel.elem_bytes)
+        return use, cute.make_tensor(span_ptr, cute.make_layout(kernel.rotary_dim))
 
 
 class TriScoreKernel:
@@ -48,17 +87,19 @@ class TriScoreKernel:
 
     def __init__(self, *, dtype: str, layout: str, head_dim: int, query_heads: int, kv_heads: int,
                  rotary_start: int, rotary_dim: int, pairing: str, tokens_per_block: int,
-                 threads: int = 128, max_heads: int = 16, lanes: int = 1, token_tiles: int = 1):
+                 threads: int = 128, max_heads: int = 16, lanes: int = 1, token_tiles: int = 1,
+                 tokens_per_thread: int = 1, prefetch: int = 0):
         if dtype not in ELEMENT_TYPES:
-            raise ValueError(f"score kernel: dtype {dtype!r}; accepted: {', '.join(ELEMENT_TYPES)} "
-                             "(fp8 K is not scored yet)")
+            raise ValueError(f"score kernel: dtype {dtype!r}; accepted: {', '.join(ELEMENT_TYPES)}")
         if layout not in ("HND", "NHD") or pairing not in ("half", "interleaved"):
             raise ValueError(f"score kernel: layout {layout!r} / pairing {pairing!r} not supported")
         if query_heads % kv_heads or rotary_dim % 2 or rotary_start + rotary_dim > head_dim:
             raise ValueError("score kernel: inconsistent geometry")
-        if lanes not in (1, 2, 4, 8) or threads % 32 or token_tiles < 1:
+        if lanes not in (1, 2, 4, 8) or threads % 32 or token_tiles < 1 or tokens_per_thread < 1:
             raise ValueError(f"score kernel: lanes {lanes} (1, 2, 4 or 8) / threads {threads} (multiple of 32) "
-                             f"/ token_tiles {token_tiles} (>= 1)")
+                             f"/ token_tiles {token_tiles} / tokens_per_thread {tokens_per_thread} (>= 1)")
+        if prefetch not in (0, 1):
+            raise ValueError(f"score kernel: prefetch {prefetch} (0 or 1)")
         self.dtype = dtype
         self.element = ELEMENT_TYPES[dtype]
         self.elem_bytes = ELEMENT_BYTES[dtype]
@@ -83,8 +124,14 @@ class TriScoreKernel:
         self.lanes = lanes = effective_lanes(lanes, self.chunks)  # threads per token, chunk c -> lane c % lanes
         self.steps = self.chunks // lanes                   # chunks per lane
         self.tokens_per_tile = threads // lanes
-        self.token_tiles = token_tiles                      # tiles a CTA walks (amortizes its prologue)
-        self.tokens_per_cta = self.tokens_per_tile * token_tiles
+        # A CTA walks token_tiles stages (amortizes its prologue); in each, a thread scores
+        # tokens_per_thread tokens whose loads are all issued before the first is computed.
+        self.token_tiles = token_tiles
+        self.tokens_per_thread = tokens_per_thread
+        self.prefetch = prefetch                            # 1: stage s + 1's loads before computing stage s
+        self.tokens_per_cta = self.tokens_per_tile * tokens_per_thread * token_tiles
+        self.vectors_per_chunk = 2 if pairing == "half" else max(2 * self.pairs_per_chunk // self.vec, 1)
+        self.row_elems = self.steps * self.vectors_per_chunk * self.vec   # K elements a lane holds per token
         # Shared coefficients [heads][3][pairs_per_chunk][lanes][steps]: a lane's block of one step
         # is contiguous (vector loads); lane blocks are 4 (mod 8) words apart so the lanes of a
         # token read different banks.
@@ -108,13 +155,14 @@ class TriScoreKernel:
     @cute.jit
     def __call__(self, k_ptrs: cute.Tensor, page_table: cute.Tensor, P: cute.Tensor, S: cute.Tensor,
                  c: cute.Tensor, d: cute.Tensor, qr: cute.Tensor, qi: cute.Tensor, mlr: cute.Tensor,
-                 freq_scale_sq: cute.Tensor, scores: cute.Tensor, page_stride: Int64,
-                 stream: cuda.CUstream):
+                 freq_scale_sq: cute.Tensor, scores: cute.Tensor, errors: cute.Tensor, page_stride: Int64,
+                 num_pages: Int32, stream: cuda.CUstream):
         layers = scores.shape[0]
         batch = scores.shape[1]
         width = scores.shape[3]
         tiles = (width + self.tokens_per_cta - 1) // self.tokens_per_cta
-        self.kernel(k_ptrs, page_table, P, S, c, d, qr, qi, mlr, freq_scale_sq, scores, page_stride).launch(
+        self.kernel(k_ptrs, page_table, P, S, c, d, qr, qi, mlr, freq_scale_sq, scores, errors, page_stride,
+                    num_pages).launch(
             grid=[tiles, self.kv_heads * self.passes, layers * batch],
             block=[self.threads, 1, 1],
             stream=stream,
@@ -125,7 +173,8 @@ class TriScoreKernel:
     @cute.kernel
     def kernel(self, k_ptrs: cute.Tensor, page_table: cute.Tensor, P: cute.Tensor, S: cute.Tensor,
                c: cute.Tensor, d: cute.Tensor, qr: cute.Tensor, qi: cute.Tensor, mlr: cute.Tensor,
-               freq_scale_sq: cute.Tensor, scores: cute.Tensor, page_stride: Int64):
+               freq_scale_sq: cute.Tensor, scores: cute.Tensor, errors: cute.Tensor, page_stride: Int64,
+               num_pages: Int32):
         tid, _, _ = cute.arch.thread_idx()
         tile, head_pass, layer_request = cute.arch.block_idx()
         batch = scores.shape[1]
@@ -134,6 +183,12 @@ class TriScoreKernel:
         request = layer_request - layer * batch
         kv_head = head_pass // self.passes
         first = (head_pass - kv_head * self.passes) * self.heads   # first group member of this pass
+        lane = tid % self.lanes
+        token = RowSource(k_ptrs, page_table, P, errors, page_stride, num_pages, layer, request, kv_head, lane,
+                          S[request] - P[request])
+        # prefetch: the first stage's K loads (and their page-table lookups) are issued before
+        # the coefficient prologue, so its global loads and barrier overlap them.
+        first_stage = self.load_stage(token, self.columns(tile, tid, 0)) if self.prefetch else None
 
         # (a, b, m) of this pass's query heads for this (layer, request), in shared memory.
         smem = cutlass.memory.SmemAllocator()
@@ -142,36 +197,61 @@ class TriScoreKernel:
         cute.arch.sync_threads()
 
         acc = cute.make_rmem_tensor(cute.make_layout(self.heads), Float32)
-        lane = tid % self.lanes
-        valid_width = S[request] - P[request]
-        if self.token_tiles == 1:
-            j = tile * self.tokens_per_tile + tid // self.lanes
-            self.score_token(acc, coef, k_ptrs, page_table, P, scores, page_stride, layer, request, kv_head, first,
-                             j, lane, valid_width, width)
-        else:
-            for sub in cutlass.range(self.token_tiles):
-                j = (tile * self.token_tiles + sub) * self.tokens_per_tile + tid // self.lanes
-                self.score_token(acc, coef, k_ptrs, page_table, P, scores, page_stride, layer, request, kv_head,
-                                 first, j, lane, valid_width, width)
+        self.run_stages(first_stage, token, acc, coef, scores, tile, tid, first, width)
+
+    def columns(self, tile, tid, stage: int) -> list:
+        """Columns of this thread's tokens in ``stage``: one per token tile of the stage, the threads
+        of a tile on adjacent columns (coalesced rows of one page)."""
+        base = (tile * self.token_tiles + stage) * self.tokens_per_thread
+        return [(base + t) * self.tokens_per_tile + tid // self.lanes for t in range(self.tokens_per_thread)]
+
+    def run_stages(self, loaded, token: "RowSource", acc, coef, scores, tile, tid, first, width) -> None:
+        """Every stage of the CTA, unrolled at trace time (token_tiles is small), so the software
+        pipeline is program order: with prefetch, stage s + 1's loads are issued before stage s is
+        computed (``loaded``: stage 0's, when the prologue already issued them)."""
+        for stage in range(self.token_tiles):
+            if loaded is None:
+                loaded = self.load_stage(token, self.columns(tile, tid, stage))
+            ahead = None
+            if self.prefetch and stage + 1 < self.token_tiles:
+                ahead = self.load_stage(token, self.columns(tile, tid, stage + 1))
+            for j, use, rows in loaded:
+                self.score_token(acc, coef, rows, scores, token.layer, token.request, token.kv_head, first, j, use,
+                                 token.lane, width)
+            loaded = ahead
+
+    def load_stage(self, token: "RowSource", columns: list) -> list:
+        """``(j, use, rows)`` per column: ``rows`` holds this lane's pieces of the K row's rotated
+        span in registers (``row_pieces``), loaded with no branch (``RowSource.locate``)."""
+        loaded = []
+        for j in columns:
+            use, span = token.locate(self, j)
+            rows = cute.make_rmem_tensor(cute.make_layout(self.row_elems), self.element)
+            for k, piece in enumerate(self.row_pieces(token.lane)):
+                cute.local_tile(rows, (self.vec,), (k,)).store(cute.local_tile(span, (self.vec,), (piece,)).load())
+            loaded.append((j, use, rows))
+        return loaded
+
+    def row_pieces(self, lane) -> list:
+        """Indices (in ``vec``-wide pieces of the rotated span) this lane loads, in register order:
+        per step, the re and im vectors of a half-pair chunk, or the chunk's interleaved vectors."""
+        pieces = []
+        for step in range(self.steps):
+            chunk = step * self.lanes + lane
+            if self.pairing == "half":
+                pieces += [chunk, self.chunks + chunk]
+            else:
+                pieces += [chunk * self.vectors_per_chunk + k for k in range(self.vectors_per_chunk)]
+        return pieces
 
     @cute.jit
-    def score_token(self, acc: cute.Tensor, coef: cute.Tensor, k_ptrs: cute.Tensor, page_table: cute.Tensor,
-                    P: cute.Tensor, scores: cute.Tensor, page_stride: Int64, layer: Int32, request: Int32,
-                    kv_head: Int32, first: Int32, j: Int32, lane: Int32, valid_width: Int32, width: Int32):
-        """This thread's share of decode token ``j`` (column): its lane's chunks of the K row, the
-        lanes' sum, the stores (zeros past the request's width)."""
+    def score_token(self, acc: cute.Tensor, coef: cute.Tensor, rows: cute.Tensor, scores: cute.Tensor,
+                    layer: Int32, request: Int32, kv_head: Int32, first: Int32, j: Int32, use: cutlass.Boolean,
+                    lane: Int32, width: Int32):
+        """This thread's share of decode token ``j`` (column) from its loaded pieces, the lanes'
+        sum, the stores: 0 for a column past the request's width or whose page was skipped."""
         acc.fill(0.0)
-        if j < valid_width:
-            position = P[request] + j
-            block = position // self.tokens_per_block
-            slot = position - block * self.tokens_per_block
-            page = page_table[request, block]
-            offset = (Int64(page) * page_stride + kv_head * self.head_stride + slot * self.slot_stride
-                      + self.rotary_start)
-            span_ptr = cute.make_ptr(self.element, k_ptrs[layer] + offset * self.elem_bytes,
-                                     cute.AddressSpace.gmem, assumed_align=self.vec * self.elem_bytes)
-            span = cute.make_tensor(span_ptr, cute.make_layout(self.rotary_dim))
-            self.accumulate(acc, coef, span, lane)
+        self.accumulate(acc, coef, rows, lane)
         if self.lanes > 1:
             # Every thread takes part (the shuffles need the whole warp); lanes of a token are
             # adjacent threads, so a butterfly over `lanes` sums the token's partial scores.
@@ -179,7 +259,15 @@ class TriScoreKernel:
                 acc[h] = cute.arch.warp_reduction_sum(acc[h], threads_in_group=self.lanes)
         if j < width:
             for h in cutlass.range_constexpr(self.heads):
-                self.store(scores, acc[h], layer, request, kv_head, first, h, j, lane)
+                self.store(scores, Float32(cutlass.select_(use, acc[h], Float32(0.0))), layer, request, kv_head,
+                           first, h, j, lane)
+
+    @cute.jit
+    def record_skipped_page(self, errors: cute.Tensor, skipped: cutlass.Boolean, page: Int32):
+        """Plain stores, the failure path only: every writer stores the same flag."""
+        if skipped:
+            errors[1] = page
+            errors[0] = Int32(1)
 
     @cute.jit
     def store(self, scores: cute.Tensor, value: Float32, layer: Int32, request: Int32, kv_head: Int32,
@@ -225,29 +313,26 @@ class TriScoreKernel:
             coef[h, 2, e, lane, step] = Float32(cutlass.select_(live, s * mlr[layer, head, f], zero))
 
     @cute.jit
-    def accumulate(self, acc: cute.Tensor, coef: cute.Tensor, span: cute.Tensor, lane: Int32):
-        """``acc[h] += Σ a·re + b·im + m·|k|`` over this lane's chunks of one K row's rotated span
-        (chunk ``step·lanes + lane``: the lanes of a token read adjacent 16-byte pieces)."""
-        vectors = max(2 * self.pairs_per_chunk // self.vec, 1)   # loads per interleaved chunk
+    def accumulate(self, acc: cute.Tensor, coef: cute.Tensor, rows: cute.Tensor, lane: Int32):
+        """``acc[h] += Σ a·re + b·im + m·|k|`` over this lane's chunks of one K row (chunk
+        ``step·lanes + lane``: the lanes of a token read adjacent 16-byte pieces), from the pieces
+        ``load_stage`` left in registers (decoded to f32 here: fp8 and 16-bit alike)."""
+        per_step = self.row_elems // self.steps
         for step in cutlass.range_constexpr(self.steps):
-            chunk = step * self.lanes + lane
+            values = self.load_f32(rows, step * per_step // self.vec, per_step // self.vec)
             if self.pairing == "half":
-                re = self.load_f32(span, chunk, 1)
-                im = self.load_f32(span, self.chunks + chunk, 1)
                 for e in cutlass.range_constexpr(self.pairs_per_chunk):
-                    self.accumulate_pair(acc, coef, e, lane, step, re[e], im[e])
+                    self.accumulate_pair(acc, coef, e, lane, step, values[e], values[self.vec + e])
             else:
-                values = self.load_f32(span, chunk * vectors, vectors)
                 for e in cutlass.range_constexpr(self.pairs_per_chunk):
                     self.accumulate_pair(acc, coef, e, lane, step, values[2 * e], values[2 * e + 1])
 
-    def load_f32(self, span: cute.Tensor, first_vector, count: int) -> list:
-        """``count`` consecutive ``vec``-wide pieces of the span from piece ``first_vector``
-        (possibly dynamic), as f32 scalars."""
+    def load_f32(self, rows: cute.Tensor, first_vector: int, count: int) -> list:
+        """``count`` consecutive ``vec``-wide pieces of the register copy from piece
+        ``first_vector``, as f32 scalars (the exact widening of bf16, fp16 or fp8 E4M3)."""
         values = []
         for k in range(count):
-            piece = cute.local_tile(span, (self.vec,), (first_vector + k,))
-            loaded = piece.load().to(Float32)
+            loaded = cute.local_tile(rows, (self.vec,), (first_vector + k,)).load().to(Float32)
             values += [loaded[e] for e in range(self.vec)]
         return values
 
@@ -289,7 +374,9 @@ class TriScoreKernel:
             tensor(Float32, (L, Hq, F)),          # mlr
             tensor(Float32, (F,)),                # freq_scale_sq
             tensor(Float32, (L, B, Hq, W)),       # scores
+            tensor(Int32, (ERROR_WORDS,)),        # errors (mapped host memory of the C shim)
             Int64(0),                             # page_stride (elements)
+            Int32(0),                             # num_pages in every K pool
             make_fake_stream(),
         )
 
