@@ -9,10 +9,11 @@
 // process, prepared once per device).
 //
 // Device-side index errors: page ids come from the page table in device memory, so the kernel
-// checks each against num_pages; one outside the pool is skipped (its scores are 0) and recorded
-// in a small record of mapped pinned host memory (g_errors: {flag, page}). The next call reads it
-// with a plain load (no synchronization), clears it and fails with KVGEN_SCORE_EDEVICE naming the
-// page, before enqueuing anything; kvgen_score_check_device_errors asks explicitly.
+// checks each against num_pages (and each position against the table's row); a token that cannot
+// be read is skipped (scored 0) and recorded in a small record of mapped pinned host memory
+// (g_errors: {kind, value}). The next call reads it with a plain load (no synchronization), clears
+// it and fails with KVGEN_SCORE_EDEVICE naming the value, before enqueuing anything;
+// kvgen_score_check_device_errors asks explicitly.
 #include <cstdint>
 #include <cstdio>
 #include <mutex>
@@ -128,14 +129,19 @@ int ensure_error_record() {
   return 0;
 }
 
-// Nonzero (and the message set, the record cleared) when a finished kernel skipped a page id.
+// Nonzero (and the message set, the record cleared) when a finished kernel skipped a token.
+// Kinds: SKIPPED_PAGE / SKIPPED_POSITION of score_kernel.py.
 int take_device_errors() {
   if (g_errors == nullptr || g_errors[0] == 0) return 0;
-  const int32_t page = g_errors[1];
+  const int32_t kind = g_errors[0];
+  const int32_t value = g_errors[1];
   g_errors[0] = 0;
-  return fail(KVGEN_SCORE_EDEVICE, "kvgen_score (" KVGEN_SCORE_FAMILY ", " KVGEN_SCORE_ARCH "): an earlier call "
-                                   "read page id " + std::to_string(page) + " from the page table, outside the "
-                                   "pool's num_pages; those tokens were skipped (scored 0)");
+  const std::string what = kind == 1 ? "read page id " + std::to_string(value) +
+                                           " from the page table, outside the pool's num_pages"
+                                     : "met position " + std::to_string(value) +
+                                           " (P + j), outside its page table row";
+  return fail(KVGEN_SCORE_EDEVICE, "kvgen_score (" KVGEN_SCORE_FAMILY ", " KVGEN_SCORE_ARCH "): an earlier call " +
+                                       what + "; those tokens were skipped (scored 0)");
 }
 
 }  // namespace

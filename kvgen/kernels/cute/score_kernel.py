@@ -7,8 +7,9 @@ the calibration (``qr, qi, mlr`` ``[layers, Hq, F]``, ``s = freq_scale_sq`` ``[F
 request's mean-phase row (``c, d`` ``[B, F]``).
 
 Work decomposition (memory bound: every K row is read once per pass, see below):
-- grid ``(⌈W / tokens_per_cta⌉, Hkv · passes, layers · B)``; one CTA = ``token_tiles`` tiles of
-  ``threads / lanes`` tokens of one KV head of one (layer, request); ``lanes`` adjacent threads
+- grid ``(⌈W / tokens_per_cta⌉, Hkv · passes, layers · B)``; one CTA = ``token_tiles`` stages of
+  ``tokens_per_thread`` tiles of ``threads / lanes`` tokens of one KV head of one (layer,
+  request); ``lanes`` adjacent threads
   share a token: lane ``l`` reads the row's 16-byte chunks ``l, l + lanes, ...`` (so one warp load
   covers ``lanes`` adjacent chunks of each of ``32 / lanes`` rows), and a butterfly shuffle sums
   the lanes' partial scores. ``lanes = 1``: one thread per token, the simplest form.
@@ -21,7 +22,17 @@ Work decomposition (memory bound: every K row is read once per pass, see below):
   loads; lanes in different banks; all threads of a lane read the same address: broadcast), then
   each thread loads its chunks of the K row's rotated span in 16-byte vectors and accumulates with
   fused multiply-adds; ``|k_f|`` uses the approximate square root (one MUFU op).
+- bytes in flight (the kernel is latency-bound, PERFORMANCE.md): a thread issues the K loads of
+  all ``tokens_per_thread`` tokens of a stage into registers before computing any, and with
+  ``prefetch`` the next stage's before computing this one (stage 0's before the coefficient
+  prologue). Stages are unrolled at trace time, so this pipeline is program order; the loads are
+  branch-free (``RowSource.locate``) so nothing separates them. The accumulation order of a token
+  is the same in every variant: the scores are identical, bit for bit.
+- page ids from the page table outside ``[0, num_pages)``, and positions outside the page table's
+  row, are never dereferenced: the token is scored 0 and the value recorded in ``errors`` (the C
+  shim fails the next call with it).
 - columns ``[S − P, W)`` of a request are written as zeros, so the output needs no memset.
+- K dtypes: bf16, fp16, fp8 E4M3 (16 elements per 16-byte load), widened exactly to f32.
 
 Inputs are raw device pointers wrapped in CuTe tensors with symbolic sizes (``compile_aot``): the
 AOT export turns each into a ``{data, dynamic_shapes, dynamic_strides}`` struct that the C shim
@@ -43,9 +54,11 @@ from kvgen.kernels.cute.geometry import effective_lanes, pairs_per_chunk, vector
 # same score × k_scale, which z-normalization removes (TRIATTENTION.md §3 and reference.score_keys).
 ELEMENT_TYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "fp8_e4m3": cutlass.Float8E4M3FN}
 ELEMENT_BYTES = {"bf16": 2, "fp16": 2, "fp8_e4m3": 1}
-# errors[0] = 1 when a page id from the page table was outside [0, num_pages) and skipped,
-# errors[1] = one such id (score_abi.cpp reports it on the next call).
+# The device error record (score_abi.cpp reports it on the next call): errors[0] = what was
+# skipped (0: nothing), errors[1] = one such value.
 ERROR_WORDS = 2
+SKIPPED_PAGE = 1       # a page id from the page table outside [0, num_pages); errors[1] = the id
+SKIPPED_POSITION = 2   # a position P + j outside the page table's row; errors[1] = the position
 
 
 class RowSource:
@@ -60,19 +73,25 @@ class RowSource:
         self.valid_width = valid_width
 
     def locate(self, kernel: "TriScoreKernel", j) -> tuple:
-        """``(use, span)``: whether column ``j`` is a token of the request whose page is in the
-        pool, and its rotated span. Branch-free, so the loads of several tokens can be in flight
-        together: a column past the width reads page-table entry 0, and a column that is not used
-        (past the width, or its page outside ``[0, num_pages)``: recorded, never dereferenced)
-        reads slot 0 of page 0 instead; its score is written as 0."""
+        """``(use, span)``: whether column ``j`` is a token of the request that can be read, and its
+        rotated span. Branch-free, so the loads of several tokens can be in flight together.
+        Never read: a column past the width (no error), a position outside the page table's row
+        (``P + j < 0`` or past ``max_pages`` pages: ``SKIPPED_POSITION``) and a page id outside
+        ``[0, num_pages)`` (``SKIPPED_PAGE``); an unused column reads page-table entry 0 and slot 0
+        of page 0 instead (which exist: the shim requires ``max_pages, num_pages > 0``), and its
+        score is written as 0."""
         valid = j < self.valid_width
         position = self.P[self.request] + j
         block = position // kernel.tokens_per_block
         slot = position - block * kernel.tokens_per_block
-        page = self.page_table[self.request, cutlass.select_(valid, block, Int32(0))]
+        in_table = (position >= 0) & (block < self.page_table.shape[1])
+        kernel.record_skipped(self.errors, valid & ((position < 0) | (block >= self.page_table.shape[1])),
+                              SKIPPED_POSITION, position)
+        listed = valid & in_table
+        page = self.page_table[self.request, cutlass.select_(listed, block, Int32(0))]
         in_pool = (page >= 0) & (page < self.num_pages)
-        kernel.record_skipped_page(self.errors, valid & ((page < 0) | (page >= self.num_pages)), page)
-        use = valid & in_pool
+        kernel.record_skipped(self.errors, listed & ((page < 0) | (page >= self.num_pages)), SKIPPED_PAGE, page)
+        use = listed & in_pool
         page = cutlass.select_(use, page, Int32(0))
         slot = cutlass.select_(use, slot, Int32(0))
         offset = (Int64(page) * self.page_stride + self.kv_head * kernel.head_stride + slot * kernel.slot_stride
@@ -263,11 +282,11 @@ class TriScoreKernel:
                            first, h, j, lane)
 
     @cute.jit
-    def record_skipped_page(self, errors: cute.Tensor, skipped: cutlass.Boolean, page: Int32):
-        """Plain stores, the failure path only: every writer stores the same flag."""
+    def record_skipped(self, errors: cute.Tensor, skipped: cutlass.Boolean, kind: cutlass.Constexpr, value: Int32):
+        """Plain stores, the failure path only: writers of one kind store the same flag."""
         if skipped:
-            errors[1] = page
-            errors[0] = Int32(1)
+            errors[1] = value
+            errors[0] = Int32(kind)
 
     @cute.jit
     def store(self, scores: cute.Tensor, value: Float32, layer: Int32, request: Int32, kv_head: Int32,

@@ -58,7 +58,8 @@ int kvgen_score_query_geometry(kvgen_score_geometry_t* out);   // host pointer
 //                  elements apart (a multiple of vector_elems; > 0)
 //   num_pages      pages in every layer's K pool (> 0): a page id outside [0, num_pages) read
 //                  from the page table is never dereferenced; its tokens score 0 and the next
-//                  call (or kvgen_score_check_device_errors) fails with KVGEN_SCORE_EDEVICE
+//                  call (or kvgen_score_check_device_errors) fails with KVGEN_SCORE_EDEVICE;
+//                  so do positions P[b] + j outside the table's row (< 0, >= max_pages pages)
 //   page_table     int32 [batch, max_pages], row-major: page of token t of request b is
 //                  page_table[b, t / tokens_per_block], slot t % tokens_per_block
 //   P, S           int32 [batch]: prompt length, physical length of scorable tokens
