@@ -52,7 +52,7 @@ MLA_FAMILIES = sorted(name for name, spec in ALL_SPECS.items() if spec.attention
 OTHER_ARCHS = ("sm_100a", "sm_100f", "sm_103a", "sm_107a")
 PROBE_FAMILY = "qwen3-8b"
 EXPORTED = {"kvgen_score", "kvgen_score_abi_version", "kvgen_score_family_name", "kvgen_score_arch",
-            "kvgen_score_last_error", "kvgen_score_query_geometry"}
+            "kvgen_score_last_error", "kvgen_score_query_geometry", "kvgen_score_check_device_errors"}
 ALLOWED_NEEDED = {"libc.so.6", "libm.so.6", "libstdc++.so.6", "libgcc_s.so.1", "ld-linux-x86-64.so.2"}
 
 
@@ -117,13 +117,22 @@ def test_mla_and_csa_are_refused_with_the_reason(family: str) -> None:
         parse_spec(text, f"{family}.yaml")
 
 
-def test_fp8_and_disabled_families_are_not_scorable() -> None:
-    fp8 = ALL_SPECS["qwen3-8b-fp8"]
-    assert not fp8.triattention.enabled
+FP8_ENABLED = "triattention:\n  enabled: true\n  budget: 2048\n  beta: 128\n  eviction_mode: union\n"
+
+
+def fp8_family():
+    """qwen3-8b-fp8 with TriAttention enabled (the shipped spec leaves it off): fp8 E4M3 K."""
+    return parse_spec((SPECS / "qwen3-8b-fp8.yaml").read_text() + FP8_ENABLED, "qwen3-8b-fp8.yaml")
+
+
+def test_fp8_k_is_scorable_and_disabled_families_are_not() -> None:
+    fp8 = fp8_family()
+    assert require_scorable(fp8) == tri_geometry(fp8)
+    assert score_plan(fp8).geometry["dtype"] == "fp8_e4m3"
+    shipped = ALL_SPECS["qwen3-8b-fp8"]
+    assert not shipped.triattention.enabled
     with pytest.raises(GeometryError, match="enabled is false"):
-        require_scorable(fp8)
-    with pytest.raises(SpecError, match="fp8"):
-        parse_spec((SPECS / "qwen3-8b-fp8.yaml").read_text() + "triattention:\n  enabled: true\n")
+        require_scorable(shipped)
 
 
 def test_calibration_defaults_follow_the_spec_rope(tmp_path: Path) -> None:
@@ -167,7 +176,8 @@ def test_score_module_renders_the_family_constants(family: str) -> None:
 def test_score_params_are_checked() -> None:
     spec = ALL_SPECS[PROBE_FAMILY]
     assert score_plan(spec, {"threads": 64}).params["threads"] == 64
-    with pytest.raises(ValueError, match="accepted: threads, max_heads, lanes, token_tiles"):
+    with pytest.raises(ValueError, match="accepted: threads, max_heads, lanes, token_tiles, tokens_per_thread, "
+                                         "prefetch"):
         score_plan(spec, {"warps": 4})
     with pytest.raises(ValueError, match="is not one of"):
         score_plan(spec, {"threads": 96})
@@ -212,7 +222,7 @@ def built(tmp_path_factory, toolchain) -> dict:
     return {"builds": {(o.family, o.arch): o for o in outcomes}, "root": root}
 
 
-def _check_library(path: Path, family: str, arch: str) -> None:
+def _check_library(path: Path, family: str, arch: str, spec=None) -> None:
     symbols = subprocess.run(["nm", "-D", "--defined-only", str(path)], capture_output=True, text=True, check=True)
     exported = {line.split()[-1] for line in symbols.stdout.splitlines() if line.strip()}
     assert exported == EXPORTED, "only the C ABI is exported (the DSL's symbols stay local)"
@@ -222,9 +232,10 @@ def _check_library(path: Path, family: str, arch: str) -> None:
     assert embedded_sm_versions(path) == [int(arch[3:-1])], "one cubin, for the target"
     lib = ScoreLibrary(path, family=family)
     assert (lib.family, lib.arch) == (family, arch)
-    g = tri_geometry(ALL_SPECS[family])
-    lib.check_geometry(g, ALL_SPECS[family].dtype)
-    assert lib.geometry["abi_version"] == 1 and lib.geometry["threads"] == 128
+    spec = spec or ALL_SPECS[family]
+    g = tri_geometry(spec)
+    lib.check_geometry(g, spec.dtype)
+    assert lib.geometry["abi_version"] == 2 and lib.geometry["threads"] == 128
     assert lib.geometry["passes"] * lib.geometry["heads_per_pass"] >= g.group
 
 
@@ -297,13 +308,16 @@ def test_kernel_call_without_a_driver_fails_cleanly(built: dict) -> None:
     lib = ScoreLibrary(built["builds"][(PROBE_FAMILY, "sm_90a")].artifact)
     raw = lib._lib
     bad = ctypes.c_void_p(16)
-    status = raw.kvgen_score(bad, 4096, bad, 4, bad, bad, bad, bad, bad, bad, bad, bad, bad, 1, 1, 8, None)
+    status = raw.kvgen_score(bad, 4096, 10, bad, 4, bad, bad, bad, bad, bad, bad, bad, bad, bad, 1, 1, 8, None)
     assert status == -2 and lib.last_error().startswith("kvgen_score (qwen3-8b, sm_90a): no current CUDA device")
-    assert raw.kvgen_score(bad, 3, bad, 4, bad, bad, bad, bad, bad, bad, bad, bad, bad, 1, 1, 8, None) == -1
+    assert raw.kvgen_score(bad, 3, 10, bad, 4, bad, bad, bad, bad, bad, bad, bad, bad, bad, 1, 1, 8, None) == -1
     assert "page_stride 3" in lib.last_error()
-    assert raw.kvgen_score(bad, 4096, bad, 4, bad, bad, bad, bad, bad, bad, bad, bad, bad, 300, 300, 8, None) == -1
+    assert raw.kvgen_score(bad, 4096, 0, bad, 4, bad, bad, bad, bad, bad, bad, bad, bad, bad, 1, 1, 8, None) == -1
+    assert "num_pages 0" in lib.last_error()
+    assert raw.kvgen_score(bad, 4096, 10, bad, 4, bad, bad, bad, bad, bad, bad, bad, bad, bad, 300, 300, 8,
+                           None) == -1
     assert "65535" in lib.last_error()
-    assert raw.kvgen_score(None, 4096, None, 4, None, None, None, None, None, None, None, None, None, 1, 1, 0,
+    assert raw.kvgen_score(None, 4096, 10, None, 4, None, None, None, None, None, None, None, None, None, 1, 1, 0,
                            None) == 0, "an empty width is a no-op"
 
 
@@ -316,19 +330,43 @@ def test_score_rejects_mismatched_tensors(built: dict) -> None:
                 qr=torch.zeros(2, 32, 64), qi=torch.zeros(2, 32, 64), mlr=torch.zeros(2, 32, 64),
                 freq_scale_sq=torch.zeros(64), scores=torch.zeros(2, 3, 32, 10, dtype=f32))
     with pytest.raises(ValueError, match=r"c: expected a contiguous float32 \[3, 64\]"):
-        lib.score(**{**args, "c": torch.zeros(3, 32)})
+        lib.score(**{**args, "c": torch.zeros(3, 32)}, num_pages=4)
     with pytest.raises(ValueError, match="P: expected a contiguous int32"):
-        lib.score(**{**args, "P": torch.zeros(3, dtype=torch.int64)})
+        lib.score(**{**args, "P": torch.zeros(3, dtype=torch.int64)}, num_pages=4)
     with pytest.raises(ValueError, match="not contiguous"):
-        lib.score(**{**args, "qr": torch.zeros(2, 64, 32).transpose(1, 2)})
+        lib.score(**{**args, "qr": torch.zeros(2, 64, 32).transpose(1, 2)}, num_pages=4)
 
 
-def test_tunable_variants_compile_and_report_their_launch_shape(tmp_path: Path, toolchain) -> None:
-    """lanes > 1 (threads share a token, shuffle-reduced) and token_tiles > 1 (a CTA walks several
-    tiles) are other code paths: compile them for a one-pass and the multi-pass family."""
-    params = {"lanes": 4, "token_tiles": 4}
-    specs = [ALL_SPECS[PROBE_FAMILY], ALL_SPECS["falcon-7b"]]
+# Every value of the pipeline tunables, each in one variant (with lanes/token_tiles that are other
+# code paths too), for a one-pass family, the multi-pass one (falcon-7b, 5 passes, NHD) and fp8 K.
+VARIANTS = [{"lanes": 4, "token_tiles": 4},
+            {"tokens_per_thread": 2, "prefetch": 1, "token_tiles": 2},
+            {"tokens_per_thread": 4, "prefetch": 1},
+            {"tokens_per_thread": 4, "prefetch": 0, "token_tiles": 2}]
+
+
+def _tokens_per_cta(lib: ScoreLibrary, params: dict) -> int:
+    merged = {**default_params("score"), **params}
+    return int(lib.geometry["threads"]) // int(lib.geometry["lanes"]) * merged["tokens_per_thread"] * merged[
+        "token_tiles"]
+
+
+@pytest.mark.parametrize("params", VARIANTS, ids=lambda p: ",".join(f"{k}={v}" for k, v in p.items()))
+def test_tunable_variants_compile_and_report_their_launch_shape(tmp_path: Path, toolchain, params: dict) -> None:
+    """lanes > 1 (threads share a token, shuffle-reduced), several stages per CTA, several tokens per
+    thread and the prefetch are other code paths: compile them (sm_90a) and check the launch shape."""
+    specs = [ALL_SPECS[PROBE_FAMILY], ALL_SPECS["falcon-7b"], fp8_family()]
     for build in compile_scores(specs, "sm_90a", tmp_path / "cache", toolchain, params):
         assert build.status == "built", build.error
         lib = ScoreLibrary(build.artifact, family=build.family)
-        assert (lib.geometry["lanes"], lib.geometry["tokens_per_cta"]) == (4, 4 * 128 // 4)
+        assert lib.geometry["tokens_per_cta"] == _tokens_per_cta(lib, params)
+        assert score_plan(specs[0], params).key() != score_plan(specs[0]).key(), "the tunables are in the plan key"
+
+
+@pytest.mark.parametrize("arch", ["sm_100a", "sm_103a"])
+def test_pipelined_and_fp8_scorers_compile_for_sm100_targets(tmp_path: Path, toolchain, arch: str) -> None:
+    params = {"tokens_per_thread": 2, "prefetch": 1, "token_tiles": 2}
+    specs = [spec.model_copy(update={"targets": [arch]}) for spec in (ALL_SPECS[PROBE_FAMILY], fp8_family())]
+    for build in compile_scores(specs, arch, tmp_path / "cache", toolchain, params):
+        assert build.status == "built", build.error
+        _check_library(build.artifact, build.family, arch, specs[1] if build.family.endswith("fp8") else None)

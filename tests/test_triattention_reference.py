@@ -74,11 +74,11 @@ SERVABLE = dict(attention="gqa", rope_placement="leading", scored_layers=3, enab
     (dict(attention="mla"), "TriAttention cannot serve attention: mla (one shared latent per token, no KV-head"),
     (dict(attention="csa"), "TriAttention cannot serve attention: csa (one shared latent per token, no KV-head"),
     (dict(rope_placement="none"), "TriAttention scores RoPE frequencies; this family has no RoPE"),
-    (dict(dtype="fp8_e4m3"), "TriAttention scoring reads bf16 or fp16 K, not fp8_e4m3 (fp8 K scoring is out of"),
+    (dict(dtype="fp32"), "TriAttention scoring reads bf16, fp16, fp8_e4m3 K, not fp32"),
     (dict(scored_layers=0), "every layer is sliding-window; nothing is scored"),
     (dict(enabled=False), "triattention.enabled is false; nothing to score"),
-    # the order: a disabled fp8 family reads "not enabled", a disabled MLA family "cannot serve"
-    (dict(enabled=False, dtype="fp8_e4m3"), "triattention.enabled is false"),
+    # the order: a disabled family of an unread dtype reads "not enabled", a disabled MLA family "cannot serve"
+    (dict(enabled=False, dtype="fp32"), "triattention.enabled is false"),
     (dict(enabled=False, attention="mla"), "TriAttention cannot serve attention: mla"),
 ])
 def test_refusal_reason_states_each_refusal(overrides, reason):
@@ -90,7 +90,8 @@ def test_refusal_reason_states_each_refusal(overrides, reason):
 def test_refusal_reason_checks_only_what_it_is_given():
     assert T.refusal_reason("gqa") is None
     assert T.refusal_reason("mha", dtype="fp16") is None
-    assert T.refusal_reason("gqa", dtype="fp8_e4m3") is not None
+    assert T.refusal_reason("gqa", dtype="fp8_e4m3") is None, "fp8 K is scored"
+    assert T.refusal_reason("gqa", dtype="fp32") is not None
 
 
 def test_geometry_refusals_are_the_shared_ones():
@@ -156,7 +157,7 @@ def test_eviction_config_keeps_its_own_scaling():
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (dict(dtype="fp8_e4m3"), "fam: TriAttention scoring reads bf16 or fp16 K, not fp8_e4m3"),
+    (dict(dtype="fp32"), "fam: TriAttention scoring reads bf16, fp16, fp8_e4m3 K, not fp32"),
     (dict(eviction_mode="max"), "fam: eviction_mode 'max'; accepted: union, per_head, per_layer_perhead"),
     (dict(budget=4), "layer 1: budget 4 < sliding window 8"),
     (dict(budget=0), "budget 0: expected a positive int"),
@@ -422,6 +423,34 @@ def test_score_paged_fp8_scale_and_swa_refused():
     torch.testing.assert_close(scaled, plain)
     with pytest.raises(ValueError, match="never scored"):
         T.score_paged(k[1], table, [1], [9], [0], calib, 1, g)
+
+
+def test_fp8_k_scores_as_its_exact_widening_and_its_scale_keeps_the_kept_sets():
+    """fp8 E4M3 K (score_keys): rows widen exactly, so an fp8 pool scores exactly as the float64
+    copy of its values; a positive k_scale multiplies every score (exactly, up to one rounding per
+    score in float64) and leaves z-scores and kept sets unchanged (the statement the kernel, which
+    takes no scale, relies on)."""
+    g = geometry(swa_window=(None, None))
+    calib = T.synthetic_calibration(g, seed=5)
+    k, _, table = paged_cache(g, [40, 33])
+    P, width = torch.tensor([3, 1]), torch.tensor([37, 32])
+
+    def layer_scores(layer: int, k_scale: float | None = None, pool=None) -> tuple[torch.Tensor, torch.Tensor]:
+        pool = k[layer].to(torch.float8_e4m3fn) if pool is None else pool
+        return T.score_paged(pool, table, [3, 1], [40, 33], [0, 7], calib, layer, g, torch.float64, k_scale)
+
+    fp8, valid = layer_scores(0)
+    wide, _ = layer_scores(0, pool=k[0].to(torch.float8_e4m3fn).to(torch.float64))
+    assert torch.equal(fp8, wide)
+    z = [T.zscore(layer_scores(layer)[0], valid[:, None, :]) for layer in g.scored_layers]
+    for k_scale in (0.5, 3.0, 1 / 448):
+        scaled, _ = layer_scores(0, k_scale)
+        torch.testing.assert_close(scaled, fp8 * k_scale, rtol=1e-12, atol=0)
+        z_scaled = [T.zscore(layer_scores(layer, k_scale)[0], valid[:, None, :]) for layer in g.scored_layers]
+        torch.testing.assert_close(z_scaled[0], z[0], rtol=1e-9, atol=1e-9)
+        for mode in T.MODES:
+            kept = T.select_keep(T.aggregate(z, mode, g), width, 10, P)
+            assert torch.equal(T.select_keep(T.aggregate(z_scaled, mode, g), width, 10, P), kept), mode
 
 
 # ------------------------------------------------------------------------------------------------

@@ -56,7 +56,8 @@ class OracleScorer:
         assert geometry == self.geometry
 
     def score(self, k_layer_ptrs, page_stride, page_table, P, S, c, d, qr, qi, mlr, freq_scale_sq, scores,
-              stream=None) -> None:
+              stream=None, *, num_pages: int) -> None:
+        assert num_pages == min(self.pools[layer].shape[0] for layer in self.geometry.scored_layers)
         self.calls += 1
         P, S = P.long(), S.long()
         width = scores.shape[-1]

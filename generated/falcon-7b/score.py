@@ -2,7 +2,7 @@
 # family:   falcon-7b
 # op:       score
 # template: score.py.j2
-# plan key: 1ca56c69430bcd049413129847a18eda15f76c559c8dbd137bd9efa692c653fa
+# plan key: 2daf37458b4cfc1e59b2b44510802eb0d3434ac3bffc536d6c1f48f7693c5cf6
 """TriAttention scorer of family falcon-7b (TRIATTENTION.md §3), CuTe DSL, compiled ahead of time.
 
 This file only fixes the family's constants; the kernel is ``kvgen.kernels.cute.score_kernel.TriScoreKernel``.
@@ -30,12 +30,14 @@ GEOMETRY = {
 }
 
 # Tunable launch parameters: threads per CTA, query heads accumulated per pass over K, threads
-# per token, token tiles per CTA.
+# per token, stages per CTA, tokens per thread and stage, next stage's loads issued ahead (0/1).
 PARAMS = {
     "threads": 128,
     "max_heads": 16,
     "lanes": 2,
     "token_tiles": 1,
+    "tokens_per_thread": 1,
+    "prefetch": 0,
 }
 
 # Cache layers the kernel is launched for, in the order of its layer grid dimension.

@@ -2,7 +2,7 @@
 # family:   gemma-2-9b
 # op:       score
 # template: score.py.j2
-# plan key: 690b9783f381591d88a9b7ab0576c003041409a154bfe9fcd4b0c97123beca83
+# plan key: bb4661e498ab7410c32e40d19ca8cbfc3c7f7552a30ed7be403be57c0e7582f3
 """TriAttention scorer of family gemma-2-9b (TRIATTENTION.md §3), CuTe DSL, compiled ahead of time.
 
 This file only fixes the family's constants; the kernel is ``kvgen.kernels.cute.score_kernel.TriScoreKernel``.
@@ -30,12 +30,14 @@ GEOMETRY = {
 }
 
 # Tunable launch parameters: threads per CTA, query heads accumulated per pass over K, threads
-# per token, token tiles per CTA.
+# per token, stages per CTA, tokens per thread and stage, next stage's loads issued ahead (0/1).
 PARAMS = {
     "threads": 128,
     "max_heads": 16,
     "lanes": 2,
     "token_tiles": 1,
+    "tokens_per_thread": 1,
+    "prefetch": 0,
 }
 
 # Cache layers the kernel is launched for, in the order of its layer grid dimension.

@@ -2,7 +2,7 @@
 # family:   gpt-oss-20b
 # op:       score
 # template: score.py.j2
-# plan key: b6a8a73f40ae6a2ece47a34b6e76b45e341e3d4cc990f3fd61fa7837a9c7ef30
+# plan key: d34c500225b2e65a63e7f554e779b2c8e748bda38b6ed37713f0db735ad6745d
 """TriAttention scorer of family gpt-oss-20b (TRIATTENTION.md §3), CuTe DSL, compiled ahead of time.
 
 This file only fixes the family's constants; the kernel is ``kvgen.kernels.cute.score_kernel.TriScoreKernel``.
@@ -30,12 +30,14 @@ GEOMETRY = {
 }
 
 # Tunable launch parameters: threads per CTA, query heads accumulated per pass over K, threads
-# per token, token tiles per CTA.
+# per token, stages per CTA, tokens per thread and stage, next stage's loads issued ahead (0/1).
 PARAMS = {
     "threads": 128,
     "max_heads": 16,
     "lanes": 2,
     "token_tiles": 1,
+    "tokens_per_thread": 1,
+    "prefetch": 0,
 }
 
 # Cache layers the kernel is launched for, in the order of its layer grid dimension.

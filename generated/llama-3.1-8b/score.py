@@ -2,7 +2,7 @@
 # family:   llama-3.1-8b
 # op:       score
 # template: score.py.j2
-# plan key: 7e9a5fc6dba1da2c3300f4c95e5981a63e6c3bffe688ed4f5868c2dcc1ab731a
+# plan key: 46c4febba1e068a0464b5fb2b0e97743c22ff642e693512508a1c34900845fe0
 """TriAttention scorer of family llama-3.1-8b (TRIATTENTION.md §3), CuTe DSL, compiled ahead of time.
 
 This file only fixes the family's constants; the kernel is ``kvgen.kernels.cute.score_kernel.TriScoreKernel``.
@@ -30,12 +30,14 @@ GEOMETRY = {
 }
 
 # Tunable launch parameters: threads per CTA, query heads accumulated per pass over K, threads
-# per token, token tiles per CTA.
+# per token, stages per CTA, tokens per thread and stage, next stage's loads issued ahead (0/1).
 PARAMS = {
     "threads": 128,
     "max_heads": 16,
     "lanes": 2,
     "token_tiles": 1,
+    "tokens_per_thread": 1,
+    "prefetch": 0,
 }
 
 # Cache layers the kernel is launched for, in the order of its layer grid dimension.

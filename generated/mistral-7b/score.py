@@ -2,7 +2,7 @@
 # family:   mistral-7b
 # op:       score
 # template: score.py.j2
-# plan key: cf6a8a379a54f16d35054090025ccb3568a79b075b2800847d82f5490b8bc07b
+# plan key: 0874100c7e9ce7b8f17adcad91688d901ebda0cec32b326187eac76e5fc487f1
 """TriAttention scorer of family mistral-7b (TRIATTENTION.md §3), CuTe DSL, compiled ahead of time.
 
 This file only fixes the family's constants; the kernel is ``kvgen.kernels.cute.score_kernel.TriScoreKernel``.
@@ -30,12 +30,14 @@ GEOMETRY = {
 }
 
 # Tunable launch parameters: threads per CTA, query heads accumulated per pass over K, threads
-# per token, token tiles per CTA.
+# per token, stages per CTA, tokens per thread and stage, next stage's loads issued ahead (0/1).
 PARAMS = {
     "threads": 128,
     "max_heads": 16,
     "lanes": 2,
     "token_tiles": 1,
+    "tokens_per_thread": 1,
+    "prefetch": 0,
 }
 
 # Cache layers the kernel is launched for, in the order of its layer grid dimension.

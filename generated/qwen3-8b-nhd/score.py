@@ -2,7 +2,7 @@
 # family:   qwen3-8b-nhd
 # op:       score
 # template: score.py.j2
-# plan key: cb57017ce1b682e971bb7fa610f97dd4a86a0cd07fad163f822ecabf91229227
+# plan key: 34863cf1b80d9ab62894bb15e4035fd17d49738842bcb795ee4d3c809db9f34e
 """TriAttention scorer of family qwen3-8b-nhd (TRIATTENTION.md §3), CuTe DSL, compiled ahead of time.
 
 This file only fixes the family's constants; the kernel is ``kvgen.kernels.cute.score_kernel.TriScoreKernel``.
@@ -30,12 +30,14 @@ GEOMETRY = {
 }
 
 # Tunable launch parameters: threads per CTA, query heads accumulated per pass over K, threads
-# per token, token tiles per CTA.
+# per token, stages per CTA, tokens per thread and stage, next stage's loads issued ahead (0/1).
 PARAMS = {
     "threads": 128,
     "max_heads": 16,
     "lanes": 2,
     "token_tiles": 1,
+    "tokens_per_thread": 1,
+    "prefetch": 0,
 }
 
 # Cache layers the kernel is launched for, in the order of its layer grid dimension.

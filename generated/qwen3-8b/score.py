@@ -2,7 +2,7 @@
 # family:   qwen3-8b
 # op:       score
 # template: score.py.j2
-# plan key: 2dbaec58ffad6e543287fab3edf82e2ca29381040535e43dd3e1fd38f29b245c
+# plan key: c544b0402caa118026e36664a981575f6a28d80b6f433b82418f27bdd5fdce1c
 """TriAttention scorer of family qwen3-8b (TRIATTENTION.md §3), CuTe DSL, compiled ahead of time.
 
 This file only fixes the family's constants; the kernel is ``kvgen.kernels.cute.score_kernel.TriScoreKernel``.
@@ -30,12 +30,14 @@ GEOMETRY = {
 }
 
 # Tunable launch parameters: threads per CTA, query heads accumulated per pass over K, threads
-# per token, token tiles per CTA.
+# per token, stages per CTA, tokens per thread and stage, next stage's loads issued ahead (0/1).
 PARAMS = {
     "threads": 128,
     "max_heads": 16,
     "lanes": 2,
     "token_tiles": 1,
+    "tokens_per_thread": 1,
+    "prefetch": 0,
 }
 
 # Cache layers the kernel is launched for, in the order of its layer grid dimension.

@@ -2,7 +2,7 @@
 # family:   qwen3.5-397b-a17b-lossless-rope
 # op:       score
 # template: score.py.j2
-# plan key: 3c3df8e3f2e7a6cb9fed17d301aba40e08c39302dcc542b502aa53c4fcb89f32
+# plan key: dc5b1eadd6f49a5210932765d34ea8a3007ea9275ffaeea63a26b31f7c7d1742
 """TriAttention scorer of family qwen3.5-397b-a17b-lossless-rope (TRIATTENTION.md §3), CuTe DSL, compiled ahead of time.
 
 This file only fixes the family's constants; the kernel is ``kvgen.kernels.cute.score_kernel.TriScoreKernel``.
@@ -30,12 +30,14 @@ GEOMETRY = {
 }
 
 # Tunable launch parameters: threads per CTA, query heads accumulated per pass over K, threads
-# per token, token tiles per CTA.
+# per token, stages per CTA, tokens per thread and stage, next stage's loads issued ahead (0/1).
 PARAMS = {
     "threads": 128,
     "max_heads": 16,
     "lanes": 2,
     "token_tiles": 1,
+    "tokens_per_thread": 1,
+    "prefetch": 0,
 }
 
 # Cache layers the kernel is launched for, in the order of its layer grid dimension.

@@ -2,7 +2,7 @@
 # family:   qwen3.5-397b-a17b
 # op:       score
 # template: score.py.j2
-# plan key: 069031d4ce7c7d0367743438ea310730a2b4f52ffed1b30acd6452439edd734d
+# plan key: 1051e5fd735c1639de8edde0d9b9504fbfcb3a7d8b52b74170800d8243b26129
 """TriAttention scorer of family qwen3.5-397b-a17b (TRIATTENTION.md §3), CuTe DSL, compiled ahead of time.
 
 This file only fixes the family's constants; the kernel is ``kvgen.kernels.cute.score_kernel.TriScoreKernel``.
@@ -30,12 +30,14 @@ GEOMETRY = {
 }
 
 # Tunable launch parameters: threads per CTA, query heads accumulated per pass over K, threads
-# per token, token tiles per CTA.
+# per token, stages per CTA, tokens per thread and stage, next stage's loads issued ahead (0/1).
 PARAMS = {
     "threads": 128,
     "max_heads": 16,
     "lanes": 2,
     "token_tiles": 1,
+    "tokens_per_thread": 1,
+    "prefetch": 0,
 }
 
 # Cache layers the kernel is launched for, in the order of its layer grid dimension.

@@ -8,9 +8,12 @@ scattered, every scored layer in one launch):
   scored layers x B x Hkv x W x rotated span bytes x passes over K (1 for every group <= 16).
   Variants: Qwen3-8B geometry (36 layers, 32/8 heads, head 128, bf16) at B = 32 and B = 1;
   head 64 (gpt-oss-20b, 64/8, 12 scored of 24 layers) and head 256 (gemma-2-9b, 16/8, 21 scored of
-  42; qwen3.5-397b-a17b, 32/2, partial rotary 64 of 256) at B = 32.
-Variants: the same kernels with other tunable parameters (``lanes``, ``token_tiles``), from the
-  registries ``build/registry-score-*``, timed on the same cache and checked against the default.
+  42; qwen3.5-397b-a17b, 32/2, partial rotary 64 of 256) at B = 32; qwen3-8b-fp8 (fp8 E4M3 K, half
+  the bytes) at B = 32, from whichever registry holds its score library (its shipped spec leaves
+  TriAttention off: ``build/registry-score-fp8`` is built from an enabled copy), skipped if none.
+Variants: the same kernels with other tunable parameters (``lanes``, ``token_tiles``,
+  ``tokens_per_thread``, ``prefetch``), from the registries ``build/registry-score-*``, timed on the
+  same cache and checked against the first.
 Peers: the oracle's ``score_paged`` (float32) on the GPU, eager and under ``torch.compile``, one
   layer of the Qwen3-8B B = 32 variant (an out-of-memory is recorded, not raised).
 Round: one whole round (score -> z -> aggregate -> select (generated) -> pack -> compact) for Qwen3-8B, B = 32,
@@ -48,7 +51,8 @@ from kvgen.runtime.lookup import RuntimeRegistry
 from kvgen.runtime.score import ScoreLibrary
 from kvgen.spec.schema import load_spec
 
-VARIANTS = [("qwen3-8b", 32), ("qwen3-8b", 1), ("gpt-oss-20b", 32), ("gemma-2-9b", 32), ("qwen3.5-397b-a17b", 32)]
+VARIANTS = [("qwen3-8b", 32), ("qwen3-8b", 1), ("gpt-oss-20b", 32), ("gemma-2-9b", 32), ("qwen3.5-397b-a17b", 32),
+            ("qwen3-8b-fp8", 32)]
 
 
 def score_family(family: str, specs: Path | None = None):  # noqa: ANN201 - (FamilySpec, ScoreFamily)
@@ -61,6 +65,14 @@ def score_library(family: str, registry: Path, arch: str) -> ScoreLibrary:
     return ScoreLibrary(registry_artifact(registry, family, arch, "score"), family=family)
 
 
+def _has_score(registry: Path, family: str, arch: str) -> bool:
+    try:
+        RuntimeRegistry([registry]).resolve(family, arch).artifact("score")
+    except RegistryError:
+        return False
+    return True
+
+
 def bench_score(family: str, batch: int, width: int, copy: dict, registries: list[Path], arch: str,
                 default_registry: Path | None = None, specs: Path | None = None) -> dict:
     """Every score-library variant (one per registry: tunable params differ) on the same cache; the
@@ -69,6 +81,9 @@ def bench_score(family: str, batch: int, width: int, copy: dict, registries: lis
     registries = list(registries)
     if default_registry is not None and default_registry not in registries:
         registries.append(default_registry)
+    if not any(_has_score(registry, family, arch) for registry in registries):
+        print(f"score {family}: no score library in {[str(r) for r in registries]}; skipped")
+        return {"family": family, "batch": batch, "width": width, "skipped": "no score library", "variants": []}
     cache = ScoreCache(score_family(family, specs)[1], batch, width)
     g = cache.geometry
     inputs = cache.kernel_inputs()

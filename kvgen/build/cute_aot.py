@@ -51,7 +51,7 @@ RECIPE_VERSION = 1                       # bump when the export or link recipe b
 CXX_FLAGS = ("-std=c++17", "-O2", "-fPIC", "-shared")
 LINK_LIBS = ("-ldl", "-lrt", "-lpthread")
 EXPORTED = ("kvgen_score", "kvgen_score_abi_version", "kvgen_score_family_name", "kvgen_score_arch",
-            "kvgen_score_last_error", "kvgen_score_query_geometry")
+            "kvgen_score_last_error", "kvgen_score_query_geometry", "kvgen_score_check_device_errors")
 
 
 class CuteCompileError(RuntimeError):
@@ -294,7 +294,7 @@ def family_header(kernel: Any, family: str, arch: str) -> str:
         ("query_heads", kernel.query_heads), ("kv_heads", kernel.kv_heads),
         ("rotary_start", kernel.rotary_start), ("rotary_dim", kernel.rotary_dim),
         ("pairing", {"half": 0, "interleaved": 1}[kernel.pairing]), ("tokens_per_block", kernel.tokens_per_block),
-        ("layout", {"HND": 0, "NHD": 1}[kernel.layout]), ("dtype", {"bf16": 0, "fp16": 1}[kernel.dtype]),
+        ("layout", {"HND": 0, "NHD": 1}[kernel.layout]), ("dtype", {"bf16": 0, "fp16": 1, "fp8_e4m3": 2}[kernel.dtype]),
         ("threads", kernel.threads), ("heads_per_pass", kernel.heads), ("passes", kernel.passes),
         ("vector_elems", kernel.vec), ("lanes", kernel.lanes), ("tokens_per_cta", kernel.tokens_per_cta),
     ]

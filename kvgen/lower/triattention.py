@@ -8,7 +8,7 @@ on them:
 - ``rotary_start``: the spec's ``rope_start`` (0 for ``leading`` and ``full`` RoPE,
   ``row_dim - rotary_dim`` for ``trailing``);
 - ``swa_window[layer]``: the spec's window for sliding layers, ``None`` for scored ones;
-- refusals (MLA, CSA, no RoPE, fp8 K, nothing scored, not enabled): the oracle's
+- refusals (MLA, CSA, no RoPE, an unreadable K dtype, nothing scored, not enabled): the oracle's
   ``refusal_reason``, asked with the spec's values; ``GeometryError`` names the family.
 """
 

@@ -191,7 +191,14 @@ def score_coefficients(calib: Calibration, layer: int, c: torch.Tensor, d: torch
 def score_keys(k_rows: torch.Tensor, calib: Calibration, layer: int, c: torch.Tensor, d: torch.Tensor,
                geometry: TriGeometry, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Scores ``[..., Hq, T]`` of post-RoPE keys ``k_rows`` ``[..., Hkv, T, head_dim]`` for query
-    heads of ``layer``, given mean-phase rows ``c, d`` ``[..., F]`` (same leading dims)."""
+    heads of ``layer``, given mean-phase rows ``c, d`` ``[..., F]`` (same leading dims).
+
+    K dtypes: bf16, fp16 and fp8 E4M3 (``float8_e4m3fn``) rows are widened to ``dtype`` exactly
+    (every code is a float32 value). fp8 K is scored as stored: the dequantized key of an fp8
+    cache with a per-tensor ``k_scale`` is ``k × k_scale`` (``score_paged``'s argument), whose
+    score is exactly ``k_scale`` × this one for ``k_scale > 0`` (every term is linear in ``k``,
+    ``|k|`` included), so z-scores and kept sets do not depend on it (up to the ``1e-6`` std
+    floor); the score kernel therefore takes no scale."""
     _require_scored(layer, geometry)
     re, im = split_pairs(k_rows.to(dtype), geometry)
     re = re.repeat_interleave(geometry.group, dim=-3)  # KV head -> its query heads

@@ -2,8 +2,8 @@
 
 Stated here once, for the spec validator, the lowering, the runtime and the tools alike:
 
-- ``refusal_reason``: which families TriAttention cannot serve (MLA, CSA, no RoPE, fp8 K,
-  nothing scored, not enabled), and why;
+- ``refusal_reason``: which families TriAttention cannot serve (MLA, CSA, no RoPE, a K dtype
+  it cannot read, nothing scored, not enabled), and why;
 - ``TriGeometry``: the cache geometry the oracle and the kernels compute with, and
   ``page_shape``, the shape of one page of a K (or V) pool in the HND or NHD layout;
 - ``check_budget``: the budgets a round can keep;
@@ -24,7 +24,7 @@ from typing import Any
 MODES = ("union", "per_head", "per_layer_perhead")
 LATENT_ATTENTION = ("mla", "csa")   # one shared latent per token: no KV heads to score
 HEAD_ATTENTION = ("mha", "gqa", "mqa")
-SCORED_DTYPES = ("bf16", "fp16")    # hot K dtypes the score kernel reads
+SCORED_DTYPES = ("bf16", "fp16", "fp8_e4m3")   # hot K dtypes the score kernel reads (fp8: as stored, score_keys)
 LAYOUTS = ("HND", "NHD")
 PAIRINGS = ("half", "interleaved")
 
@@ -44,7 +44,7 @@ def refusal_reason(attention: str, *, rope_placement: str | None = None, scored_
     Each caller passes the values it knows; an argument left ``None`` is not checked (a
     ``TriGeometry`` knows no dtype, the spec validator only asks for enabled families). The
     reasons are tried in this order: attention kind, RoPE, scored layers, ``enabled``, hot K
-    dtype; a disabled fp8 family therefore reads "not enabled"."""
+    dtype; a disabled family of an unreadable dtype therefore reads "not enabled"."""
     if attention in LATENT_ATTENTION:
         return (f"TriAttention cannot serve attention: {attention} (one shared latent per token, "
                 "no KV-head semantics)")
@@ -55,8 +55,7 @@ def refusal_reason(attention: str, *, rope_placement: str | None = None, scored_
     if enabled is False:
         return "triattention.enabled is false; nothing to score"
     if dtype is not None and dtype not in SCORED_DTYPES:
-        return (f"TriAttention scoring reads {' or '.join(SCORED_DTYPES)} K, not {dtype} "
-                "(fp8 K scoring is out of scope)")
+        return f"TriAttention scoring reads {', '.join(SCORED_DTYPES)} K, not {dtype}"
     return None
 
 

@@ -300,6 +300,7 @@ class TriAttentionManager:
         if len(strides) != 1:
             raise ValueError(f"scored K pools have different page strides {sorted(strides)}; one is required")
         self.page_stride = strides.pop()
+        self.num_pages = min(self.k_pools[layer].shape[0] for layer in g.scored_layers)   # the kernel's page bound
         return device
 
     def _prepare_inputs(self, max_position: int) -> None:
@@ -386,7 +387,8 @@ class TriAttentionManager:
         scores = torch.empty((len(g.scored_layers), len(P), g.query_heads, width), dtype=torch.float32,
                              device=self.device)
         self.library.score(self.k_layer_ptrs, self.page_stride, page_table, rows[0].to(torch.int32),
-                           rows[2].to(torch.int32), c, d, self.qr, self.qi, self.mlr, self.freq_scale_sq, scores)
+                           rows[2].to(torch.int32), c, d, self.qr, self.qi, self.mlr, self.freq_scale_sq, scores,
+                           num_pages=self.num_pages)
         return scores
 
     def _check_round_inputs(self, page_table: torch.Tensor, P: Sequence[int], S: Sequence[int],

@@ -18,11 +18,11 @@ import torch
 from kvgen.reference.triattention import TriGeometry
 from kvgen.runtime.library import LibraryError, load_typed
 
-ABI_VERSION = 1
+ABI_VERSION = 2
 PAIRINGS = ("half", "interleaved")
 LAYOUTS = ("HND", "NHD")
-DTYPES = ("bf16", "fp16")
-TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = ("bf16", "fp16", "fp8_e4m3")   # fp8 K is scored as stored (no scale: see kvgen_score.h)
+TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8_e4m3": torch.float8_e4m3fn}
 MAX_GRID_Z = 65535
 
 
@@ -47,7 +47,8 @@ _SIGNATURES = {
     "kvgen_score_arch": (_c.c_char_p, []),
     "kvgen_score_last_error": (_c.c_char_p, []),
     "kvgen_score_query_geometry": (_c.c_int, [_c.POINTER(ScoreGeometry)]),
-    "kvgen_score": (_c.c_int, [_c.c_void_p, _c.c_int64, _c.c_void_p, _c.c_int32, _c.c_void_p, _c.c_void_p,
+    "kvgen_score_check_device_errors": (_c.c_int, []),
+    "kvgen_score": (_c.c_int, [_c.c_void_p, _c.c_int64, _c.c_int64, _c.c_void_p, _c.c_int32, _c.c_void_p, _c.c_void_p,
                                _c.c_void_p, _c.c_void_p, _c.c_void_p, _c.c_void_p, _c.c_void_p, _c.c_void_p,
                                _c.c_void_p, _c.c_int32, _c.c_int32, _c.c_int32, _c.c_void_p]),
 }
@@ -100,8 +101,9 @@ class ScoreLibrary:
     def score(self, k_layer_ptrs: torch.Tensor, page_stride: int, page_table: torch.Tensor, P: torch.Tensor,
               S: torch.Tensor, c: torch.Tensor, d: torch.Tensor, qr: torch.Tensor, qi: torch.Tensor,
               mlr: torch.Tensor, freq_scale_sq: torch.Tensor, scores: torch.Tensor,
-              stream: torch.cuda.Stream | None = None) -> None:
-        """Enqueue the scores ``[layers, B, Hq, W]`` (see ``kvgen_score.h`` for every argument).
+              stream: torch.cuda.Stream | None = None, *, num_pages: int) -> None:
+        """Enqueue the scores ``[layers, B, Hq, W]`` (see ``kvgen_score.h`` for every argument;
+        ``num_pages``: pages in every K pool, page ids outside are skipped and raise on the next call).
 
         Checked here, without reading device memory: every tensor's dtype, shape, contiguity and
         device, ``page_stride``, the grid limit and the stream's device. ``P``, ``S``, the page ids
@@ -140,10 +142,15 @@ class ScoreLibrary:
         if stream.device != device:
             raise ValueError(f"stream: on {stream.device}, scores on {device}")
         status = self._lib.kvgen_score(
-            k_layer_ptrs.data_ptr(), page_stride, page_table.data_ptr(), page_table.shape[1], P.data_ptr(),
+            k_layer_ptrs.data_ptr(), page_stride, num_pages, page_table.data_ptr(), page_table.shape[1], P.data_ptr(),
             S.data_ptr(), c.data_ptr(), d.data_ptr(), qr.data_ptr(), qi.data_ptr(), mlr.data_ptr(),
             freq_scale_sq.data_ptr(), scores.data_ptr(), layers, batch, width, stream.cuda_stream)
         if status != 0:
+            raise LibraryError(f"{self.path}: {self.last_error()}")
+
+    def check_device_errors(self) -> None:
+        """Raise if a finished kernel skipped a page id outside the pool (clears the record)."""
+        if self._lib.kvgen_score_check_device_errors() != 0:
             raise LibraryError(f"{self.path}: {self.last_error()}")
 
 

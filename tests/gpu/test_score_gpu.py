@@ -14,6 +14,15 @@ the magnitudes every rounding error is relative to) the first-order worst case i
 coefficients and the magnitude. The bound is asserted everywhere, so it holds for any inputs, not
 only on average. Columns past a request's width must be exactly 0.
 
+fp8 E4M3 K (qwen3-8b-fp8 with TriAttention enabled; the shipped spec leaves it off): every code
+widens exactly, the kernel reads K as stored (no scale), so the same bound holds with T taken over
+the fp8 values, and the kept sets are compared the same way. Its library comes from
+``KVGEN_FP8_REGISTRY`` (default ``build/registry-score-fp8``, built on the CPU machine from the
+enabled spec) when ``KVGEN_SCORE_REGISTRY`` has none. Variants of the pipeline tunables
+(``tokens_per_thread``, ``prefetch``) are the same tests run with ``KVGEN_SCORE_REGISTRY`` set to
+their registry (``build/registry-score-{t2,p1,t2p1,t4p1}``): same scores within the same bound.
+Device-side safety: page ids outside the pool in the page table score 0 and the next call raises.
+
 Grid: every TriAttention family, its first 6 cache layers (the kernel's layer count is a run-time
 size; for the SWA families 3 of the 6 slide), three requests: widths 300, 0 and 517 decode tokens,
 positions L = S + C up to ~70600 (the mean-phase table grows past its initial 2^15 rows), K/V of
@@ -51,9 +60,10 @@ from kvgen.reference.triattention import (
     zscore,
 )
 from kvgen.runtime.eviction import TriAttentionManager, generated_backends
+from kvgen.runtime.library import LibraryError
 from kvgen.runtime.lookup import RegistryError, RuntimeRegistry
 from kvgen.runtime.score import ScoreLibrary
-from kvgen.spec.schema import load_spec
+from kvgen.spec.schema import load_spec, parse_spec
 
 from ..conftest import SPECS_DIR
 from ..tri_sim import DecodeSim, run_against_oracle, save_synthetic_calibration, small_spec
@@ -61,27 +71,47 @@ from .conftest import ARCH, REGISTRY
 
 pytestmark = pytest.mark.gpu
 
-FAMILIES = sorted(p.stem for p in SPECS_DIR.glob("*.yaml") if load_spec(p).triattention.enabled)
+FP8_FAMILY = "qwen3-8b-fp8"
+FAMILIES = sorted(p.stem for p in SPECS_DIR.glob("*.yaml") if load_spec(p).triattention.enabled) + [FP8_FAMILY]
 U = 2.0 ** -24
 PROMPTS, GENERATED, TAILS = [5, 37, 70], [300, 0, 517], [0, 2, 1]
 EVICTED = [0, 1000, 70000]
 COMBINED = {"qwen3-8b-nhd", "mistral-7b"}
 # Score libraries may come from another registry (a variant with other tunable parameters).
 SCORE_REGISTRY = Path(os.environ.get("KVGEN_SCORE_REGISTRY", REGISTRY))
+FP8_REGISTRY = Path(os.environ.get("KVGEN_FP8_REGISTRY", REGISTRY.parent / "registry-score-fp8"))
+
+
+def family_spec(family: str):  # noqa: ANN201 - a FamilySpec
+    """The family's spec; qwen3-8b-fp8 with TriAttention enabled (its shipped spec leaves it off)."""
+    path = SPECS_DIR / f"{family}.yaml"
+    if family != FP8_FAMILY:
+        return load_spec(path)
+    return parse_spec(path.read_text() + "triattention:\n  enabled: true\n  budget: 2048\n  beta: 128\n"
+                      "  eviction_mode: union\n", path.name)
 
 
 def score_library(family: str) -> ScoreLibrary:
-    try:
-        path = RuntimeRegistry([SCORE_REGISTRY]).resolve(family, ARCH).artifact("score")
-    except RegistryError as exc:
-        pytest.skip(f"no score library ({exc}); build it on the CPU machine and carry {SCORE_REGISTRY}")
-    return ScoreLibrary(path, family=family)
+    registries = [SCORE_REGISTRY] + ([FP8_REGISTRY] if family == FP8_FAMILY else [])
+    for registry in registries:
+        try:
+            path = RuntimeRegistry([registry]).resolve(family, ARCH).artifact("score")
+        except RegistryError as exc:
+            error = exc
+            continue
+        return ScoreLibrary(path, family=family)
+    pytest.skip(f"no score library ({error}); build it on the CPU machine and carry {registries}")
+
+
+def exact_pool(pool: torch.Tensor) -> torch.Tensor:
+    """An fp8 pool as float32 (exact) for the oracle's gathers; other dtypes as they are."""
+    return pool.float() if pool.element_size() == 1 else pool
 
 
 @functools.lru_cache(maxsize=None)
 def scenario(family: str) -> dict:
     """Kernel scores of one family's scenario (computed once per session)."""
-    spec = small_spec(load_spec(SPECS_DIR / f"{family}.yaml"), 6)
+    spec = small_spec(family_spec(family), 6)
     max_tokens = max(p + n + t for p, n, t in zip(PROMPTS, GENERATED, TAILS)) + 8
     sim = DecodeSim(eviction_config(spec), PROMPTS, TAILS, max_tokens, torch.device("cuda"), seed=11, generated=GENERATED,
                     combined=family in COMBINED)
@@ -130,13 +160,13 @@ def test_scores_match_the_float64_oracle(family: str) -> None:
     valid = j[None, :] < (S - P)[:, None]
     worst = 0.0
     for index, layer in enumerate(g.scored_layers):
-        ref, ref_valid = score_paged(sim.k_pools[layer], sim.page_table, P, S, C, manager.calibration, layer, g,
-                                     torch.float64)
+        pool = exact_pool(sim.k_pools[layer])
+        ref, ref_valid = score_paged(pool, sim.page_table, P, S, C, manager.calibration, layer, g, torch.float64)
         assert torch.equal(ref_valid, valid)
         got = scores[index].double()
         assert bool(torch.isfinite(got).all())
         assert bool((got[~valid[:, None, :].expand_as(got)] == 0).all()), "columns past the width must be 0"
-        rows = gather_token_rows(sim.k_pools[layer], sim.page_table, P[:, None] + j, valid, g)
+        rows = gather_token_rows(pool, sim.page_table, P[:, None] + j, valid, g)
         bound = gamma * abs_bound(rows, manager.calibration, layer, c, d, g)
         err = (got - ref).abs()
         mask = valid[:, None, :].expand_as(err)
@@ -169,6 +199,37 @@ def test_selection_equals_the_oracle_on_the_kernel_scores(family: str, mode: str
         assert torch.equal(manager.decide(scores, PROMPTS, case["S"]), select_keep(values, width, manager.budget, P))
     tied = select_keep(values, width, 100, P)[0]
     assert bool((tied[tied >= 0] >= PROMPTS[0]).all()) and bool((tied[:, 1:] > tied[:, :-1]).all())
+
+
+@pytest.mark.parametrize("family", ["qwen3-8b", FP8_FAMILY])
+def test_page_ids_outside_the_pool_are_skipped_and_reported(family: str) -> None:
+    """A page-table entry < 0 or >= num_pages is never dereferenced: its tokens score 0, every other
+    token scores as before, and the next call (or check_device_errors) raises naming the page."""
+    case = scenario(family)
+    sim, manager = case["sim"], case["manager"]
+    library = manager.library
+    library.check_device_errors()     # nothing recorded so far
+    good = manager.score(sim.page_table, PROMPTS, case["S"], [s + c for s, c in zip(case["S"], EVICTED)])
+    bad_table = sim.page_table.clone()
+    block = (PROMPTS[0] + 3) // manager.geometry.tokens_per_block       # a page of request 0's decode
+    for bad in (manager.num_pages, -7, 1 << 30):
+        bad_table[0, block] = bad
+        scores = manager.score(bad_table, PROMPTS, case["S"], [s + c for s, c in zip(case["S"], EVICTED)])
+        torch.cuda.synchronize()
+        tpb = manager.geometry.tokens_per_block
+        j = torch.arange(scores.shape[-1], device="cuda")
+        hit = (PROMPTS[0] + j) // tpb == block
+        assert bool((scores[:, 0][..., hit] == 0).all()), "skipped tokens score 0"
+        assert torch.equal(scores[:, 0][..., ~hit], good[:, 0][..., ~hit]) and torch.equal(scores[:, 1:], good[:, 1:])
+        with pytest.raises(LibraryError, match=f"page id {bad} from the page table"):
+            library.check_device_errors()
+        library.check_device_errors()     # the record was cleared
+    bad_table[0, block] = manager.num_pages
+    manager.score(bad_table, PROMPTS, case["S"], case["S"])
+    torch.cuda.synchronize()
+    with pytest.raises(LibraryError, match="outside the pool"):
+        manager.score(sim.page_table, PROMPTS, case["S"], case["S"])   # the next call reports it
+    manager.score(sim.page_table, PROMPTS, case["S"], case["S"])       # and then works again
 
 
 ROUND_CASES = [  # family, eviction mode, budget, beta

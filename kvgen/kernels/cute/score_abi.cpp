@@ -7,6 +7,14 @@
 // dynamic_strides}, only the modes that were symbolic at compile time); this file fills them from
 // plain pointers and sizes, checks what the kernel cannot, and loads the embedded cubin (once per
 // process, prepared once per device).
+//
+// Device-side index errors: page ids come from the page table in device memory, so the kernel
+// checks each against num_pages (and each position against the table's row); a token that cannot
+// be read is skipped (scored 0) and recorded in a small record of mapped pinned host memory
+// (g_errors: {kind, value}). The next call reads it with a plain load (no synchronization), clears
+// it and fails with KVGEN_SCORE_EDEVICE naming the value, before enqueuing anything;
+// kvgen_score_check_device_errors asks explicitly.
+#include <cstdint>
 #include <cstdio>
 #include <mutex>
 #include <string>
@@ -44,6 +52,8 @@ std::mutex g_load_mutex;
 bool g_initialized = false;
 cudaError_t g_init_error = cudaSuccess;
 std::vector<bool> g_device_ready;
+volatile int32_t* g_errors = nullptr;   // mapped pinned host memory, ERROR_WORDS of score_kernel.py
+int32_t* g_errors_device = nullptr;      // its device address (unified addressing: the same pointer)
 
 int fail(int code, const std::string& message) {
   g_last_error = message;
@@ -98,6 +108,42 @@ int load_module_on_current_device() {
   return 0;
 }
 
+// The error record, allocated once per process by the first call or check (do one before
+// capturing a CUDA graph: cudaHostAlloc is not allowed during capture).
+int ensure_error_record() {
+  std::lock_guard<std::mutex> lock(g_load_mutex);
+  if (g_errors != nullptr) return 0;
+  void* host = nullptr;
+  cudaError_t err = cudaHostAlloc(&host, 2 * sizeof(int32_t), cudaHostAllocMapped);
+  if (err == cudaSuccess) {
+    err = cudaHostGetDevicePointer(reinterpret_cast<void**>(&g_errors_device), host, 0);
+  }
+  if (err != cudaSuccess) {
+    if (host != nullptr) cudaFreeHost(host);
+    return fail(KVGEN_SCORE_ELOAD, "kvgen_score (" KVGEN_SCORE_FAMILY ", " KVGEN_SCORE_ARCH
+                                   "): cannot allocate the device error record: " + cuda_text(err));
+  }
+  g_errors = static_cast<volatile int32_t*>(host);
+  g_errors[0] = 0;
+  g_errors[1] = 0;
+  return 0;
+}
+
+// Nonzero (and the message set, the record cleared) when a finished kernel skipped a token.
+// Kinds: SKIPPED_PAGE / SKIPPED_POSITION of score_kernel.py.
+int take_device_errors() {
+  if (g_errors == nullptr || g_errors[0] == 0) return 0;
+  const int32_t kind = g_errors[0];
+  const int32_t value = g_errors[1];
+  g_errors[0] = 0;
+  const std::string what = kind == 1 ? "read page id " + std::to_string(value) +
+                                           " from the page table, outside the pool's num_pages"
+                                     : "met position " + std::to_string(value) +
+                                           " (P + j), outside its page table row";
+  return fail(KVGEN_SCORE_EDEVICE, "kvgen_score (" KVGEN_SCORE_FAMILY ", " KVGEN_SCORE_ARCH "): an earlier call " +
+                                       what + "; those tokens were skipped (scored 0)");
+}
+
 }  // namespace
 
 extern "C" {
@@ -118,7 +164,13 @@ int kvgen_score_query_geometry(kvgen_score_geometry_t* out) {
   return 0;
 }
 
-int kvgen_score(const int64_t* k_layer_ptrs, int64_t page_stride, const int32_t* page_table, int32_t max_pages,
+int kvgen_score_check_device_errors(void) {
+  int status = ensure_error_record();
+  return status != 0 ? status : take_device_errors();
+}
+
+int kvgen_score(const int64_t* k_layer_ptrs, int64_t page_stride, int64_t num_pages, const int32_t* page_table,
+                int32_t max_pages,
                 const int32_t* P, const int32_t* S, const float* c, const float* d, const float* qr,
                 const float* qi, const float* mlr, const float* freq_scale_sq, float* scores, int32_t num_layers,
                 int32_t batch, int32_t width, cudaStream_t stream) {
@@ -148,10 +200,20 @@ int kvgen_score(const int64_t* k_layer_ptrs, int64_t page_stride, const int32_t*
   if (max_pages == 0) {
     return fail(KVGEN_SCORE_EINVAL, "kvgen_score: max_pages must be > 0");
   }
+  if (num_pages <= 0) {
+    return fail(KVGEN_SCORE_EINVAL, "kvgen_score: num_pages " + std::to_string(num_pages) +
+                                        " must be > 0 (pages in every K pool)");
+  }
   int loaded = load_module_on_current_device();
   if (loaded != 0) {
     return loaded;
   }
+  int status = kvgen_score_check_device_errors();
+  if (status != 0) {
+    return status;
+  }
+  // Page ids are int32: a pool of more pages than that has every id in range.
+  const int32_t pool_pages = num_pages > INT32_MAX ? INT32_MAX : static_cast<int32_t>(num_pages);
 
   const int64_t B = batch, W = width, Hq = g.query_heads;
   kvgen_score_impl_Tensor_k_ptrs_t t_k_ptrs = {const_cast<int64_t*>(k_layer_ptrs), {num_layers}};
@@ -166,8 +228,10 @@ int kvgen_score(const int64_t* k_layer_ptrs, int64_t page_stride, const int32_t*
   kvgen_score_impl_Tensor_mlr_t t_mlr = {const_cast<float*>(mlr), {num_layers}};
   kvgen_score_impl_Tensor_freq_scale_sq_t t_freq = {const_cast<float*>(freq_scale_sq)};
   kvgen_score_impl_Tensor_scores_t t_scores = {scores, {num_layers, batch, width}, {B * Hq * W, Hq * W, W}};
-  int32_t status = cute_dsl_kvgen_score_impl_wrapper(&g_module, &t_k_ptrs, &t_page_table, &t_P, &t_S, &t_c, &t_d,
-                                                     &t_qr, &t_qi, &t_mlr, &t_freq, &t_scores, page_stride, stream);
+  kvgen_score_impl_Tensor_errors_t t_errors = {g_errors_device};
+  status = cute_dsl_kvgen_score_impl_wrapper(&g_module, &t_k_ptrs, &t_page_table, &t_P, &t_S, &t_c, &t_d, &t_qr,
+                                             &t_qi, &t_mlr, &t_freq, &t_scores, &t_errors, page_stride, pool_pages,
+                                             stream);
   if (status != 0) {
     return fail(status, std::string("kvgen_score (" KVGEN_SCORE_FAMILY ", " KVGEN_SCORE_ARCH "): launch failed: ") +
                             cudaGetErrorName(static_cast<cudaError_t>(status)));

@@ -7,8 +7,9 @@ the calibration (``qr, qi, mlr`` ``[layers, Hq, F]``, ``s = freq_scale_sq`` ``[F
 request's mean-phase row (``c, d`` ``[B, F]``).
 
 Work decomposition (memory bound: every K row is read once per pass, see below):
-- grid ``(⌈W / tokens_per_cta⌉, Hkv · passes, layers · B)``; one CTA = ``token_tiles`` tiles of
-  ``threads / lanes`` tokens of one KV head of one (layer, request); ``lanes`` adjacent threads
+- grid ``(⌈W / tokens_per_cta⌉, Hkv · passes, layers · B)``; one CTA = ``token_tiles`` stages of
+  ``tokens_per_thread`` tiles of ``threads / lanes`` tokens of one KV head of one (layer,
+  request); ``lanes`` adjacent threads
   share a token: lane ``l`` reads the row's 16-byte chunks ``l, l + lanes, ...`` (so one warp load
   covers ``lanes`` adjacent chunks of each of ``32 / lanes`` rows), and a butterfly shuffle sums
   the lanes' partial scores. ``lanes = 1``: one thread per token, the simplest form.
@@ -21,7 +22,17 @@ Work decomposition (memory bound: every K row is read once per pass, see below):
   loads; lanes in different banks; all threads of a lane read the same address: broadcast), then
   each thread loads its chunks of the K row's rotated span in 16-byte vectors and accumulates with
   fused multiply-adds; ``|k_f|`` uses the approximate square root (one MUFU op).
+- bytes in flight (the kernel is latency-bound, PERFORMANCE.md): a thread issues the K loads of
+  all ``tokens_per_thread`` tokens of a stage into registers before computing any, and with
+  ``prefetch`` the next stage's before computing this one (stage 0's before the coefficient
+  prologue). Stages are unrolled at trace time, so this pipeline is program order; the loads are
+  branch-free (``RowSource.locate``) so nothing separates them. The accumulation order of a token
+  is the same in every variant: the scores are identical, bit for bit.
+- page ids from the page table outside ``[0, num_pages)``, and positions outside the page table's
+  row, are never dereferenced: the token is scored 0 and the value recorded in ``errors`` (the C
+  shim fails the next call with it).
 - columns ``[S − P, W)`` of a request are written as zeros, so the output needs no memset.
+- K dtypes: bf16, fp16, fp8 E4M3 (16 elements per 16-byte load), widened exactly to f32.
 
 Inputs are raw device pointers wrapped in CuTe tensors with symbolic sizes (``compile_aot``): the
 AOT export turns each into a ``{data, dynamic_shapes, dynamic_strides}`` struct that the C shim
@@ -39,8 +50,56 @@ from cutlass import Float32, Int32, Int64
 
 from kvgen.kernels.cute.geometry import effective_lanes, pairs_per_chunk, vector_width
 
-ELEMENT_TYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
-ELEMENT_BYTES = {"bf16": 2, "fp16": 2}
+# fp8_e4m3 K is read as stored: the score of a dequantized pool (K × k_scale, k_scale > 0) is the
+# same score × k_scale, which z-normalization removes (TRIATTENTION.md §3 and reference.score_keys).
+ELEMENT_TYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "fp8_e4m3": cutlass.Float8E4M3FN}
+ELEMENT_BYTES = {"bf16": 2, "fp16": 2, "fp8_e4m3": 1}
+# The device error record (score_abi.cpp reports it on the next call): errors[0] = what was
+# skipped (0: nothing), errors[1] = one such value.
+ERROR_WORDS = 2
+SKIPPED_PAGE = 1       # a page id from the page table outside [0, num_pages); errors[1] = the id
+SKIPPED_POSITION = 2   # a position P + j outside the page table's row; errors[1] = the position
+
+
+class RowSource:
+    """Where the K rows of one thread's tokens are: the (layer, request, KV head) of its CTA and
+    the pool's bounds. Traced inside the kernel (values are the kernel's)."""
+
+    def __init__(self, k_ptrs, page_table, P, errors, page_stride, num_pages, layer, request, kv_head, lane,
+                 valid_width):
+        self.k_ptrs, self.page_table, self.P, self.errors = k_ptrs, page_table, P, errors
+        self.page_stride, self.num_pages = page_stride, num_pages
+        self.layer, self.request, self.kv_head, self.lane = layer, request, kv_head, lane
+        self.valid_width = valid_width
+
+    def locate(self, kernel: "TriScoreKernel", j, live) -> tuple:
+        """``(use, span)``: whether column ``j`` is a token of the request that can be read, and its
+        rotated span (``live`` false: never). Branch-free, so the loads of several tokens can be in
+        flight together.
+        Never read: a column past the width (no error), a position outside the page table's row
+        (``P + j < 0`` or past ``max_pages`` pages: ``SKIPPED_POSITION``) and a page id outside
+        ``[0, num_pages)`` (``SKIPPED_PAGE``); an unused column reads page-table entry 0 and slot 0
+        of page 0 instead (which exist: the shim requires ``max_pages, num_pages > 0``), and its
+        score is written as 0."""
+        valid = (j < self.valid_width) & live
+        position = self.P[self.request] + j
+        block = position // kernel.tokens_per_block
+        slot = position - block * kernel.tokens_per_block
+        in_table = (position >= 0) & (block < self.page_table.shape[1])
+        kernel.record_skipped(self.errors, valid & ((position < 0) | (block >= self.page_table.shape[1])),
+                              SKIPPED_POSITION, position)
+        listed = valid & in_table
+        page = self.page_table[self.request, cutlass.select_(listed, block, Int32(0))]
+        in_pool = (page >= 0) & (page < self.num_pages)
+        kernel.record_skipped(self.errors, listed & ((page < 0) | (page >= self.num_pages)), SKIPPED_PAGE, page)
+        use = listed & in_pool
+        page = cutlass.select_(use, page, Int32(0))
+        slot = cutlass.select_(use, slot, Int32(0))
+        offset = (Int64(page) * self.page_stride + self.kv_head * kernel.head_stride + slot * kernel.slot_stride
+                  + kernel.rotary_start)
+        span_ptr = cute.make_ptr(kernel.element, self.k_ptrs[self.layer] + offset * kernel.elem_bytes,
+                                 cute.AddressSpace.gmem, assumed_align=kernel.vec * kernel.elem_bytes)
+        return use, cute.make_tensor(span_ptr, cute.make_layout(kernel.rotary_dim))
 
 
 class TriScoreKernel:
@@ -48,17 +107,19 @@ class TriScoreKernel:
 
     def __init__(self, *, dtype: str, layout: str, head_dim: int, query_heads: int, kv_heads: int,
                  rotary_start: int, rotary_dim: int, pairing: str, tokens_per_block: int,
-                 threads: int = 128, max_heads: int = 16, lanes: int = 1, token_tiles: int = 1):
+                 threads: int = 128, max_heads: int = 16, lanes: int = 1, token_tiles: int = 1,
+                 tokens_per_thread: int = 1, prefetch: int = 0):
         if dtype not in ELEMENT_TYPES:
-            raise ValueError(f"score kernel: dtype {dtype!r}; accepted: {', '.join(ELEMENT_TYPES)} "
-                             "(fp8 K is not scored yet)")
+            raise ValueError(f"score kernel: dtype {dtype!r}; accepted: {', '.join(ELEMENT_TYPES)}")
         if layout not in ("HND", "NHD") or pairing not in ("half", "interleaved"):
             raise ValueError(f"score kernel: layout {layout!r} / pairing {pairing!r} not supported")
         if query_heads % kv_heads or rotary_dim % 2 or rotary_start + rotary_dim > head_dim:
             raise ValueError("score kernel: inconsistent geometry")
-        if lanes not in (1, 2, 4, 8) or threads % 32 or token_tiles < 1:
+        if lanes not in (1, 2, 4, 8) or threads % 32 or token_tiles < 1 or tokens_per_thread < 1:
             raise ValueError(f"score kernel: lanes {lanes} (1, 2, 4 or 8) / threads {threads} (multiple of 32) "
-                             f"/ token_tiles {token_tiles} (>= 1)")
+                             f"/ token_tiles {token_tiles} / tokens_per_thread {tokens_per_thread} (>= 1)")
+        if prefetch not in (0, 1):
+            raise ValueError(f"score kernel: prefetch {prefetch} (0 or 1)")
         self.dtype = dtype
         self.element = ELEMENT_TYPES[dtype]
         self.elem_bytes = ELEMENT_BYTES[dtype]
@@ -83,8 +144,14 @@ class TriScoreKernel:
         self.lanes = lanes = effective_lanes(lanes, self.chunks)  # threads per token, chunk c -> lane c % lanes
         self.steps = self.chunks // lanes                   # chunks per lane
         self.tokens_per_tile = threads // lanes
-        self.token_tiles = token_tiles                      # tiles a CTA walks (amortizes its prologue)
-        self.tokens_per_cta = self.tokens_per_tile * token_tiles
+        # A CTA walks token_tiles stages (amortizes its prologue); in each, a thread scores
+        # tokens_per_thread tokens whose loads are all issued before the first is computed.
+        self.token_tiles = token_tiles
+        self.tokens_per_thread = tokens_per_thread
+        self.prefetch = prefetch                            # 1: stage s + 1's loads before computing stage s
+        self.tokens_per_cta = self.tokens_per_tile * tokens_per_thread * token_tiles
+        self.vectors_per_chunk = 2 if pairing == "half" else max(2 * self.pairs_per_chunk // self.vec, 1)
+        self.row_elems = self.steps * self.vectors_per_chunk * self.vec   # K elements a lane holds per token
         # Shared coefficients [heads][3][pairs_per_chunk][lanes][steps]: a lane's block of one step
         # is contiguous (vector loads); lane blocks are 4 (mod 8) words apart so the lanes of a
         # token read different banks.
@@ -108,13 +175,14 @@ class TriScoreKernel:
     @cute.jit
     def __call__(self, k_ptrs: cute.Tensor, page_table: cute.Tensor, P: cute.Tensor, S: cute.Tensor,
                  c: cute.Tensor, d: cute.Tensor, qr: cute.Tensor, qi: cute.Tensor, mlr: cute.Tensor,
-                 freq_scale_sq: cute.Tensor, scores: cute.Tensor, page_stride: Int64,
-                 stream: cuda.CUstream):
+                 freq_scale_sq: cute.Tensor, scores: cute.Tensor, errors: cute.Tensor, page_stride: Int64,
+                 num_pages: Int32, stream: cuda.CUstream):
         layers = scores.shape[0]
         batch = scores.shape[1]
         width = scores.shape[3]
         tiles = (width + self.tokens_per_cta - 1) // self.tokens_per_cta
-        self.kernel(k_ptrs, page_table, P, S, c, d, qr, qi, mlr, freq_scale_sq, scores, page_stride).launch(
+        self.kernel(k_ptrs, page_table, P, S, c, d, qr, qi, mlr, freq_scale_sq, scores, errors, page_stride,
+                    num_pages).launch(
             grid=[tiles, self.kv_heads * self.passes, layers * batch],
             block=[self.threads, 1, 1],
             stream=stream,
@@ -125,7 +193,8 @@ class TriScoreKernel:
     @cute.kernel
     def kernel(self, k_ptrs: cute.Tensor, page_table: cute.Tensor, P: cute.Tensor, S: cute.Tensor,
                c: cute.Tensor, d: cute.Tensor, qr: cute.Tensor, qi: cute.Tensor, mlr: cute.Tensor,
-               freq_scale_sq: cute.Tensor, scores: cute.Tensor, page_stride: Int64):
+               freq_scale_sq: cute.Tensor, scores: cute.Tensor, errors: cute.Tensor, page_stride: Int64,
+               num_pages: Int32):
         tid, _, _ = cute.arch.thread_idx()
         tile, head_pass, layer_request = cute.arch.block_idx()
         batch = scores.shape[1]
@@ -134,6 +203,16 @@ class TriScoreKernel:
         request = layer_request - layer * batch
         kv_head = head_pass // self.passes
         first = (head_pass - kv_head * self.passes) * self.heads   # first group member of this pass
+        lane = tid % self.lanes
+        token = RowSource(k_ptrs, page_table, P, errors, page_stride, num_pages, layer, request, kv_head, lane,
+                          S[request] - P[request])
+        # Registers for one stage's K pieces (tokens_per_thread rows) and whether each is used.
+        rows = cute.make_rmem_tensor(cute.make_layout(self.tokens_per_thread * self.row_elems), self.element)
+        used = cute.make_rmem_tensor(cute.make_layout(self.tokens_per_thread), Int32)
+        # prefetch: the first stage's K loads (and their page-table lookups) are issued before
+        # the coefficient prologue, so its global loads and barrier overlap them.
+        if cutlass.const_expr(self.prefetch == 1):
+            self.load_stage(token, rows, used, tile, tid, Int32(0), True)
 
         # (a, b, m) of this pass's query heads for this (layer, request), in shared memory.
         smem = cutlass.memory.SmemAllocator()
@@ -142,36 +221,100 @@ class TriScoreKernel:
         cute.arch.sync_threads()
 
         acc = cute.make_rmem_tensor(cute.make_layout(self.heads), Float32)
-        lane = tid % self.lanes
-        valid_width = S[request] - P[request]
-        if self.token_tiles == 1:
-            j = tile * self.tokens_per_tile + tid // self.lanes
-            self.score_token(acc, coef, k_ptrs, page_table, P, scores, page_stride, layer, request, kv_head, first,
-                             j, lane, valid_width, width)
-        else:
-            for sub in cutlass.range(self.token_tiles):
-                j = (tile * self.token_tiles + sub) * self.tokens_per_tile + tid // self.lanes
-                self.score_token(acc, coef, k_ptrs, page_table, P, scores, page_stride, layer, request, kv_head,
-                                 first, j, lane, valid_width, width)
+        # A loop, not unrolled: unrolled, the compiler hoists every stage's loads to the top and
+        # spills (255 registers + stack measured for 4 stages of qwen3-8b, sm_90a; looped: 36).
+        for stage in cutlass.range(self.token_tiles):
+            self.run_stage(token, rows, used, acc, coef, scores, tile, tid, first, width, stage)
+
+    def columns(self, tile, tid, stage) -> list:
+        """Columns of this thread's tokens in ``stage``: one per token tile of the stage, the threads
+        of a tile on adjacent columns (coalesced rows of one page)."""
+        base = (tile * self.token_tiles + stage) * self.tokens_per_thread
+        return [(base + t) * self.tokens_per_tile + tid // self.lanes for t in range(self.tokens_per_thread)]
 
     @cute.jit
-    def score_token(self, acc: cute.Tensor, coef: cute.Tensor, k_ptrs: cute.Tensor, page_table: cute.Tensor,
-                    P: cute.Tensor, scores: cute.Tensor, page_stride: Int64, layer: Int32, request: Int32,
-                    kv_head: Int32, first: Int32, j: Int32, lane: Int32, valid_width: Int32, width: Int32):
-        """This thread's share of decode token ``j`` (column): its lane's chunks of the K row, the
-        lanes' sum, the stores (zeros past the request's width)."""
+    def run_stage(self, token: "RowSource", rows: cute.Tensor, used: cute.Tensor, acc: cute.Tensor,
+                  coef: cute.Tensor, scores: cute.Tensor, tile: Int32, tid: Int32, first: Int32, width: Int32,
+                  stage: Int32):
+        """One stage: its tokens' scores. Without prefetch, one token per thread is read under a
+        branch (the lean form: nothing is loaded for a column that is not used), several are all
+        loaded first, branch-free. With prefetch, ``rows`` already holds this stage (loaded by the
+        prologue or the previous stage): it is copied, the next stage's loads are issued into
+        ``rows`` (none past the CTA's last stage: those read the one line at slot 0 of page 0),
+        then the copy is computed."""
+        columns = self.columns(tile, tid, stage)
+        if cutlass.const_expr(self.prefetch == 1):
+            current = cute.make_rmem_tensor(cute.make_layout(self.tokens_per_thread * self.row_elems), self.element)
+            current.store(rows.load())
+            current_used = cute.make_rmem_tensor(cute.make_layout(self.tokens_per_thread), Int32)
+            current_used.store(used.load())
+            if cutlass.const_expr(self.token_tiles > 1):
+                self.load_stage(token, rows, used, tile, tid, stage + 1, stage + 1 < self.token_tiles)
+            for t in cutlass.range_constexpr(self.tokens_per_thread):
+                self.score_token(acc, coef, current, t, scores, token, first, columns[t], current_used[t] != 0,
+                                 width)
+        elif cutlass.const_expr(self.tokens_per_thread == 1):
+            # acc stays 0 for a column that is not read, so the stores need no select.
+            acc.fill(0.0)
+            if columns[0] < token.valid_width:
+                self.accumulate_if_readable(acc, coef, token, columns[0])
+            self.finish_token(acc, scores, token, first, columns[0], cutlass.Boolean(True), width)
+        else:
+            self.load_stage(token, rows, used, tile, tid, stage, True)
+            for t in cutlass.range_constexpr(self.tokens_per_thread):
+                self.score_token(acc, coef, rows, t, scores, token, first, columns[t], used[t] != 0, width)
+
+    @cute.jit
+    def accumulate_if_readable(self, acc: cute.Tensor, coef: cute.Tensor, token: "RowSource", j: Int32):
+        """Column ``j``'s scores into ``acc`` if its row can be read (all address arithmetic under
+        the caller's width branch: the lean form; qwen3-8b's tuned shape, 4 one-token stages,
+        measured 36 registers, 78 branch-free, 47 before the page checks were added)."""
+        use, span = token.locate(self, j, True)
+        if use:
+            row = cute.make_rmem_tensor(cute.make_layout(self.row_elems), self.element)
+            self.load_row(token, row, 0, span)
+            self.accumulate(acc, coef, row, 0, token.lane)
+
+    def load_stage(self, token: "RowSource", rows: cute.Tensor, used: cute.Tensor, tile, tid, stage, live) -> None:
+        """Every token of ``stage`` into ``rows`` (``row_pieces`` order, token after token) and
+        ``used``, with no branch (``RowSource.locate``), so all its loads are in flight together;
+        ``live`` false: none is used (and only slot 0 of page 0 is read)."""
+        for t, j in enumerate(self.columns(tile, tid, stage)):
+            use, span = token.locate(self, j, live)
+            used[t] = Int32(cutlass.select_(use, Int32(1), Int32(0)))
+            self.load_row(token, rows, t, span)
+
+    def load_row(self, token: "RowSource", rows: cute.Tensor, t: int, span: cute.Tensor) -> None:
+        """This lane's pieces of one K row's rotated span into token ``t``'s part of ``rows``."""
+        first = t * (self.row_elems // self.vec)
+        for k, piece in enumerate(self.row_pieces(token.lane)):
+            cute.local_tile(rows, (self.vec,), (first + k,)).store(cute.local_tile(span, (self.vec,), (piece,)).load())
+
+    def row_pieces(self, lane) -> list:
+        """Indices (in ``vec``-wide pieces of the rotated span) this lane loads, in register order:
+        per step, the re and im vectors of a half-pair chunk, or the chunk's interleaved vectors."""
+        pieces = []
+        for step in range(self.steps):
+            chunk = step * self.lanes + lane
+            if self.pairing == "half":
+                pieces += [chunk, self.chunks + chunk]
+            else:
+                pieces += [chunk * self.vectors_per_chunk + k for k in range(self.vectors_per_chunk)]
+        return pieces
+
+    @cute.jit
+    def score_token(self, acc: cute.Tensor, coef: cute.Tensor, rows: cute.Tensor, t: cutlass.Constexpr,
+                    scores: cute.Tensor, token: "RowSource", first: Int32, j: Int32, use: cutlass.Boolean,
+                    width: Int32):
+        """Decode token ``j`` (column) from token ``t``'s loaded pieces."""
         acc.fill(0.0)
-        if j < valid_width:
-            position = P[request] + j
-            block = position // self.tokens_per_block
-            slot = position - block * self.tokens_per_block
-            page = page_table[request, block]
-            offset = (Int64(page) * page_stride + kv_head * self.head_stride + slot * self.slot_stride
-                      + self.rotary_start)
-            span_ptr = cute.make_ptr(self.element, k_ptrs[layer] + offset * self.elem_bytes,
-                                     cute.AddressSpace.gmem, assumed_align=self.vec * self.elem_bytes)
-            span = cute.make_tensor(span_ptr, cute.make_layout(self.rotary_dim))
-            self.accumulate(acc, coef, span, lane)
+        self.accumulate(acc, coef, rows, t, token.lane)
+        self.finish_token(acc, scores, token, first, j, use, width)
+
+    @cute.jit
+    def finish_token(self, acc: cute.Tensor, scores: cute.Tensor, token: "RowSource", first: Int32, j: Int32,
+                     use: cutlass.Boolean, width: Int32):
+        """The lanes' sum and the stores: 0 for a column past the request's width or not read."""
         if self.lanes > 1:
             # Every thread takes part (the shuffles need the whole warp); lanes of a token are
             # adjacent threads, so a butterfly over `lanes` sums the token's partial scores.
@@ -179,7 +322,15 @@ class TriScoreKernel:
                 acc[h] = cute.arch.warp_reduction_sum(acc[h], threads_in_group=self.lanes)
         if j < width:
             for h in cutlass.range_constexpr(self.heads):
-                self.store(scores, acc[h], layer, request, kv_head, first, h, j, lane)
+                self.store(scores, Float32(cutlass.select_(use, acc[h], Float32(0.0))), token.layer, token.request,
+                           token.kv_head, first, h, j, token.lane)
+
+    @cute.jit
+    def record_skipped(self, errors: cute.Tensor, skipped: cutlass.Boolean, kind: cutlass.Constexpr, value: Int32):
+        """Plain stores, the failure path only: writers of one kind store the same flag."""
+        if skipped:
+            errors[1] = value
+            errors[0] = Int32(kind)
 
     @cute.jit
     def store(self, scores: cute.Tensor, value: Float32, layer: Int32, request: Int32, kv_head: Int32,
@@ -225,29 +376,26 @@ class TriScoreKernel:
             coef[h, 2, e, lane, step] = Float32(cutlass.select_(live, s * mlr[layer, head, f], zero))
 
     @cute.jit
-    def accumulate(self, acc: cute.Tensor, coef: cute.Tensor, span: cute.Tensor, lane: Int32):
-        """``acc[h] += Σ a·re + b·im + m·|k|`` over this lane's chunks of one K row's rotated span
-        (chunk ``step·lanes + lane``: the lanes of a token read adjacent 16-byte pieces)."""
-        vectors = max(2 * self.pairs_per_chunk // self.vec, 1)   # loads per interleaved chunk
+    def accumulate(self, acc: cute.Tensor, coef: cute.Tensor, rows: cute.Tensor, t: cutlass.Constexpr, lane: Int32):
+        """``acc[h] += Σ a·re + b·im + m·|k|`` over this lane's chunks of one K row (chunk
+        ``step·lanes + lane``: the lanes of a token read adjacent 16-byte pieces), from token ``t``'s
+        pieces ``load_row`` left in registers (decoded to f32 here: fp8 and 16-bit alike)."""
+        per_step = self.row_elems // self.steps
         for step in cutlass.range_constexpr(self.steps):
-            chunk = step * self.lanes + lane
+            values = self.load_f32(rows, (t * self.row_elems + step * per_step) // self.vec, per_step // self.vec)
             if self.pairing == "half":
-                re = self.load_f32(span, chunk, 1)
-                im = self.load_f32(span, self.chunks + chunk, 1)
                 for e in cutlass.range_constexpr(self.pairs_per_chunk):
-                    self.accumulate_pair(acc, coef, e, lane, step, re[e], im[e])
+                    self.accumulate_pair(acc, coef, e, lane, step, values[e], values[self.vec + e])
             else:
-                values = self.load_f32(span, chunk * vectors, vectors)
                 for e in cutlass.range_constexpr(self.pairs_per_chunk):
                     self.accumulate_pair(acc, coef, e, lane, step, values[2 * e], values[2 * e + 1])
 
-    def load_f32(self, span: cute.Tensor, first_vector, count: int) -> list:
-        """``count`` consecutive ``vec``-wide pieces of the span from piece ``first_vector``
-        (possibly dynamic), as f32 scalars."""
+    def load_f32(self, rows: cute.Tensor, first_vector: int, count: int) -> list:
+        """``count`` consecutive ``vec``-wide pieces of the register copy from piece
+        ``first_vector``, as f32 scalars (the exact widening of bf16, fp16 or fp8 E4M3)."""
         values = []
         for k in range(count):
-            piece = cute.local_tile(span, (self.vec,), (first_vector + k,))
-            loaded = piece.load().to(Float32)
+            loaded = cute.local_tile(rows, (self.vec,), (first_vector + k,)).load().to(Float32)
             values += [loaded[e] for e in range(self.vec)]
         return values
 
@@ -289,7 +437,9 @@ class TriScoreKernel:
             tensor(Float32, (L, Hq, F)),          # mlr
             tensor(Float32, (F,)),                # freq_scale_sq
             tensor(Float32, (L, B, Hq, W)),       # scores
+            tensor(Int32, (ERROR_WORDS,)),        # errors (mapped host memory of the C shim)
             Int64(0),                             # page_stride (elements)
+            Int32(0),                             # num_pages in every K pool
             make_fake_stream(),
         )
 

@@ -32,6 +32,14 @@ class ScoreFamily:
     rope_scaling: dict[str, Any] | None = None
 
 
+def random_pool(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Standard-normal values in ``dtype`` (fp8 E4M3 pools: rounded from float32, as an fp8 cache is
+    filled; ``normal_`` has no fp8 kernel)."""
+    if dtype.itemsize == 1:
+        return torch.empty(shape, device="cuda").normal_().to(dtype)
+    return torch.empty(shape, dtype=dtype, device="cuda").normal_()
+
+
 class ScoreCache:
     """K (and optionally V) pools of a family for B requests of ``PROMPT + width`` tokens, pages
     scattered by a random page table, a synthetic calibration, and everything the kernel takes."""
@@ -48,9 +56,8 @@ class ScoreCache:
         if only_layer is not None:
             layers = [only_layer]
         shape = (pages, *g.page_shape)
-        self.k_pools = {layer: torch.empty(shape, dtype=dtype, device="cuda").normal_() for layer in layers}
-        self.v_pools = ({layer: torch.empty_like(self.k_pools[layer]).normal_() for layer in layers}
-                        if with_v else {})
+        self.k_pools = {layer: random_pool(shape, dtype) for layer in layers}
+        self.v_pools = {layer: random_pool(shape, dtype) for layer in layers} if with_v else {}
         self.page_table = torch.randperm(pages, device="cuda").to(torch.int32).reshape(batch, per_request)
         self.calibration = synthetic_calibration(g, seed=0, theta=family.rope_theta, scaling=family.rope_scaling)
         self.P = [PROMPT] * batch
@@ -70,6 +77,7 @@ class ScoreCache:
             "k_layer_ptrs": torch.tensor([self.k_pools[layer].data_ptr() for layer in scored], dtype=torch.int64,
                                          device="cuda"),
             "page_stride": self.k_pools[scored[0]].stride(0),
+            "num_pages": self.k_pools[scored[0]].shape[0],
             "page_table": self.page_table,
             "P": torch.tensor(self.P, dtype=torch.int32, device="cuda"),
             "S": torch.tensor(self.S, dtype=torch.int32, device="cuda"),
@@ -87,7 +95,9 @@ def oracle_mismatch(cache: ScoreCache, inputs: dict) -> str | None:
     g = cache.geometry
     zeros = torch.zeros(cache.batch, dtype=torch.long, device="cuda")
     for index, layer in enumerate(g.scored_layers):
-        ref, _ = score_paged(cache.k_pools[layer], cache.page_table, inputs["P"], inputs["S"], zeros,
+        pool = cache.k_pools[layer]
+        pool = pool.float() if pool.element_size() == 1 else pool   # fp8 widens exactly; no fp8 gathers needed
+        ref, _ = score_paged(pool, cache.page_table, inputs["P"], inputs["S"], zeros,
                              cache.calibration, layer, g, torch.float64)
         err = (inputs["scores"][index].double() - ref).abs().max()
         if not bool(err <= CHECK_TOLERANCE * ref.abs().max().clamp(min=1e-30)):
