@@ -192,21 +192,28 @@ def _split(values: list[str] | None) -> list[str]:
     return [v.strip() for value in values or [] for v in value.split(",") if v.strip()]
 
 
-def discover_toolchains() -> list:
-    """Toolchains from $KVGEN_NVCC, $CUDA_HOME, $PATH (``paths.toolchain_search``) and pip wheels."""
-    from kvgen.build.nvcc import (
-        ToolchainError,
-        default_host_compiler,
-        default_nvcc_candidates,
-        find_toolchains,
-        probe_toolchain,
-    )
+def _nvcc_search() -> tuple[str | None, str | None, list[Path]]:
+    """($KVGEN_NVCC, the host compiler, the nvcc candidates in order): found without running any."""
+    from kvgen.build.nvcc import default_host_compiler, default_nvcc_candidates
 
     search = paths.toolchain_search()
-    host_cc = default_host_compiler(search.path)
-    if search.nvcc:
-        probe_toolchain(search.nvcc, host_cc)   # a broken $KVGEN_NVCC is an error, not a silent skip
-    candidates = default_nvcc_candidates(search.nvcc, search.cuda_home, search.path)
+    return (search.nvcc, default_host_compiler(search.path),
+            default_nvcc_candidates(search.nvcc, search.cuda_home, search.path))
+
+
+def toolchain_files() -> list[Path]:
+    """The files ``discover_toolchains`` would probe: the no-op build stamps record their state."""
+    _, host_cc, candidates = _nvcc_search()
+    return [*candidates, *([Path(host_cc)] if host_cc else [])]
+
+
+def discover_toolchains() -> list:
+    """Toolchains from $KVGEN_NVCC, $CUDA_HOME, $PATH (``paths.toolchain_search``) and pip wheels."""
+    from kvgen.build.nvcc import ToolchainError, find_toolchains, probe_toolchain
+
+    explicit, host_cc, candidates = _nvcc_search()
+    if explicit:
+        probe_toolchain(explicit, host_cc)   # a broken $KVGEN_NVCC is an error, not a silent skip
     toolchains = find_toolchains(candidates, host_cc)
     if not toolchains:
         raise ToolchainError("no nvcc found (looked at: " + ", ".join(map(str, candidates)) + "); set KVGEN_NVCC "
@@ -322,7 +329,7 @@ def _render_only(sources: list, args: argparse.Namespace) -> int:
 def _build_report_json(report) -> dict[str, Any]:  # noqa: ANN001 - kvgen.build.pipeline.BuildReport
     return {"ok": report.ok, "outcomes": [_outcome_json(o) for o in report.outcomes],
             "manifests": [str(p) for p in report.manifests], "tuning_notes": report.tuning_notes,
-            "counts": _counts(report)}
+            "counts": _counts(report), "noop": report.noop}
 
 
 def _counts(report) -> dict[str, int]:  # noqa: ANN001 - kvgen.build.pipeline.BuildReport
@@ -339,8 +346,7 @@ def cmd_build(args: argparse.Namespace) -> int:
     if args.render_only:
         return _render_only(sources, args)
     _check_targeted(archs, [s.spec for s in sources])
-    toolchains = discover_toolchains()
-    report = _run_build(args, sources, archs or None, toolchains)
+    report = _run_build(args, sources, archs or None)
     for note in report.tuning_notes:
         err_console.print("[yellow]tuning[/yellow]", Text(note), soft_wrap=True)
     if args.json:
@@ -350,20 +356,22 @@ def cmd_build(args: argparse.Namespace) -> int:
     for outcome in report.with_status("failed"):
         _print_error(f"{outcome.family} {outcome.arch} {outcome.backend}:\n{outcome.error}")
     console.print(Text(", ".join(f"{n} {s}" for s, n in _counts(report).items()) + "; manifests: "
-                       + (", ".join(map(str, report.manifests)) or "none")))
+                       + (", ".join(map(str, report.manifests)) or "none")
+                       + ("; no-op: nothing changed since the last build" if report.noop else "")))
     return EXIT_OK if report.ok else EXIT_FAILED
 
 
-def _run_build(args: argparse.Namespace, sources: list, archs: list[str] | None, toolchains: list):
-    """``kvgen.build.pipeline.build`` with a progress bar on a TTY, else one line per finished job."""
+def _run_build(args: argparse.Namespace, sources: list, archs: list[str] | None):
+    """``kvgen.build.pipeline.build`` with a progress bar on a TTY, else one line per finished job.
+    Toolchains are probed only if the no-op stamps say something must be built."""
     from rich.progress import Progress
 
     from kvgen.build.pipeline import build
 
     def run(progress) -> Any:  # noqa: ANN001 - a BuildProgress
         return build(sources, archs, args.generated, args.cache_dir, args.jobs, progress=progress,
-                     toolchains=toolchains, registry_dir=args.registry, tuning_dir=args.tuning,
-                     templates_dir=args.templates)
+                     toolchains=discover_toolchains, registry_dir=args.registry, tuning_dir=args.tuning,
+                     templates_dir=args.templates, noop_stamps=True, toolchain_files=toolchain_files())
 
     if not err_console.is_terminal:
         return run(_LineProgress(sys.stderr))

@@ -150,19 +150,27 @@ def load_tuned(tuning_dir: Path, envs: Mapping[str, BuildEnvironment], families:
     """The tuned parameters ``kvgen build`` applies for each arch of ``envs`` (what that arch is
     built with), with a note for each file it does not use."""
     tuned = TunedParams()
-    if not paths.tuning_enabled(environ):
-        tuned.notes.append("KVGEN_TUNING=off: building every op with its safe default parameters")
-    else:
+    before, after = switch_notes(environ)
+    tuned.notes += before
+    if paths.tuning_enabled(environ):
         for arch, env in envs.items():
             for family in families:
                 _load_one(tuning_path(tuning_dir, arch, family), arch, family, env, tuned)
-    override = paths.tuned_params_override(environ)
-    if override:
-        for (family, op), params in parse_override(override).items():
-            for arch in envs:
-                tuned.set(arch, family, op, {**tuned.for_family(arch, family).get(op, {}), **params})
-        tuned.notes.append(f"KVGEN_TUNED_PARAMS overrides: {override}")
+    for (family, op), params in parse_override(paths.tuned_params_override(environ)).items():
+        for arch in envs:
+            tuned.set(arch, family, op, {**tuned.for_family(arch, family).get(op, {}), **params})
+    tuned.notes += after
     return tuned
+
+
+def switch_notes(environ: Mapping[str, str] | None = None) -> tuple[list[str], list[str]]:
+    """The notes of ``KVGEN_TUNING=off`` and of a ``KVGEN_TUNED_PARAMS`` override: (before the
+    tuned files' notes, after them). A bad override raises ``TuningFileError`` naming the variable."""
+    before = [] if paths.tuning_enabled(environ) else [
+        "KVGEN_TUNING=off: building every op with its safe default parameters"]
+    override = paths.tuned_params_override(environ)
+    parse_override(override)
+    return before, [f"KVGEN_TUNED_PARAMS overrides: {override}"] if override else []
 
 
 def _load_one(path: Path, arch: str, family: str, env: BuildEnvironment, tuned: TunedParams) -> None:
