@@ -476,7 +476,35 @@ def _verify_counts(manifests: list[Path]) -> dict[str, int]:
             "artifacts": sum(len(e.artifacts) for m in counted for e in m.families)}
 
 
+def _installed_json(check) -> dict[str, Any]:  # noqa: ANN001 - kvgen.artifacts.wheel.InstalledCheck
+    return {"package": check.name, "version": check.version, "location": check.location, "files": check.files,
+            "manifests": check.manifests, "problems": check.problems, "notes": check.notes}
+
+
+def cmd_verify_installed(args: argparse.Namespace) -> int:
+    """``kvgen verify --installed``: every installed kernel wheel (RECORD, manifests, provenance)."""
+    from kvgen.artifacts.wheel import verify_installed
+
+    checks = verify_installed()
+    problems = [p for c in checks for p in c.problems] or ([] if checks else [
+        "no kvgen kernel wheels installed (pip install kvgen-kernels-sm90, or kvgen wheel then pip install dist/*.whl)"])
+    if args.json:
+        _print_json({"ok": not problems, "installed": [_installed_json(c) for c in checks], "problems": problems})
+        return EXIT_FAILED if problems else EXIT_OK
+    for check in checks:
+        status = "verified" if not check.problems else f"{len(check.problems)} problems"
+        console.print(Text(f"{check.name} {check.version} in {check.location}: {check.files} files, "
+                           f"{check.manifests} manifests: {status}"))
+        for note in check.notes:
+            err_console.print("[yellow]warning[/yellow]", Text(note), soft_wrap=True)
+    for line in problems:
+        _print_error(line)
+    return EXIT_FAILED if problems else EXIT_OK
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
+    if args.installed:
+        return cmd_verify_installed(args)
     manifests = sorted(Path(args.registry).glob("*/manifest.json"))
     problems = (verify_registry(args.registry, args.specs) if manifests
                 else [f"{args.registry}: no manifests; run: kvgen build"])
@@ -537,6 +565,8 @@ def _add_build_parsers(sub) -> None:  # noqa: ANN001 - argparse's private subpar
                        epilog=EPILOG)
     _add_paths(p)
     _add_json(p)
+    p.add_argument("--installed", action="store_true", help="check the installed kernel wheels instead: every "
+                                                            "file's RECORD sha256, manifests, recorded spec sha256")
     p.set_defaults(func=cmd_verify)
 
 
@@ -544,19 +574,27 @@ def _add_build_parsers(sub) -> None:  # noqa: ANN001 - argparse's private subpar
 
 
 def cmd_wheel(args: argparse.Namespace) -> int:
-    from kvgen.artifacts.wheel import WheelError, build_wheels, registry_archs
+    from kvgen.artifacts.wheel import PROVENANCE, WheelError, build_wheels, registry_archs, wheel_provenance
 
     archs = _requested_archs(args) or registry_archs(args.registry)
     if not archs:
         _print_error(f"no manifests in {args.registry}; run: kvgen build --arch sm_90a --registry {args.registry}")
         return EXIT_FAILED
     try:
-        wheels = build_wheels(args.registry, archs, args.out)
+        wheels = build_wheels(args.registry, archs, args.out, specs_dir=args.specs, allow_dirty=args.allow_dirty)
     except (WheelError, ValueError) as exc:
         _print_error(str(exc))
         return EXIT_FAILED
     for path in wheels:
-        console.print(Text(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB)"))
+        record = wheel_provenance(path)
+        commit = (record["commit"] or "unknown")[:12]
+        count = len({r["family"] for r in record["specs"]})
+        console.print(Text(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB): {count} "
+                           f"{'family' if count == 1 else 'families'} for {', '.join(record['archs'])}, specs at "
+                           f"commit {commit}, their sha256 in {PROVENANCE}"), soft_wrap=True)
+        for line in record["dirty"]:
+            err_console.print("[yellow]warning[/yellow]", Text(f"packed with --allow-dirty (recorded in the wheel): "
+                                                               f"{line}"), soft_wrap=True)
     return EXIT_OK
 
 
@@ -565,6 +603,8 @@ def _add_wheel_parser(sub) -> None:  # noqa: ANN001 - argparse's private subpars
     p.add_argument("--arch", action="append", help=ARCH_HELP + "every arch in the registry)")
     p.add_argument("--registry", type=Path, default=Path("build/registry"), help="registry (default: build/registry)")
     p.add_argument("--out", type=Path, default=Path("dist"), help="output directory (default: dist)")
+    p.add_argument("--allow-dirty", action="store_true", help="pack families whose spec file is not committed in "
+                                                              "git (or changed since the build); the wheel records it")
     p.set_defaults(func=cmd_wheel)
 
 
