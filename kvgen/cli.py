@@ -623,6 +623,33 @@ def cmd_tune(args: argparse.Namespace) -> int:
     return run(args, sources, console, args.cache_dir, discover_toolchains)
 
 
+DEMO_CPU_FULL_MINUTES = 3   # kvgen demo --device cpu, measured on the 2-core build machine (docs/guide.md)
+DEMO_CPU = ("without a GPU, kvgen demo needs --device cpu: the CPU oracle then stands in for the kernels; "
+            "the full-size scenario takes minutes there, --small seconds")
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """``kvgen demo``. Without a GPU it does not fall back to the CPU oracle by itself: that runs
+    the full-size scenario for minutes, so it is asked for (``--device cpu``), and warned about
+    without ``--small``."""
+    from kvgen import demo
+
+    if args.device is None and not _has_cuda():
+        raise UsageError("no CUDA device here: kvgen demo runs the generated kernels on a GPU. For the CPU oracle "
+                         "pass --device cpu --small (seconds) or --device cpu (full size, minutes)")
+    if args.device == "cpu" and not args.small:
+        err_console.print("[yellow]warning[/yellow]", Text(
+            "--device cpu without --small: the CPU oracle runs the full-size scenario (about "
+            f"{DEMO_CPU_FULL_MINUTES} min on a 2-core machine); add --small for a run of seconds"), soft_wrap=True)
+    return demo.run(args)
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def _add_run_parsers(sub) -> None:  # noqa: ANN001 - argparse's private subparsers type
     from kvgen import bench, demo
     from kvgen.tuning import run as tune
@@ -635,9 +662,10 @@ def _add_run_parsers(sub) -> None:  # noqa: ANN001 - argparse's private subparse
     tune.add_arguments(p)
     p.set_defaults(func=cmd_tune)
 
-    p = sub.add_parser("demo", help="serving scenario on the GPU: offload/onboard through the codec, eviction")
+    p = sub.add_parser("demo", help="serving scenario on the GPU: offload/onboard through the codec, eviction",
+                       epilog=DEMO_CPU)
     demo.add_arguments(p)
-    p.set_defaults(func=demo.run)
+    p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("bench", help="every kernel benchmark with its ceilings; JSON, Markdown and plots")
     bench.add_arguments(p)

@@ -192,16 +192,40 @@ def _load_one(path: Path, arch: str, family: str, env: BuildEnvironment, tuned: 
             tuned.set(arch, family, op, entry["params"])
 
 
+OVERRIDE_FORMAT = "format: family:op:name=value,name=value;..."
+
+
 def parse_override(text: str) -> dict[tuple[str, Op], dict[str, int]]:
-    """``family:op:name=value,name=value;...`` -> {(family, op): params}; errors name the item."""
+    """``family:op:name=value,name=value;...`` -> {(family, op): params}; a bad item raises
+    ``TuningFileError`` naming the variable, the item and what is wrong with it."""
+    if text.strip().startswith("{") or text.strip().endswith(".json"):
+        raise TuningFileError(f"KVGEN_TUNED_PARAMS {text.strip()!r}: an override string, not JSON or a file "
+                              f"({OVERRIDE_FORMAT}); tuned files go in tuning/<arch>/<family>.json")
     out: dict[tuple[str, Op], dict[str, int]] = {}
     for item in filter(None, (part.strip() for part in text.split(";"))):
         try:
-            family, op, assignments = item.split(":", 2)
-            params = {k.strip(): int(v) for k, v in (a.split("=") for a in assignments.split(","))}
-            check_params(op, params)  # type: ignore[arg-type]
-        except (ValueError, KeyError) as exc:
-            raise TuningFileError(f"KVGEN_TUNED_PARAMS item {item!r}: {exc} "
-                                  "(format: family:op:name=value,name=value;...)") from None
-        out[(family, op)] = params  # type: ignore[index]
+            family, op, params = _override_item(item)
+        except ValueError as exc:
+            raise TuningFileError(f"KVGEN_TUNED_PARAMS item {item!r}: {exc} ({OVERRIDE_FORMAT})") from None
+        out[(family, op)] = params
     return out
+
+
+def _override_item(item: str) -> tuple[str, Op, dict[str, int]]:
+    parts = [part.strip() for part in item.split(":", 2)]
+    if len(parts) != 3 or not all(parts):
+        raise ValueError("expected family:op:assignments")
+    family, op, assignments = parts
+    if op not in TUNABLES:
+        raise ValueError(f"unknown op {op!r}; ops: {', '.join(TUNABLES)}")
+    params = {}
+    for assignment in assignments.split(","):
+        name, eq, value = (piece.strip() for piece in assignment.partition("="))
+        if not eq or not name or "=" in value:
+            raise ValueError(f"{assignment.strip()!r} is not name=value")
+        try:
+            params[name] = int(value)
+        except ValueError:
+            raise ValueError(f"{name}={value!r} is not an integer") from None
+    check_params(op, params)  # type: ignore[arg-type]
+    return family, op, params  # type: ignore[return-value]
