@@ -23,7 +23,7 @@ from rich.text import Text
 from kvgen import paths
 from kvgen.arch import ARCHS, ArchError, canonical_arch, parse_arch_list
 from kvgen.lower.layout import family_layout, to_json
-from kvgen.spec.schema import FamilySpec, SpecError, load_spec
+from kvgen.spec.schema import FamilySpec, SpecError, load_spec, name_collisions
 
 # Build-side modules (render, backends, cache, registry) and the tools (tune, demo, bench) are
 # imported inside their verbs so that `kvgen validate` stays fast and every verb that needs no
@@ -71,13 +71,16 @@ def find_spec(name: str, specs_dir: Path) -> Path:
 
 
 def load_all(paths: list[Path]) -> tuple[list[FamilySpec], list[SpecError]]:
-    specs, errors = [], []
+    """The valid specs and the errors; a spec whose name collides with an earlier one's in C is an error."""
+    loaded, errors = [], []
     for path in paths:
         try:
-            specs.append(load_spec(path))
+            loaded.append((path, load_spec(path)))
         except SpecError as exc:
             errors.append(exc)
-    return specs, errors
+    collisions = name_collisions(loaded)
+    refused = {exc.path for exc in collisions}
+    return [spec for path, spec in loaded if str(path) not in refused], errors + collisions
 
 
 def _print_json(document: Any) -> None:
@@ -440,20 +443,17 @@ def cmd_clear_cache(args: argparse.Namespace) -> int:
 
 
 def verify_registry(registry: Path, specs_dir: Path) -> list[str]:
-    """Problems of a registry, one line each: manifests that do not read (format, version, ABI,
-    the sha256 of every artifact they list), families built from a spec file that has changed
-    since (or is gone)."""
-    from kvgen.artifacts.manifest import RegistryError, read_manifest
+    """Problems of a registry, one line each: manifests that do not read (malformed, format,
+    version, ABI, an arch not its folder's), every artifact path leaving the registry, missing or
+    altered, and families built from a spec file that has changed since (or is gone)."""
+    from kvgen.artifacts.manifest import RegistryError, manifest_problems
     from kvgen.runtime.lookup import check_spec
 
     problems = []
     for path in sorted(Path(registry).glob("*/manifest.json")):
-        try:
-            manifest = read_manifest(path)
-        except RegistryError as exc:
-            problems.append(str(exc))
-            continue
-        for entry in manifest.families:
+        manifest, found = manifest_problems(path)
+        problems += [str(exc) for exc in found]
+        for entry in manifest.families if manifest else ():
             spec_path = specs_dir / f"{entry.family}.yaml"
             try:
                 check_spec(entry, spec_path)
@@ -672,6 +672,35 @@ def _add_run_parsers(sub) -> None:  # noqa: ANN001 - argparse's private subparse
     p.set_defaults(func=bench.run)
 
 
+def cmd_spec_from_config(args: argparse.Namespace) -> int:
+    """Draft a spec from a config.json: notes on stderr, validated before it is written."""
+    from kvgen.spec.from_config import ConfigError, draft_spec, read_config, validate
+
+    config, out = args.config, args.out
+    to_stdout = out is not None and str(out) == "-"
+    named_by_out = out is not None and not to_stdout and out.suffix in (".yaml", ".yml")
+    try:
+        draft = draft_spec(read_config(config), str(config), name=args.name or (out.stem if named_by_out else None),
+                           fallback_name=config.resolve().parent.name if config.stem == "config" else config.stem)
+    except ConfigError as exc:
+        raise UsageError(str(exc)) from None
+    out = out if out is not None else args.specs / f"{draft.name}.yaml"
+    if not to_stdout and out.stem != draft.name:
+        raise UsageError(f"{out}: a spec's file name is its name ({draft.name}.yaml); change --out or --name")
+    if not to_stdout and out.exists() and not args.force:
+        raise UsageError(f"{out}: already exists; pass --force to overwrite it")
+    validate(draft, str(out))  # a SpecError here: exit 1, nothing written
+    for note in draft.notes:
+        print(f"note: {note}", file=sys.stderr)
+    if to_stdout:
+        sys.stdout.write(draft.text())
+        return EXIT_OK
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(draft.text(), encoding="utf-8")
+    print(f"wrote {out}", file=sys.stderr)
+    return EXIT_OK
+
+
 # ---------------------------------------------------------------- entry
 
 
@@ -695,6 +724,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("family")
     p.add_argument("--json", action="store_true", help="the family's layout JSON (what the build ships)")
     p.set_defaults(func=cmd_show)
+
+    p = sub.add_parser("spec", help="write spec files")
+    spec_verbs = p.add_subparsers(dest="spec_verb", required=True)
+    p = spec_verbs.add_parser("from-config", help="draft a spec from a Hugging Face config.json (notes on stderr)")
+    p.add_argument("config", type=Path, help="the model's config.json")
+    p.add_argument("--name", help="family name (default: from --out, _name_or_path or the file name)")
+    p.add_argument("--out", type=Path, help="spec file to write (default: <specs>/<name>.yaml; - for stdout)")
+    p.add_argument("--force", action="store_true", help="overwrite an existing file")
+    p.set_defaults(func=cmd_spec_from_config)
 
     _add_build_parsers(sub)
     _add_wheel_parser(sub)
@@ -725,6 +763,9 @@ def main(argv: list[str] | None = None) -> int:
     except _build_errors() as exc:
         _print_error(str(exc))
         return EXIT_FAILED
+    except OSError as exc:   # a read-only or full cache, registry or output directory: fix it and rerun
+        _print_error(f"{exc.filename}: {exc.strerror}" if exc.filename and exc.strerror else str(exc))
+        return EXIT_USAGE
 
 
 def _print_error(text: str) -> None:

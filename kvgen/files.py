@@ -1,19 +1,24 @@
 """Files kvgen writes or checks, each in one way: content hashes, and writes that a reader never
 sees half done (a temp file beside the target, then one atomic rename).
 
-Everything kvgen publishes is readable by others (0644 files, 0755 libraries): a shared cache or
-registry must not turn private because of the writer's umask or ``mkstemp``'s 0600.
+Everything kvgen publishes is readable by others (0644 files, 0755 libraries), set explicitly: a
+shared cache or registry must not turn private because of the writer's umask or ``mkstemp``'s 0600.
+Writers that read, merge and rewrite a shared file hold ``file_lock`` around all three.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
+
+FILE_MODE = 0o644
 
 
 def file_sha256(path: Path) -> str:
@@ -25,6 +30,7 @@ def file_sha256(path: Path) -> str:
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
+    path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
@@ -32,6 +38,7 @@ def write_json_atomic(path: Path, data: Any) -> None:
             f.write("\n")
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, FILE_MODE)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -54,6 +61,7 @@ def write_if_different(path: Path, text: str) -> bool:
     try:
         with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
             f.write(text)
+        os.chmod(tmp, FILE_MODE)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -77,3 +85,18 @@ def copy_if_different(src: Path, dest: Path, sha256: str, mode: int = 0o755) -> 
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+@contextmanager
+def file_lock(path: Path) -> Iterator[None]:
+    """An exclusive ``flock`` on ``path`` (created, never removed: removing a lock file lets two
+    holders lock two different files). Released by the kernel when the process dies, so a killed
+    writer never leaves it held."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_UN)

@@ -3,6 +3,10 @@
 #
 #   bash scripts/device_check.sh tests   # gpu-marked tests (codec, compaction, packer, scorer,
 #                                        # device NVFP4 arithmetic), compute-sanitizer, wheel proof
+#   bash scripts/device_check.sh sanitize-bad
+#                                        # deliberately bad host and device indices (codec page pairs,
+#                                        # compaction moves, page table entries) under compute-sanitizer:
+#                                        # tests pass and "ERROR SUMMARY: 0 errors" -> $OUT/sanitize_bad.log
 #   bash scripts/device_check.sh bench   # kvgen bench run: codec, compaction and scorer benchmarks
 #                                        # in one process, ceilings measured once -> $OUT/bench.json
 #   bash scripts/device_check.sh ncu [FAMILY...]
@@ -45,6 +49,14 @@ run_tests() {
   timeout 180 bash scripts/wheel_proof.sh 2>&1 | tail -3
 }
 
+run_sanitize_bad() {
+  # The kernels must skip every out-of-range index (tests/gpu/test_bounds_gpu.py checks the bytes and
+  # the errors); memcheck checks that no access left the memory the kernels were given.
+  timeout 480 compute-sanitizer --tool memcheck --print-limit 10 python3 -m pytest -q -p no:cacheprovider -m gpu \
+    tests/gpu/test_bounds_gpu.py 2>&1 | tee "$OUT/sanitize_bad.log" | grep -E "passed|failed|FAILED|ERROR SUMMARY|Invalid" \
+    | tail -15
+}
+
 run_bench() {
   local default=()
   if [ -f build/registry-default/sm_90a/manifest.json ]; then
@@ -74,8 +86,9 @@ run_tune() {
 
 case "${1:-}" in
   tests) run_tests ;;
+  sanitize-bad) run_sanitize_bad ;;
   bench) run_bench ;;
   ncu) shift; run_ncu "$@" ;;
   tune) shift; run_tune "$@" ;;
-  *) echo "usage: $0 tests|bench|ncu [FAMILY...]|tune BUNDLE [DONE.jsonl]" >&2; exit 2 ;;
+  *) echo "usage: $0 tests|sanitize-bad|bench|ncu [FAMILY...]|tune BUNDLE [DONE.jsonl]" >&2; exit 2 ;;
 esac

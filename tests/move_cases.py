@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvgen.reference.triattention import MOVE_FILL, TriGeometry, num_decision_rows
+from kvgen.reference.triattention import MOVE_FILL, Moves, TriGeometry, num_decision_rows
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8_e4m3": torch.float8_e4m3fn}
 
@@ -99,3 +99,32 @@ def random_pools(geo: TriGeometry, num_pages: int, dtype: str, seed: int) -> tup
     k_pools = [pool() for _ in range(geo.num_layers)]
     v_pools = [pool() for _ in range(geo.num_layers)]
     return k_pools, v_pools
+
+
+def corrupt_moves(moves: Moves, table: torch.Tensor, tpb: int) -> tuple[Moves, torch.Tensor, Moves]:
+    """Bad moves and a bad page table entry (what a buggy caller could pass as device arrays), and
+    the moves the kernel must still make: every move touching a bad value turned into the fill.
+
+    src 100000 (past the table row), dst -5 and src -5 (negative, not the -1 fill) on three real
+    moves; the page table entry of a fourth real move's source page set past the pools (every move of
+    its request reading or writing a token of that page must be skipped)."""
+    src, dst = moves.src.clone(), moves.dst.clone()
+    real = ((src >= 0) & (src != dst)).nonzero().tolist()
+    assert len(real) >= 4
+    for (layer, head, m), (field, value) in zip(real[:3], [(src, 100000), (dst, -5), (src, -5)]):
+        field[layer, head, m] = value
+    keep_src, keep_dst = moves.src.clone(), moves.dst.clone()
+    for layer, head, m in real[:3]:
+        keep_src[layer, head, m] = keep_dst[layer, head, m] = -1
+    bad_table = table.clone()
+    layer, head, m = real[3]  # a real move left: its source page's entry goes bad
+    request = int(moves.request_of_slot()[m])
+    page_index = int(moves.src[layer, head, m]) // tpb
+    bad_table[request, page_index] = 1 << 20
+    slot = torch.arange(src.shape[-1], device=src.device)
+    in_request = (slot >= int(moves.offsets[request])) & (slot < int(moves.offsets[request + 1]))
+    touches = ((moves.src // tpb == page_index) & (moves.src >= 0)) | ((moves.dst // tpb == page_index) & (moves.dst >= 0))
+    hit = touches & in_request
+    keep_src[hit] = -1
+    keep_dst[hit] = -1
+    return Moves(src, dst, moves.offsets), bad_table, Moves(keep_src, keep_dst, moves.offsets)

@@ -33,7 +33,7 @@ from kvgen.render.source import render
 from kvgen.runtime.compact import CompactLibrary, Compactor
 from kvgen.runtime.library import LibraryError
 from kvgen.spec.schema import load_spec
-from tests.move_cases import geometry, random_batch, random_page_table, random_pools
+from tests.move_cases import corrupt_moves, geometry, random_batch, random_page_table, random_pools
 
 ROOT = Path(__file__).resolve().parents[1]
 CHECK_SRC = ROOT / "tests" / "csrc" / "compact_host_check.cu"
@@ -83,7 +83,8 @@ CASES = _grid_cases()
 
 
 def _run_host_check(exe: Path, geo, table: torch.Tensor, moves, k_pools, v_pools, case: dict):
-    """Compaction by the host build of the kernel's walk: (overlaps, K pools, V pools)."""
+    """Compaction by the host build of the kernel's walk: (overlaps, skipped, K pools, V pools);
+    skipped: whether moves were skipped for a token outside the table row, for a page outside the pools."""
     page_bytes = k_pools[0][0].numel() * k_pools[0].element_size()
     header = [0 if geo.layout == "HND" else 1, page_bytes // (geo.kv_heads * geo.tokens_per_block), geo.kv_heads,
               geo.tokens_per_block, geo.num_layers, k_pools[0].shape[0], table.shape[0], table.shape[1],
@@ -95,12 +96,12 @@ def _run_host_check(exe: Path, geo, table: torch.Tensor, moves, k_pools, v_pools
         parts += [k.contiguous().view(torch.uint8).numpy().tobytes(), v.contiguous().view(torch.uint8).numpy().tobytes()]
     proc = subprocess.run([str(exe)], input=b"".join(parts), capture_output=True, timeout=120)
     assert proc.returncode == 0, f"exit {proc.returncode}: {proc.stderr.decode()}"
-    overlaps = int(np.frombuffer(proc.stdout[:8], dtype="<i8")[0])
-    data = np.frombuffer(proc.stdout[8:], dtype=np.uint8)
+    overlaps, *skipped = (int(x) for x in np.frombuffer(proc.stdout[:24], dtype="<i8"))
+    data = np.frombuffer(proc.stdout[24:], dtype=np.uint8)
     pool_bytes = k_pools[0].numel() * k_pools[0].element_size()
     assert data.size == 2 * geo.num_layers * pool_bytes
     pools = [torch.from_numpy(data[i * pool_bytes:(i + 1) * pool_bytes].copy()) for i in range(2 * geo.num_layers)]
-    return overlaps, pools[0::2], pools[1::2]
+    return overlaps, tuple(skipped), pools[0::2], pools[1::2]
 
 
 def _case_inputs(case: dict):
@@ -122,12 +123,30 @@ def _case_inputs(case: dict):
     f"{c['mode']}{'-kv' if c['interleaved'] else ''}{'-sf' if c['stores_first'] else ''}" for c in CASES])
 def test_host_walk_equals_oracle(host_check: Path, case: dict) -> None:
     geo, moves, table, k_pools, v_pools = _case_inputs(case)
-    overlaps, k_out, v_out = _run_host_check(host_check, geo, table, moves, k_pools, v_pools, case)
+    overlaps, skipped, k_out, v_out = _run_host_check(host_check, geo, table, moves, k_pools, v_pools, case)
     k_ref = [p.clone() for p in k_pools]
     v_ref = [p.clone() for p in v_pools]
     compact_paged(k_ref, v_ref, table, moves, geo)
     assert overlaps == 0, "a load of tile k+1 touched a row stored by tile k"
+    assert skipped == (0, 0), "a valid move was skipped as out of range"
     assert any(not torch.equal(a, b) for a, b in zip(k_ref, k_pools)), "the case moves nothing"
+    for layer in range(geo.num_layers):
+        assert torch.equal(k_out[layer], k_ref[layer].view(torch.uint8).reshape(-1)), f"K of layer {layer}"
+        assert torch.equal(v_out[layer], v_ref[layer].view(torch.uint8).reshape(-1)), f"V of layer {layer}"
+
+
+@pytest.mark.parametrize("case", CASES[:4], ids=lambda c: f"{c['layout']}-t{c['threads']}x{c['tile']}-{c['mode']}")
+def test_host_walk_skips_out_of_range_moves(host_check: Path, case: dict) -> None:
+    """The kernel's bounds checks (bit-exact against the oracle): moves with tokens outside the page
+    table row or pages outside the pools are skipped and recorded; every other move is made and no
+    other byte changes."""
+    geo, moves, table, k_pools, v_pools = _case_inputs(case)
+    bad_moves, bad_table, kept_moves = corrupt_moves(moves, table, geo.tokens_per_block)
+    overlaps, skipped, k_out, v_out = _run_host_check(host_check, geo, bad_table, bad_moves, k_pools, v_pools, case)
+    k_ref = [p.clone() for p in k_pools]
+    v_ref = [p.clone() for p in v_pools]
+    compact_paged(k_ref, v_ref, table, kept_moves, geo)
+    assert skipped == (1, 1) and overlaps == 0
     for layer in range(geo.num_layers):
         assert torch.equal(k_out[layer], k_ref[layer].view(torch.uint8).reshape(-1)), f"K of layer {layer}"
         assert torch.equal(v_out[layer], v_ref[layer].view(torch.uint8).reshape(-1)), f"V of layer {layer}"

@@ -234,8 +234,25 @@ def test_yarn_omega_and_attention_factor_by_hand():
     assert T.yarn_attention_factor(dict(scaling, attention_factor=2.0)) == 2.0
 
 
+def test_longrope_omega_and_attention_factor_by_hand():
+    # Phi-3-style: rescale factors per pair, short within the pretrained context, long past it.
+    scaling = {"rope_type": "longrope", "short_factor": [1.0, 1.5, 2.0, 3.0], "long_factor": [1.0, 4.0, 8.0, 16.0],
+               "original_max_position_embeddings": 4096, "factor": 32.0}
+    base = T.rope_omega(8, 10000.0, None)
+    for seq_len, key in ((4096, "short_factor"), (4097, "long_factor"), (None, "long_factor")):
+        expected = torch.tensor([float(base[f]) / scaling[key][f] for f in range(4)], dtype=torch.float64)
+        torch.testing.assert_close(T.rope_omega(8, 10000.0, scaling, seq_len=seq_len).double(), expected,
+                                   rtol=1e-6, atol=0)
+    factor = math.sqrt(1 + math.log(32) / math.log(4096))
+    torch.testing.assert_close(T.rope_freq_scale_sq(8, scaling), torch.full((4,), factor * factor))
+    assert T.rope_attention_factor(dict(scaling, factor=1.0)) == 1.0
+    assert T.rope_attention_factor(dict(scaling, attention_factor=1.25)) == 1.25
+
+
 @pytest.mark.parametrize("scaling, message", [
     ({"type": "dynamic", "factor": 2.0}, "not supported"),
+    ({"type": "longrope", "short_factor": [1.0], "long_factor": [1.0], "original_max_position_embeddings": 4096},
+     "long_factor has 1 entries; rotary_dim 64 needs 32"),
     ({"type": "llama3", "factor": 8.0}, "low_freq_factor"),
     ({"type": "yarn", "factor": 4.0}, "original_max_position_embeddings"),
 ])

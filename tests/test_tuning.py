@@ -265,7 +265,7 @@ def test_bad_measurement_files_are_named_with_what_is_wrong(tmp_path: Path, caps
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"family": "qwen3-8b"}\n')
-    for path, why in ((bad, "record 1 is not a kvgen measurement"), (tmp_path / "none.jsonl", "no such")):
+    for path, why in ((bad, f"{bad}:1: op, arch, bucket, config, status missing"), (tmp_path / "none.jsonl", "no such")):
         assert main(["tune", "--family", "qwen3-8b", "--op", "codec", "--measurements", str(path),
                      "--no-write"]) == 1
         out = capsys.readouterr().out

@@ -4,15 +4,18 @@ One entry per family. It records the decision (ops, their params and plan keys, 
 each artifact the family ships: the nvcc library (``codec``, ``compact``), the CuTe DSL score
 library (``score``) and the Triton packer module (``pack``), each with its sha256. Every op names
 the artifact file that serves it. ``read_manifest`` refuses a manifest written by another format
-or kvgen version, and an artifact whose bytes do not match, with an error naming the file and the
-command that rebuilds it. Nothing here knows how an artifact was made.
+or kvgen version, a manifest whose arch is not its folder's, an artifact path that leaves the
+manifest's folder (absolute, ``..``, a symlink pointing out) and an artifact whose bytes do not
+match, each with an error naming the file and the command that rebuilds it. ``manifest_problems``
+lists every such problem of one manifest (``kvgen verify``). Nothing here knows how an artifact
+was made.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, Mapping
 
 from kvgen import __version__
@@ -113,26 +116,73 @@ def write_manifest(path: Path, manifest: Manifest) -> None:
     write_json_atomic(path, manifest_json(manifest))
 
 
-def _family(data: dict[str, Any]) -> FamilyEntry:
-    ops = tuple(OpEntry(op["op"], op["artifact"], op["template"], op["plan_key"], dict(op.get("params", {})))
-                for op in data["ops"])
-    artifacts = tuple(ArtifactEntry(**artifact) for artifact in data["artifacts"])
-    return FamilyEntry(**{**data, "ops": ops, "artifacts": artifacts})
+# (required fields, optional fields) of each JSON object, with the type each must have: a manifest
+# of the right shape but wrong types is refused here, not by whatever later trips over a value.
+_ARTIFACT = ({"file": str, "sha256": str, "backend": str, "cache_key": str}, {"toolchain": dict})
+_OP = ({"op": str, "artifact": str, "template": str, "plan_key": str}, {"params": dict})
+_FAMILY = ({"family": str, "arch": str, "symbol": str, "spec_sha256": str, "ops": list, "artifacts": list},
+           {"layout": (dict, type(None)), "kvgen_version": str, "abi_version": int})
+_MANIFEST = ({"arch": str, "families": list}, {"format_version": int, "kvgen_version": str, "abi_version": int})
+
+
+class _Malformed(ValueError):
+    pass
+
+
+def _checked(data: Any, where: str, shape: tuple[dict, dict]) -> dict[str, Any]:
+    """``data`` if it is an object with exactly the fields of ``shape``, each of its type."""
+    required, optional = shape
+    if not isinstance(data, dict):
+        raise _Malformed(f"{where}: expected an object, found {type(data).__name__}")
+    missing = [k for k in required if k not in data]
+    unknown = [k for k in data if k not in required and k not in optional]
+    if missing or unknown:
+        raise _Malformed(f"{where}: " + "; ".join(([f"missing {', '.join(missing)}"] if missing else [])
+                                                  + ([f"unknown {', '.join(unknown)}"] if unknown else [])))
+    for key, value in data.items():
+        kind = required.get(key) or optional[key]
+        if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
+            raise _Malformed(f"{where}.{key}: {type(value).__name__} {value!r:.40}, expected "
+                             f"{getattr(kind, '__name__', 'object or null')}")
+    return data
+
+
+def _family(data: Any, where: str) -> FamilyEntry:
+    data = _checked(data, where, _FAMILY)
+    ops = []
+    for i, op in enumerate(data["ops"]):
+        op = _checked(op, f"{where}.ops[{i}]", _OP)
+        params = op.get("params", {})
+        if not all(isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) for k, v in params.items()):
+            raise _Malformed(f"{where}.ops[{i}].params: expected names of integers")
+        ops.append(OpEntry(op["op"], op["artifact"], op["template"], op["plan_key"], dict(params)))
+    artifacts = []
+    for i, artifact in enumerate(data["artifacts"]):
+        artifact = _checked(artifact, f"{where}.artifacts[{i}]", _ARTIFACT)
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in artifact.get("toolchain", {}).items()):
+            raise _Malformed(f"{where}.artifacts[{i}].toolchain: expected names of version strings")
+        artifacts.append(ArtifactEntry(**artifact))
+    return FamilyEntry(**{**data, "ops": tuple(ops), "artifacts": tuple(artifacts)})
 
 
 def parse_manifest(path: Path) -> Manifest:
-    """Parse without checking versions or artifacts (the build merges into an old manifest)."""
+    """Parse (shape and types checked) without checking versions or artifacts (the build merges
+    into an old manifest)."""
     path = Path(path)
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-        if data.get("format_version") != FORMAT_VERSION:   # another format's fields are not ours to read
-            return Manifest(arch=data["arch"], families=(), **{k: data[k] for k in (
-                "format_version", "kvgen_version", "abi_version") if k in data})
-        families = tuple(_family(entry) for entry in data.pop("families"))
-        return Manifest(families=families, **data)
+        if isinstance(data, dict) and data.get("format_version") != FORMAT_VERSION:
+            # another format's fields are not ours to read: only what says which format it is
+            head = {k: data[k] for k in ("arch", "format_version", "kvgen_version", "abi_version") if k in data}
+            return Manifest(families=(), **_checked(head, "manifest", ({"arch": str}, _MANIFEST[1])))
+        data = _checked(data, "manifest", _MANIFEST)
+        families = tuple(_family(entry, f"families[{i}]") for i, entry in enumerate(data["families"]))
+        return Manifest(**{**data, "families": families})
     except FileNotFoundError:
         raise RegistryError(f"{path}: no manifest") from None
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+    except (OSError, UnicodeDecodeError) as exc:
+        raise RegistryError(f"{path}: unreadable manifest ({exc})") from None
+    except (ValueError, RecursionError) as exc:   # bad JSON, or the shape checks above
         raise RegistryError(f"{path}: not a kvgen manifest ({exc})") from None
 
 
@@ -140,13 +190,35 @@ def _refuse(path: Path, what: str, arch: str, family: str | None = None) -> Regi
     return RegistryError(f"{path}: {what}; rebuild with: {fix_command(arch, family)}")
 
 
+def artifact_file(path: Path, artifact: ArtifactEntry) -> Path:
+    """Where ``artifact`` (listed in the manifest at ``path``) lies: a relative path that stays
+    inside the manifest's folder once symlinks are resolved, else a ``RegistryError``. Only
+    this resolved path is hashed and handed to a loader."""
+    folder = Path(path).parent
+    name = PurePosixPath(artifact.file)
+    if not artifact.file or name.is_absolute() or "\\" in artifact.file or ".." in name.parts:
+        raise RegistryError(f"{path}: artifact path {artifact.file!r} must be a plain path relative to {folder}")
+    file = (folder / name).resolve()
+    if not file.is_relative_to(folder.resolve()):
+        raise RegistryError(f"{path}: artifact {artifact.file!r} resolves to {file}, outside {folder} (a symlink "
+                            "pointing out of the registry)")
+    return file
+
+
 def verify_file(path: Path, arch: str, family: str, artifact: ArtifactEntry) -> Path:
-    """The absolute path of ``artifact`` (listed in the manifest at ``path``), after checking its
-    sha256: a missing or altered file is a ``RegistryError`` naming it and the rebuild command."""
-    file = Path(path).parent / artifact.file
+    """The resolved path of ``artifact`` (listed in the manifest at ``path``), after checking that
+    it stays inside the registry and its sha256: anything else is a ``RegistryError`` naming it
+    and the rebuild command."""
+    try:
+        file = artifact_file(path, artifact)
+    except RegistryError as exc:
+        raise RegistryError(f"{exc}; rebuild with: {fix_command(arch, family)}") from None
     if not file.is_file():
         raise _refuse(file, f"artifact missing (listed in {path})", arch, family)
-    actual = file_sha256(file)
+    try:
+        actual = file_sha256(file)
+    except OSError as exc:
+        raise _refuse(file, f"unreadable artifact ({exc})", arch, family) from None
     if actual != artifact.sha256:
         raise _refuse(file, f"sha256 mismatch with {path} (expected {artifact.sha256}, found {actual})", arch, family)
     return file
@@ -162,25 +234,56 @@ def verify_op(path: Path, manifest: Manifest, entry: FamilyEntry, op: str) -> Pa
     return verify_file(path, manifest.arch, entry.family, artifact)
 
 
-def read_manifest(path: Path, kvgen_version: str = __version__, verify: bool = True) -> Manifest:
-    """A manifest safe to load from: this format, this kvgen version and ABI, intact artifacts
-    (every artifact of every family when ``verify``)."""
+def manifest_problems(path: Path, kvgen_version: str = __version__,
+                      verify: bool = True) -> tuple[Manifest | None, list[RegistryError]]:
+    """The manifest at ``path`` and every reason not to load from it: unreadable or malformed, another
+    format, kvgen version or ABI, an arch that is not its folder's, and per family an op naming
+    an unlisted artifact or (``verify``) an artifact outside the registry, missing or altered.
+    The manifest is None when nothing in it can be trusted."""
     path = Path(path)
-    arch = path.parent.name
+    folder_arch = path.parent.name
     try:
         manifest = parse_manifest(path)
     except RegistryError as exc:
-        raise RegistryError(f"{exc}; rebuild with: {fix_command(arch)}") from None
+        return None, [RegistryError(f"{exc}; rebuild with: {fix_command(folder_arch)}")]
     if manifest.format_version != FORMAT_VERSION:
-        raise _refuse(path, f"format version {manifest.format_version}, this kvgen reads {FORMAT_VERSION}", arch)
+        return None, [_refuse(path, f"format version {manifest.format_version}, this kvgen reads {FORMAT_VERSION}",
+                              folder_arch)]
     if manifest.kvgen_version != kvgen_version or manifest.abi_version != ABI_VERSION:
-        raise _refuse(path, f"written by kvgen {manifest.kvgen_version} (ABI {manifest.abi_version}), this is "
-                            f"kvgen {kvgen_version} (ABI {ABI_VERSION})", manifest.arch)
+        return None, [_refuse(path, f"written by kvgen {manifest.kvgen_version} (ABI {manifest.abi_version}), "
+                                    f"this is kvgen {kvgen_version} (ABI {ABI_VERSION})", folder_arch)]
+    if manifest.arch != folder_arch:
+        return None, [_refuse(path, f"a manifest for {manifest.arch} in the folder {folder_arch}/ (copied from "
+                                    "another arch?)", folder_arch)]
+    problems = []
     for entry in manifest.families:
-        if entry.abi_version != ABI_VERSION or entry.arch != manifest.arch:
-            raise _refuse(path, f"{entry.family}: ABI {entry.abi_version} for {entry.arch}", manifest.arch,
-                          entry.family)
-        if verify:
-            for artifact in entry.artifacts:
-                verify_file(path, manifest.arch, entry.family, artifact)
+        problems += _family_problems(path, manifest, entry, verify)
+    return manifest, problems
+
+
+def _family_problems(path: Path, manifest: Manifest, entry: FamilyEntry, verify: bool) -> list[RegistryError]:
+    if entry.abi_version != ABI_VERSION or entry.arch != manifest.arch:
+        return [_refuse(path, f"{entry.family}: ABI {entry.abi_version} for {entry.arch}", manifest.arch,
+                        entry.family)]
+    problems = []
+    listed = {a.file for a in entry.artifacts}
+    for op in entry.ops:
+        if op.artifact not in listed:
+            problems.append(_refuse(path, f"{entry.family}: op {op.op!r} names {op.artifact!r}, which is not "
+                                          "among its artifacts", manifest.arch, entry.family))
+    for artifact in entry.artifacts if verify else ():
+        try:
+            verify_file(path, manifest.arch, entry.family, artifact)
+        except RegistryError as exc:
+            problems.append(exc)
+    return problems
+
+
+def read_manifest(path: Path, kvgen_version: str = __version__, verify: bool = True) -> Manifest:
+    """A manifest safe to load from: this format, this kvgen version and ABI, its folder's arch,
+    ops naming listed artifacts, and (every artifact of every family when ``verify``) artifacts
+    inside the registry and intact. The first problem is raised."""
+    manifest, problems = manifest_problems(path, kvgen_version, verify)
+    if problems:
+        raise problems[0]
     return manifest

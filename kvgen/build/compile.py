@@ -28,6 +28,7 @@ from kvgen.build.cache import CACHE_SCHEMA_VERSION, entry_dir, failed_dir, get_o
 from kvgen.build.cute_aot import CuteCompileError, CuteToolchain, compile_scores, find_cute_toolchain
 from kvgen.build.job import BuildJob, BuildOutcome
 from kvgen.build.nvcc import CompileError, Toolchain, cache_key, compile_shared_library, nvcc_flags, toolchain_for
+from kvgen.build.process import kill_all
 from kvgen.kernels import KERNELS_DIR
 
 HEADER_SUFFIXES = (".cuh", ".h", ".hpp", ".inl")
@@ -92,7 +93,8 @@ def compile_many(jobs: Sequence[BuildJob], cache_dir: Path, toolchains: Toolchai
             return [(i, _failed(jobs[i], toolchains.cute_error)) for i in indices]
         return list(zip(indices, compile_scores([jobs[i] for i in indices], cache_dir, toolchains.cute)))
 
-    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+    pool = ThreadPoolExecutor(max_workers=max(1, workers))
+    try:
         # export processes first: each is the longest single task, so it should not queue behind nvcc
         futures = [pool.submit(scores, indices) for _, indices in sorted(score_jobs.items())]
         futures += [pool.submit(single, i) for i, job in enumerate(jobs) if job.backend != "cute"]
@@ -100,6 +102,12 @@ def compile_many(jobs: Sequence[BuildJob], cache_dir: Path, toolchains: Toolchai
             for index, outcome in future.result():
                 outcomes[index] = outcome
                 done(outcome)
+    except BaseException:
+        # interrupted (Ctrl-C, an error): nothing queued starts, every running compiler group dies
+        pool.shutdown(wait=False, cancel_futures=True)
+        kill_all()
+        raise
+    pool.shutdown()
     return [outcomes[i] for i in range(len(jobs))]
 
 

@@ -35,6 +35,7 @@ from typing import Any, Mapping, Sequence
 from kvgen import __version__, paths
 from kvgen.build.cache import CACHE_SCHEMA_VERSION, entry_dir, get_or_build, load_entry
 from kvgen.build.job import BuildJob, BuildOutcome
+from kvgen.build.process import run_in_group
 from kvgen.files import file_sha256
 from kvgen.kernels import CUTE_DIR, INCLUDE_DIR, KERNELS_DIR
 
@@ -155,7 +156,7 @@ def export_objects(modules: Mapping[str, Path], arch: str, out_root: Path, toolc
     env = paths.child_environ(environ, CUTE_DSL_ARCH=arch, CUTE_DSL_NO_CACHE="1")
     cmd = [toolchain.python, "-m", "kvgen.build.cute_aot", "export", str(jobs_file), str(out_root)]
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        proc = run_in_group(cmd, timeout=timeout, env=env)
     except subprocess.TimeoutExpired as exc:
         raise CuteCompileError(f"CuTe DSL export for {arch} timed out after {timeout} s", str(exc.stderr or ""))
     results_file = out_root / "results.json"
@@ -174,7 +175,7 @@ def link_score_library(obj_dir: Path, out: Path, toolchain: CuteToolchain, timeo
            str(SHIM_SOURCE), str(obj_dir / f"{IMPL_NAME}.o"), toolchain.runtime_lib,
            toolchain.cudart_static, *LINK_LIBS, f"-Wl,--version-script={version_script}", "-Wl,--exclude-libs,ALL",
            "-o", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    proc = run_in_group(cmd, timeout=timeout)
     log = " ".join(cmd) + "\n" + proc.stdout + proc.stderr
     if proc.returncode != 0:
         raise CuteCompileError(f"linking {out.name} failed (exit {proc.returncode})", log)

@@ -4,6 +4,8 @@ A toolchain is identified by what it *is* (real path of the nvcc binary, its ver
 sha256 of ``nvcc --version``, and the host compiler), never by how it was reached (the PATH
 string, a wrapper script, a symlink): the same compiler reached two ways gives one cache key.
 Nothing here reads the environment; the CLI passes ``$KVGEN_NVCC``, ``$CUDA_HOME`` and ``$PATH`` in.
+Compiles run in a process group of their own (``kvgen.build.process``): an interrupted or killed
+build leaves no nvcc behind.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
+
+from kvgen.build.process import run_in_group
 
 # Architectures whose SASS needs a newer nvcc than the system one, and how to get it.
 RUBIN_HINT = 'pip install "nvidia-cuda-nvcc==13.5.*" (or pip install kvgen[nvcc-rubin])'
@@ -269,7 +273,7 @@ def _ptx(sources: Sequence[Path], arch: str, includes: list[str], out_dir: Path,
         target = (out_dir / f"{Path(source).stem}.{arch}.ptx").absolute()
         cmd = [toolchain.nvcc, "-ptx", "-O3", "-std=c++17", "-gencode", gencode(arch), "--fmad=false",
                "-lineinfo", *extra_flags, *includes, str(source), "-o", str(target)]
-        proc = _run(cmd, timeout=timeout, cwd=str(cwd) if cwd else None)
+        proc = run_in_group(cmd, timeout=timeout, cwd=str(cwd) if cwd else None)
         if proc.returncode != 0:
             raise CompileError(f"nvcc -ptx failed for {arch}", proc.stdout + proc.stderr, cmd, [Path(source)])
         written.append(target)
@@ -290,7 +294,7 @@ def compile_shared_library(sources: Sequence[Path], arch: str, include_dirs: Seq
            *map(str, sources), "-o", str(out)]
     start = time.perf_counter()
     try:
-        proc = _run(cmd, timeout=timeout, cwd=str(cwd) if cwd else None)
+        proc = run_in_group(cmd, timeout=timeout, cwd=str(cwd) if cwd else None)
     except subprocess.TimeoutExpired as exc:
         raise CompileError(f"nvcc timed out after {timeout} s for {arch}", str(exc.stderr or ""), cmd,
                            sources) from None

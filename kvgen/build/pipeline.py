@@ -35,11 +35,12 @@ from kvgen.build.environment import build_environments, gpu_fingerprint, gpu_nam
 from kvgen.build.job import BACKENDS, Backend, BuildJob, BuildOutcome, SpecSource, Status, family_jobs, load_spec_source
 from kvgen.build.nvcc import Toolchain
 from kvgen.build.stamp import Stamps, common_inputs, replayed_outcomes
-from kvgen.files import copy_if_different
+from kvgen.files import copy_if_different, file_lock
 from kvgen.kernels import KERNELS_DIR
 from kvgen.lower.layout import family_layout, to_json
 from kvgen.lower.tuned import TunedParams, load_tuned, switch_notes
 from kvgen.render.source import TEMPLATES_DIR, render_family, stale_files, write_rendered
+from kvgen.spec.schema import name_collisions
 
 
 @dataclass
@@ -113,11 +114,25 @@ def _family_entry(built: Sequence[tuple[BuildJob, BuildOutcome]]) -> FamilyEntry
                        layout=to_json(spec, family_layout(spec)))
 
 
+def registry_lock(registry_dir: Path, arch: str) -> Path:
+    """The lock file of one arch's manifest: one writer at a time. In the registry's root, so an arch
+    folder holds exactly its manifest and the artifacts it lists."""
+    return Path(registry_dir) / f".{arch}.manifest.lock"
+
+
 def publish(registry_dir: Path, arch: str, results: Sequence[tuple[BuildJob, BuildOutcome]]) -> Path:
     """Copy this arch's built artifacts into the registry (each atomically), then rewrite its
     manifest (last, atomically): the families built now get new entries listing what built (a
-    family nothing of which built is dropped), other families' entries are kept."""
+    family nothing of which built is dropped), other families' entries are kept. All of it
+    under the registry lock, so concurrent builds of other families lose nothing and a manifest
+    never lists an artifact another build replaced after it was hashed."""
     path = manifest_path(registry_dir, arch)
+    with file_lock(registry_lock(registry_dir, arch)):
+        _publish_locked(path, arch, results)
+    return path
+
+
+def _publish_locked(path: Path, arch: str, results: Sequence[tuple[BuildJob, BuildOutcome]]) -> None:
     try:
         kept = list(parse_manifest(path).families) if path.exists() else []
     except RegistryError:
@@ -132,7 +147,6 @@ def publish(registry_dir: Path, arch: str, results: Sequence[tuple[BuildJob, Bui
     entries = [entry for entry in kept if entry.family not in by_family]
     entries += [_family_entry(built) for built in by_family.values() if built]
     write_manifest(path, Manifest(arch=arch, families=tuple(sorted(entries, key=lambda e: e.family))))
-    return path
 
 
 # ---------------------------------------------------------------- entry
@@ -184,6 +198,9 @@ def build(specs: Sequence[SpecSource | Path], archs: Sequence[str] | None, out_g
     host compiler): their state stands for its result in the stamps' key.
     """
     sources = _as_sources(specs)
+    collisions = name_collisions([(s.path or s.spec.name, s.spec) for s in sources])
+    if collisions:
+        raise collisions[0]   # two families would build one library
     progress = progress or _NoProgress()
     pairs, skipped = _pairs(sources, archs)
     stamps = _stamps(toolchains, toolchain_files, cute_toolchain, templates_dir, kernels_dir, extra_flags, backends,

@@ -16,7 +16,7 @@ from types import MappingProxyType
 from typing import Any, Literal, Mapping
 
 from kvgen.lower.layout import FamilyLayout, family_layout
-from kvgen.spec.schema import FamilySpec
+from kvgen.spec.schema import FamilySpec, c_identifier
 
 Op = Literal["codec", "compact", "pack", "score"]
 
@@ -102,7 +102,7 @@ class KernelPlan:
 
     def symbol(self) -> str:
         """C identifier prefix: ``kvgen_<family>`` with non-identifier characters as '_'."""
-        return "kvgen_" + "".join(c if c.isalnum() else "_" for c in self.family)
+        return "kvgen_" + c_identifier(self.family)
 
     def with_params(self, params: Mapping[str, int]) -> "KernelPlan":
         check_params(self.op, params)

@@ -25,7 +25,7 @@ import torch
 if TYPE_CHECKING:
     from kvgen.reference.triattention_family import TriGeometry
 
-ROPE_SCALING_TYPES = ("default", "linear", "llama3", "yarn")
+ROPE_SCALING_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -119,6 +119,35 @@ def _yarn_inv_freq(rotary_dim: int, theta: float, scaling: Mapping[str, Any]) ->
     return interpolation * (1 - extrapolation_weight) + extrapolation * extrapolation_weight
 
 
+def _longrope_inv_freq(rotary_dim: int, theta: float, scaling: Mapping[str, Any],
+                       seq_len: int | None) -> torch.Tensor:
+    # HF `_compute_longrope_parameters`: the default frequencies divided by one rescale factor per
+    # pair, `short_factor` within the pretrained context and `long_factor` past it.
+    old_len = int(_need(scaling, "original_max_position_embeddings", "longrope"))
+    key = "short_factor" if seq_len is not None and seq_len <= old_len else "long_factor"
+    ext_factors = torch.tensor([float(v) for v in _need(scaling, key, "longrope")], dtype=torch.float32)
+    if ext_factors.shape != (rotary_dim // 2,):
+        raise ValueError(f"RoPE scaling 'longrope': {key} has {ext_factors.numel()} entries; "
+                         f"rotary_dim {rotary_dim} needs {rotary_dim // 2}")
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).to(torch.float32) / rotary_dim
+    return 1.0 / (ext_factors * theta ** exponents)
+
+
+def longrope_attention_factor(scaling: Mapping[str, Any]) -> float:
+    """HF's LongRoPE attention factor (multiplies cos and sin of both q and k):
+    ``sqrt(1 + log(factor) / log(original_max_position_embeddings))``, 1 for ``factor <= 1``,
+    unless ``attention_factor`` is given. ``factor`` is HF's, which for Phi-3/Phi-4 is
+    ``max_position_embeddings / original_max_position_embeddings``."""
+    explicit = _opt(scaling, "attention_factor")
+    if explicit is not None:
+        return float(explicit)
+    factor = float(_opt(scaling, "factor", 1.0))
+    if factor <= 1.0:
+        return 1.0
+    old_len = float(_need(scaling, "original_max_position_embeddings", "longrope"))
+    return math.sqrt(1 + math.log(factor) / math.log(old_len))
+
+
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     if scale <= 1:
         return 1.0
@@ -138,18 +167,27 @@ def yarn_attention_factor(scaling: Mapping[str, Any]) -> float:
     return _yarn_mscale(factor)
 
 
-def rope_omega(rotary_dim: int, theta: float, scaling: Mapping[str, Any] | None) -> torch.Tensor:
+def rope_omega(rotary_dim: int, theta: float, scaling: Mapping[str, Any] | None,
+               seq_len: int | None = None) -> torch.Tensor:
     """Angular frequency per pair, float32 ``[rotary_dim // 2]``, as HF computes ``inv_freq``.
 
     ``scaling`` is an HF ``rope_scaling`` dict (``type``/``rope_type`` in default, linear,
-    llama3, yarn) or ``None``. For yarn, ``factor`` is used as given (HF's DeepSeek rule that
-    recomputes it from ``max_position_embeddings`` is the caller's business).
+    llama3, yarn, longrope) or ``None``. For yarn, ``factor`` is used as given (HF's DeepSeek rule
+    that recomputes it from ``max_position_embeddings`` is the caller's business).
+
+    ``seq_len`` matters for longrope only: HF switches from ``short_factor`` to ``long_factor``
+    once the sequence is longer than ``original_max_position_embeddings``. ``None`` (what
+    TriAttention uses) means past it: the scorer predicts queries at ``L + o`` with offsets up to
+    65536, beyond the pretrained context of any LongRoPE model, where the model uses the long
+    factors; below that context, scores use them too (an approximation, see docs/specs.md).
     """
     if rotary_dim <= 0 or rotary_dim % 2:
         raise ValueError(f"rotary_dim must be a positive even number, got {rotary_dim}")
     kind = _scaling_type(scaling)
     if kind == "yarn":
         return _yarn_inv_freq(rotary_dim, theta, scaling)
+    if kind == "longrope":
+        return _longrope_inv_freq(rotary_dim, theta, scaling, seq_len)
     inv_freq = _default_inv_freq(rotary_dim, theta)
     if kind == "linear":
         return inv_freq / float(_need(scaling, "factor", "linear"))
@@ -158,10 +196,19 @@ def rope_omega(rotary_dim: int, theta: float, scaling: Mapping[str, Any] | None)
     return inv_freq
 
 
-def rope_freq_scale_sq(rotary_dim: int, scaling: Mapping[str, Any] | None) -> torch.Tensor:
-    """Square of the RoPE attention factor per pair, float32 ``[F]`` (ones unless yarn)."""
+def rope_attention_factor(scaling: Mapping[str, Any] | None) -> float:
+    """HF's ``attention_scaling`` of a RoPE: yarn's and longrope's factor, 1 for the others."""
     kind = _scaling_type(scaling)
-    factor = yarn_attention_factor(scaling) if kind == "yarn" else 1.0
+    if kind == "yarn":
+        return yarn_attention_factor(scaling)
+    if kind == "longrope":
+        return longrope_attention_factor(scaling)
+    return 1.0
+
+
+def rope_freq_scale_sq(rotary_dim: int, scaling: Mapping[str, Any] | None) -> torch.Tensor:
+    """Square of the RoPE attention factor per pair, float32 ``[F]`` (ones unless yarn or longrope)."""
+    factor = rope_attention_factor(scaling)
     return torch.full((rotary_dim // 2,), factor * factor, dtype=torch.float32)
 
 

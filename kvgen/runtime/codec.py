@@ -3,7 +3,9 @@
 Hot pools are any tensors whose dim 0 indexes pages (``[num_pages, ...one page...]``, possibly a
 strided view such as ``kv_pool[:, 0]`` for K inside a combined K/V pool). Cold storage is a uint8
 tensor on the GPU or in pinned host memory (the kernel then writes and reads it over the bus
-directly). Page pairs are ``int32 [n, 2]`` tensors of ``(dst, src)``.
+directly). Page pairs are ``int32 [n, 2]`` tensors of ``(dst, src)``. Every index is checked against
+the pools' page counts and the cold buffer's slots (the bounds-checked entry points of the C ABI),
+so no pair can make a kernel touch memory it was not given.
 
 The torch custom ops ``kvgen::cold_encode`` / ``kvgen::cold_decode`` (``register_codec``,
 ``cold_encode``, ``cold_decode``, ``register_ops``) wrap a configured codec; they live here, beside it.
@@ -14,51 +16,167 @@ from __future__ import annotations
 import ctypes
 import functools
 import itertools
+import math
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvgen.runtime.library import FamilyLibrary, LibraryError, PoolDesc
+from kvgen.runtime.library import FamilyLibrary, LibraryError, PoolExtent
 
 if TYPE_CHECKING:  # only attributes are read: kvgen.lower.layout.FamilyLayout (build side) works too
     from kvgen.runtime.lookup import RegistryLayout
 
 INDEX_LOCATIONS = {"host": 0, "device": 1}
+# Hot dtypes of a quantized buffer by element size (the layout records sizes, not dtype names).
+HOT_DTYPES = {2: (torch.bfloat16, torch.float16), 1: (torch.float8_e4m3fn,)}
 
 
-def pool_descriptors(pools: Sequence[Sequence[torch.Tensor]]) -> list[tuple[int, int]]:
-    """(base address, page stride in bytes) per (layer, buffer), layers then buffers in order."""
-    descs = []
+@dataclass(frozen=True)
+class PoolSpec:
+    """What one pool of a layer holds per page: ``elem_bytes`` None for a side buffer (any dtype)."""
+
+    name: str
+    page_bytes: int
+    elem_bytes: int | None
+
+
+def _field(item: Any, name: str) -> Any:
+    return item[name] if isinstance(item, Mapping) else getattr(item, name)
+
+
+def pool_specs(layout: "RegistryLayout") -> list[PoolSpec]:
+    """The pools of one layer, in descriptor order (quantized buffers, then side buffers). Reads a
+    ``RegistryLayout`` (JSON mappings) or a build-side ``FamilyLayout`` (its ``record``)."""
+    record = getattr(layout, "record", layout)
+    specs = [PoolSpec(_field(b, "name"), _field(b, "rows") * _field(b, "row_dim") * _field(b, "elem_bytes"),
+                      _field(b, "elem_bytes")) for b in record.buffers]
+    return specs + [PoolSpec(_field(s, "name"), _field(s, "bytes"), None) for s in record.sides]
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def check_pool(pool: Any, spec: PoolSpec, what: str) -> None:
+    """One hot pool: ``[pages, ...one dense page...]`` of the buffer's page size and dtype, pages
+    not overlapping (any page stride at least one page, e.g. ``kv_pool[:, 0]``)."""
+    if not isinstance(pool, torch.Tensor) or pool.dim() < 1:
+        raise ValueError(f"{what}: expected a tensor [pages, ...] (dim 0 indexes pages), got {type(pool).__name__}"
+                         f"{'' if not isinstance(pool, torch.Tensor) else ' of dim 0'}")
+    page_bytes = math.prod(pool.shape[1:]) * pool.element_size()
+    if page_bytes != spec.page_bytes:
+        raise ValueError(f"{what}: pages of {spec.page_bytes} bytes expected, got {list(pool.shape[1:])} "
+                         f"{_dtype_name(pool.dtype)} = {page_bytes} bytes")
+    if spec.elem_bytes is not None and pool.dtype not in HOT_DTYPES.get(spec.elem_bytes, ()):
+        allowed = " or ".join(_dtype_name(d) for d in HOT_DTYPES.get(spec.elem_bytes, ()))
+        raise ValueError(f"{what}: dtype {_dtype_name(pool.dtype)}, the family's hot dtype is {allowed}")
+    if pool.shape[0] and not pool[0].is_contiguous():
+        raise ValueError(f"{what}: each page must be dense (only the page stride may differ)")
+    if pool.shape[0] > 1 and pool.stride(0) * pool.element_size() < page_bytes:
+        raise ValueError(f"{what}: page stride {pool.stride(0) * pool.element_size()} bytes is below the page size "
+                         f"{page_bytes} (pages would overlap)")
+
+
+def check_pools(pools: Sequence[Sequence[Any]], layout: "RegistryLayout") -> torch.device:
+    """Every (layer, buffer) pool of the family, all on one CUDA device (returned)."""
+    specs = pool_specs(layout)
+    layers = 1 + max(layer for lc in layout.lifecycles for layer in lc.layers)
+    if len(pools) != layers:
+        raise ValueError(f"pools: {layout.family} has {layers} layers, got {len(pools)} lists of pools")
+    names = ", ".join(spec.name for spec in specs)
+    for layer, buffers in enumerate(pools):
+        if len(buffers) != len(specs):
+            raise ValueError(f"pools[{layer}]: expected {len(specs)} pools ({names}), got {len(buffers)}")
+        for index, (pool, spec) in enumerate(zip(buffers, specs)):
+            check_pool(pool, spec, f"pool of layer {layer}, buffer {index} ({spec.name})")
+    device = pools[0][0].device
     for layer, buffers in enumerate(pools):
         for index, pool in enumerate(buffers):
-            if pool.dim() < 1:
-                raise ValueError(f"pool of layer {layer}, buffer {index} needs a page dimension")
-            descs.append((pool.data_ptr(), pool.stride(0) * pool.element_size()))
-    return descs
+            if pool.device != device or not pool.is_cuda:
+                raise ValueError(f"pool of layer {layer}, buffer {index}: on {pool.device}; every pool must be on "
+                                 f"one CUDA device ({device} for the first)")
+    return device
 
 
-def _stream_handle(stream: torch.cuda.Stream | None) -> int:
-    stream = stream or torch.cuda.current_stream()
-    return stream.cuda_stream
+def pool_descriptors(pools: Sequence[Sequence[torch.Tensor]]) -> list[tuple[int, int, int]]:
+    """(base address, page stride in bytes, pages) per (layer, buffer), layers then buffers in order."""
+    return [(pool.data_ptr(), pool.stride(0) * pool.element_size(), pool.shape[0])
+            for buffers in pools for pool in buffers]
+
+
+def cold_slots(cold: Any, page_bytes: int, device: torch.device) -> int:
+    """Slots of a cold buffer: contiguous uint8, 16-byte aligned, on ``device`` or pinned host memory."""
+    if not isinstance(cold, torch.Tensor) or cold.dtype != torch.uint8 or not cold.is_contiguous():
+        raise ValueError("cold: cold storage must be a contiguous uint8 tensor")
+    if cold.is_cuda and cold.device != device:
+        raise ValueError(f"cold: on {cold.device}, the hot pools on {device}")
+    if not (cold.is_cuda or cold.is_pinned()):
+        raise ValueError("cold: cold storage must be GPU memory or pinned host memory")
+    if cold.data_ptr() % 16:
+        raise ValueError("cold: base address must be 16-byte aligned")
+    if cold.numel() % page_bytes:
+        raise ValueError(f"cold: {cold.numel()} bytes is not a multiple of the cold page size {page_bytes}")
+    return cold.numel() // page_bytes
+
+
+def check_pairs(pairs: Any, index_location: str, device: torch.device) -> torch.Tensor:
+    """``int32 [n, 2]`` (dst, src): host pairs in CPU memory (copied if strided), device pairs on
+    the pools' device and contiguous (they are read after the call returns, so no copy is made).
+    Their values are checked by the library: host pairs before anything is enqueued, device pairs
+    by the kernels."""
+    if not isinstance(pairs, torch.Tensor) or pairs.dtype != torch.int32 or pairs.dim() != 2 or pairs.shape[1] != 2:
+        raise ValueError("pairs: page pairs must be an int32 tensor of shape [n, 2] (dst, src)")
+    if index_location == "host":
+        if pairs.is_cuda:
+            raise ValueError("pairs: this codec takes host index arrays (configured with index_location='host')")
+        return pairs.contiguous()
+    if pairs.device != device:
+        raise ValueError(f"pairs: this codec takes device index arrays on {device}, got {pairs.device}")
+    if not pairs.is_contiguous():
+        raise ValueError("pairs: device index arrays must be contiguous (a copy would be freed before the kernel reads it)")
+    return pairs
+
+
+def _stream(stream: torch.cuda.Stream | None, device: torch.device) -> torch.cuda.Stream:
+    """The stream to enqueue on (default: ``device``'s current one); it must belong to ``device``
+    and so must the current device (kernels launch on the current device)."""
+    stream = stream or torch.cuda.current_stream(device)
+    if stream.device != device:
+        raise ValueError(f"stream: on {stream.device}, the codec's pools on {device}")
+    if torch.cuda.current_device() != device.index:
+        raise ValueError(f"the current CUDA device is cuda:{torch.cuda.current_device()}, the codec's pools are on "
+                         f"{device}: call it under torch.cuda.device({device.index})")
+    return stream
 
 
 class ColdPageCodec:
-    """One configured codec instance (C ABI ``kvgen_codec``), owning its device tables."""
+    """One configured codec instance (C ABI ``kvgen_codec``), owning its device tables.
+
+    Everything is checked before a launch without synchronizing: pools (layers, buffers, page
+    size, dtype, device), cold storage (dtype, device, alignment, slot count), page pairs (dtype,
+    shape, location) and, in the library, host pairs against the pools' pages and the cold slots.
+    Device pairs are checked by the kernels: out-of-range ones are skipped and the next call (or
+    ``check_device_errors``) raises ``LibraryError`` saying what was skipped."""
 
     def __init__(self, library: FamilyLibrary, layout: "RegistryLayout", pools: Sequence[Sequence[torch.Tensor]],
                  index_location: str = "host"):
         self._handle = None   # close() and __del__ work on a codec whose configuration failed
         if library.family != layout.family:
             raise LibraryError(f"{library.path}: built for {library.family!r}, layout is {layout.family!r}")
+        if index_location not in INDEX_LOCATIONS:
+            raise ValueError(f"index_location: {index_location!r}, expected one of {sorted(INDEX_LOCATIONS)}")
         self.library = library
         self.layout = layout
         self.index_location = index_location
+        self.device = check_pools(pools, layout)
         self._pools = [list(p) for p in pools]  # keep the hot pools alive while configured
         descs = pool_descriptors(self._pools)
-        array = (PoolDesc * len(descs))(*[PoolDesc(base, stride) for base, stride in descs])
-        handle = library.kvgen_codec_configure(array, len(descs), INDEX_LOCATIONS[index_location])
+        array = (PoolExtent * len(descs))(*[PoolExtent(*desc) for desc in descs])
+        with torch.cuda.device(self.device):  # the descriptor tables live on the pools' device
+            handle = library.kvgen_codec_configure_checked(array, len(descs), INDEX_LOCATIONS[index_location])
         if not handle:
             raise LibraryError(f"{library.path}: configure failed: {library.last_error()}")
         self._handle = handle
@@ -71,40 +189,42 @@ class ColdPageCodec:
     def __del__(self) -> None:
         self.close()
 
+    def _live(self) -> int:
+        """The C handle; a closed codec is an error here, never a call into the library."""
+        if not self._handle:
+            raise LibraryError(f"{self.library.path}: this {self.layout.family} codec is closed")
+        return self._handle
+
     def cold_page_bytes(self, lifecycle: int = 0) -> int:
-        return self.library.kvgen_codec_query_cold_page_bytes(self._handle, lifecycle)
-
-    def _pairs(self, pairs: torch.Tensor) -> torch.Tensor:
-        if pairs.dtype != torch.int32 or pairs.dim() != 2 or pairs.shape[1] != 2:
-            raise ValueError("page pairs must be an int32 tensor of shape [n, 2] (dst, src)")
-        want_cuda = self.index_location == "device"
-        if pairs.is_cuda != want_cuda:
-            raise ValueError(f"this codec takes {self.index_location} index arrays")
-        return pairs.contiguous()
-
-    def _check_cold(self, cold: torch.Tensor, lifecycle: int) -> None:
-        if cold.dtype != torch.uint8 or not cold.is_contiguous():
-            raise ValueError("cold storage must be a contiguous uint8 tensor")
-        if not (cold.is_cuda or cold.is_pinned()):
-            raise ValueError("cold storage must be GPU memory or pinned host memory")
-        if cold.numel() % self.cold_page_bytes(lifecycle):
-            raise ValueError(f"cold storage size is not a multiple of {self.cold_page_bytes(lifecycle)} bytes")
+        count = len(self.layout.lifecycles)
+        if not isinstance(lifecycle, int) or not 0 <= lifecycle < count:
+            raise ValueError(f"lifecycle: {lifecycle!r}, {self.layout.family} has lifecycles 0..{count - 1}")
+        return self.library.kvgen_codec_query_cold_page_bytes(self._live(), lifecycle)
 
     def _run(self, fn, lifecycle: int, cold: torch.Tensor, pairs: torch.Tensor, stream) -> None:
-        self._check_cold(cold, lifecycle)
-        pairs = self._pairs(pairs)
-        ok = fn(self._handle, lifecycle, ctypes.c_void_p(cold.data_ptr()), ctypes.c_void_p(pairs.data_ptr()),
-                pairs.shape[0], ctypes.c_void_p(_stream_handle(stream)))
+        handle = self._live()
+        slots = cold_slots(cold, self.cold_page_bytes(lifecycle), self.device)
+        pairs = check_pairs(pairs, self.index_location, self.device)
+        stream = _stream(stream, self.device)
+        ok = fn(handle, lifecycle, ctypes.c_void_p(cold.data_ptr()), slots, ctypes.c_void_p(pairs.data_ptr()),
+                pairs.shape[0], ctypes.c_void_p(stream.cuda_stream))
         if not ok:
             raise LibraryError(f"{self.library.path}: {self.library.last_error()}")
 
     def encode(self, cold: torch.Tensor, pairs: torch.Tensor, lifecycle: int = 0, stream=None) -> None:
         """Enqueue: hot page ``src`` of every layer of the lifecycle → cold slot ``dst``."""
-        self._run(self.library.kvgen_codec_encode, lifecycle, cold, pairs, stream)
+        self._run(self.library.kvgen_codec_encode_checked, lifecycle, cold, pairs, stream)
 
     def decode(self, cold: torch.Tensor, pairs: torch.Tensor, lifecycle: int = 0, stream=None) -> None:
         """Enqueue: cold slot ``src`` → hot page ``dst`` of every layer of the lifecycle."""
-        self._run(self.library.kvgen_codec_decode, lifecycle, cold, pairs, stream)
+        self._run(self.library.kvgen_codec_decode_checked, lifecycle, cold, pairs, stream)
+
+    def check_device_errors(self) -> None:
+        """``LibraryError`` if a kernel of this codec skipped out-of-range device pairs since the last
+        check or call (then cleared). No synchronization: it sees the kernels that have finished, so
+        synchronize the stream first to see all of them."""
+        if not self.library.kvgen_codec_check_device_errors(self._live()):
+            raise LibraryError(f"{self.library.path}: {self.library.last_error()}")
 
 
 # ---------------------------------------------------------------- torch custom ops

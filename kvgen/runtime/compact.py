@@ -26,6 +26,12 @@ class CompactPool(ctypes.Structure):
                 ("v_base", ctypes.c_void_p), ("v_page_stride_bytes", ctypes.c_int64)]
 
 
+class CompactPoolExtent(ctypes.Structure):
+    """``kvgen_compact_pool_extent``: a layer's pools with the pages both hold (kvgen_compact_checked)."""
+
+    _fields_ = CompactPool._fields_ + [("num_pages", ctypes.c_int64)]
+
+
 class CompactInfo(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int32) for name in ("abi_version", "num_layers", "kv_heads", "head_dim",
                                                     "tokens_per_block", "elem_bytes", "layout", "threads",
@@ -44,6 +50,11 @@ _SIGNATURES = {
     "kvgen_compact_last_error": (_c.c_char_p, []),
     "kvgen_compact": (_c.c_int, [_c.POINTER(CompactPool), _c.c_int, _c.c_void_p, _c.c_int64, _c.c_int, _c.c_void_p,
                                  _c.c_void_p, _c.c_void_p, _c.c_int64, _c.c_void_p]),
+    # bounds-checked entry points (second block of kvgen_compact.h)
+    "kvgen_compact_checked": (_c.c_int, [_c.POINTER(CompactPoolExtent), _c.c_int, _c.c_void_p, _c.c_int64,
+                                         _c.c_int64, _c.c_int, _c.c_void_p, _c.c_void_p, _c.c_void_p, _c.c_int64,
+                                         _c.c_void_p]),
+    "kvgen_compact_check_device_errors": (_c.c_int, []),
 }
 
 
@@ -53,7 +64,7 @@ class CompactLibrary:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self._lib = load_typed(self.path, _SIGNATURES, "the family was built without TriAttention "
-                               "(triattention.enabled) or by an older kvgen")
+                               "(triattention.enabled) or by an older kvgen (rebuild it with kvgen build)")
         for name in _SIGNATURES:
             setattr(self, name, getattr(self._lib, name))
         abi = self.kvgen_compact_abi_version()
@@ -89,13 +100,26 @@ def check_pool(pool: torch.Tensor, info: dict, what: str) -> None:
         raise ValueError(f"{what}: pools must be CUDA tensors")
 
 
-def _stream_handle(stream: torch.cuda.Stream | None) -> int:
-    stream = stream or torch.cuda.current_stream()
+def _stream_handle(stream: torch.cuda.Stream | None, device: torch.device) -> int:
+    """The stream (default: ``device``'s current one), which must belong to ``device``, as must the
+    current device (kernels launch on it)."""
+    stream = stream or torch.cuda.current_stream(device)
+    if stream.device != device:
+        raise ValueError(f"stream: on {stream.device}, the pools on {device}")
+    if torch.cuda.current_device() != device.index:
+        raise ValueError(f"the current CUDA device is cuda:{torch.cuda.current_device()}, the pools are on {device}: "
+                         f"call it under torch.cuda.device({device.index})")
     return stream.cuda_stream
 
 
 class Compactor:
-    """Compaction over fixed K and V pools (one pair per layer of the family)."""
+    """Compaction over fixed K and V pools (one pair per layer of the family).
+
+    Checked without synchronizing: pools (layers, page shape, element size, alignment, one CUDA
+    device) at construction; the moves' and page table's dtypes, shapes and devices per call. Their
+    values are device memory, so the kernel checks them against the page table's width and the
+    pools' page counts: a move out of range is skipped and the next call (or
+    ``check_device_errors``) raises ``LibraryError`` saying what was skipped."""
 
     def __init__(self, library: CompactLibrary | str | Path, k_pools: Sequence[torch.Tensor],
                  v_pools: Sequence[torch.Tensor]):
@@ -108,10 +132,17 @@ class Compactor:
             check_pool(k, info, f"K pool of layer {layer}")
             check_pool(v, info, f"V pool of layer {layer}")
         self.device = k_pools[0].device
+        for layer, (k, v) in enumerate(zip(k_pools, v_pools)):
+            if k.device != self.device or v.device != self.device:
+                raise ValueError(f"pools of layer {layer}: on {k.device} (K) and {v.device} (V), layer 0's K on "
+                                 f"{self.device}; every pool must be on one device")
         self._pools = (list(k_pools), list(v_pools))  # keep the memory alive while registered
-        self._descs = (CompactPool * len(k_pools))(*[
-            CompactPool(k.data_ptr(), k.stride(0) * k.element_size(), v.data_ptr(), v.stride(0) * v.element_size())
+        self._descs = (CompactPoolExtent * len(k_pools))(*[
+            CompactPoolExtent(k.data_ptr(), k.stride(0) * k.element_size(), v.data_ptr(),
+                              v.stride(0) * v.element_size(), min(k.shape[0], v.shape[0]))
             for k, v in zip(k_pools, v_pools)])
+        with torch.cuda.device(self.device):  # allocates the library's error record (never while capturing)
+            self.check_device_errors()
 
     def _check_moves(self, page_table: torch.Tensor, src: torch.Tensor, dst: torch.Tensor,
                      offsets: torch.Tensor) -> None:
@@ -139,8 +170,16 @@ class Compactor:
                  stream: torch.cuda.Stream | None = None) -> None:
         """Enqueue the compaction of every (layer, KV head, request) on ``stream`` (default: current)."""
         self._check_moves(page_table, src, dst, offsets)
-        ok = self.library.kvgen_compact(self._descs, len(self._descs), page_table.data_ptr(), page_table.stride(0),
-                                        offsets.numel() - 1, src.data_ptr(), dst.data_ptr(), offsets.data_ptr(),
-                                        src.shape[2], _stream_handle(stream))
+        ok = self.library.kvgen_compact_checked(
+            self._descs, len(self._descs), page_table.data_ptr(), page_table.stride(0), page_table.shape[1],
+            offsets.numel() - 1, src.data_ptr(), dst.data_ptr(), offsets.data_ptr(), src.shape[2],
+            _stream_handle(stream, self.device))
         if not ok:
+            raise LibraryError(f"{self.library.path}: {self.library.last_error()}")
+
+    def check_device_errors(self) -> None:
+        """``LibraryError`` if a compaction kernel of this library skipped a move since the last check
+        or call (then cleared). No synchronization: it sees the kernels that have finished, so
+        synchronize the stream first to see all of them."""
+        if not self.library.kvgen_compact_check_device_errors():
             raise LibraryError(f"{self.library.path}: {self.library.last_error()}")

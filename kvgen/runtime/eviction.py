@@ -283,6 +283,12 @@ class TriAttentionManager:
     def on_generation_step_end(self, step: GenerationStep) -> RoundReport:
         """Cadence rule, then one round for the due requests of ``step``."""
         tails = list(step.tail) if step.tail is not None else [0] * len(step.request_ids)
+        rows = step.page_table.shape[0] if step.page_table.dim() == 2 else None
+        if not len(step.request_ids) == len(step.lengths) == len(tails) == rows:
+            raise ValueError(f"step: {len(step.request_ids)} request ids, {len(step.lengths)} lengths, {len(tails)} "
+                             f"tails and page table {list(step.page_table.shape)}; one each (one row) per request")
+        if any(not 0 <= tail <= length for tail, length in zip(tails, step.lengths)):
+            raise ValueError("step: every tail must be between 0 and its request's length")
         states = [self.requests[rid] for rid in step.request_ids]
         S = [length - tail for length, tail in zip(step.lengths, tails)]
         due = [b for b, (state, s) in enumerate(zip(states, S))
@@ -307,6 +313,7 @@ class TriAttentionManager:
               L: Sequence[int]) -> torch.Tensor:
         """Scores ``[scored layers, B, Hq, W]`` (``W = max(S - P)``), zeros past each request's width."""
         device, g = self.device, self.geometry
+        self._check_round_inputs(page_table, P, S, L)
         width = max(max(s - p for p, s in zip(P, S)), 0)
         P_t = torch.tensor(P, dtype=torch.int32, device=device)
         S_t = torch.tensor(S, dtype=torch.int32, device=device)
@@ -316,6 +323,23 @@ class TriAttentionManager:
         self.library.score(self.k_layer_ptrs, self.page_stride, page_table, P_t, S_t, c, d, self.qr, self.qi,
                            self.mlr, self.freq_scale_sq, scores)
         return scores
+
+    def _check_round_inputs(self, page_table: torch.Tensor, P: Sequence[int], S: Sequence[int],
+                            L: Sequence[int]) -> None:
+        """Host lengths against the page table (no device value is read): one row per request, and
+        every scored token ``P[b] .. S[b]-1`` inside its row's pages."""
+        if page_table.dim() != 2 or page_table.device != self.device:
+            raise ValueError(f"page_table: expected a [requests, pages] tensor on {self.device}, got "
+                             f"{list(page_table.shape)} on {page_table.device}")
+        if not len(P) == len(S) == len(L) == page_table.shape[0] or not len(P):
+            raise ValueError(f"P, S, L and the page table rows must be one per request, got {len(P)}, {len(S)}, "
+                             f"{len(L)} and {page_table.shape[0]}")
+        capacity = page_table.shape[1] * self.geometry.tokens_per_block
+        for b, (p, s, length) in enumerate(zip(P, S, L)):
+            if not 0 <= p <= s <= capacity or length < s:
+                raise ValueError(f"request {b}: P={p}, S={s}, L={length}; need 0 <= P <= S <= {capacity} (the page "
+                                 f"table's {page_table.shape[1]} pages of {self.geometry.tokens_per_block} tokens) "
+                                 "and L >= S")
 
     def decide(self, scores: torch.Tensor, P: Sequence[int], S: Sequence[int]) -> torch.Tensor:
         """Kept positions ``[B, R, budget]`` from the kernel's scores (normalize, aggregate, select)."""

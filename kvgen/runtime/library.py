@@ -16,6 +16,12 @@ class PoolDesc(ctypes.Structure):
     _fields_ = [("base", ctypes.c_void_p), ("page_stride_bytes", ctypes.c_int64)]
 
 
+class PoolExtent(ctypes.Structure):
+    """``kvgen_pool_extent``: a pool descriptor with its page count (bounds-checked entry points)."""
+
+    _fields_ = [("base", ctypes.c_void_p), ("page_stride_bytes", ctypes.c_int64), ("num_pages", ctypes.c_int64)]
+
+
 _c = ctypes
 _SIGNATURES = {
     "kvgen_abi_version": (_c.c_int, []),
@@ -29,6 +35,13 @@ _SIGNATURES = {
     "kvgen_codec_query_page_index_location": (_c.c_int, [_c.c_void_p, _c.c_int]),
     "kvgen_codec_encode": (_c.c_int, [_c.c_void_p, _c.c_int, _c.c_void_p, _c.c_void_p, _c.c_int64, _c.c_void_p]),
     "kvgen_codec_decode": (_c.c_int, [_c.c_void_p, _c.c_int, _c.c_void_p, _c.c_void_p, _c.c_int64, _c.c_void_p]),
+    # bounds-checked entry points (second block of kvgen_codec.h)
+    "kvgen_codec_configure_checked": (_c.c_void_p, [_c.POINTER(PoolExtent), _c.c_int64, _c.c_int]),
+    "kvgen_codec_encode_checked": (_c.c_int, [_c.c_void_p, _c.c_int, _c.c_void_p, _c.c_int64, _c.c_void_p, _c.c_int64,
+                                              _c.c_void_p]),
+    "kvgen_codec_decode_checked": (_c.c_int, [_c.c_void_p, _c.c_int, _c.c_void_p, _c.c_int64, _c.c_void_p, _c.c_int64,
+                                              _c.c_void_p]),
+    "kvgen_codec_check_device_errors": (_c.c_int, [_c.c_void_p]),
 }
 
 
@@ -57,7 +70,8 @@ class FamilyLibrary:
 
     def __init__(self, path: str | Path, family: str | None = None):
         self.path = Path(path)
-        self._lib = load_typed(self.path, _SIGNATURES, "not a kvgen family library")
+        self._lib = load_typed(self.path, _SIGNATURES, "not a kvgen family library, or one built by an older "
+                               "kvgen (rebuild it with kvgen build)")
         for name in _SIGNATURES:
             setattr(self, name, getattr(self._lib, name))
         abi = self.kvgen_abi_version()

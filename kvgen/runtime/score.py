@@ -90,11 +90,28 @@ class ScoreLibrary:
         if wrong:
             raise LibraryError(f"{self.path}: compiled for another geometry ({'; '.join(wrong)}); rebuild it")
 
+    def check_page_stride(self, page_stride: int) -> None:
+        """``page_stride``: elements between the pages of a K pool, > 0, a multiple of the kernel's
+        vector width (its loads are that wide and aligned)."""
+        vector = int(self.geometry["vector_elems"])
+        if not isinstance(page_stride, int) or isinstance(page_stride, bool) or page_stride <= 0 or page_stride % vector:
+            raise ValueError(f"page_stride: {page_stride!r}, expected a positive multiple of {vector} elements")
+
     def score(self, k_layer_ptrs: torch.Tensor, page_stride: int, page_table: torch.Tensor, P: torch.Tensor,
               S: torch.Tensor, c: torch.Tensor, d: torch.Tensor, qr: torch.Tensor, qi: torch.Tensor,
               mlr: torch.Tensor, freq_scale_sq: torch.Tensor, scores: torch.Tensor,
               stream: torch.cuda.Stream | None = None) -> None:
-        """Enqueue the scores ``[layers, B, Hq, W]`` (see ``kvgen_score.h`` for every argument)."""
+        """Enqueue the scores ``[layers, B, Hq, W]`` (see ``kvgen_score.h`` for every argument).
+
+        Checked here, without reading device memory: every tensor's dtype, shape, contiguity and
+        device, ``page_stride``, the grid limit and the stream's device. ``P``, ``S``, the page ids
+        and the K addresses are device values: the caller (``TriAttentionManager.score`` checks its
+        host copies of ``P`` and ``S`` against the page table's width) and the kernel answer for them."""
+        if scores.dim() != 4:
+            raise ValueError(f"scores: expected [layers, batch, query_heads, width], got {list(scores.shape)}")
+        if page_table.dim() != 2:
+            raise ValueError(f"page_table: expected int32 [batch, pages], got {list(page_table.shape)}")
+        self.check_page_stride(page_stride)
         layers, batch, heads, width = scores.shape
         F = self.freqs
         expected = {
@@ -115,7 +132,13 @@ class ScoreLibrary:
             _check(name, tensor, dtype, shape, device)
         if layers * batch > MAX_GRID_Z:
             raise ValueError(f"layers * batch = {layers * batch} > {MAX_GRID_Z}; score fewer layers per call")
+        if width and page_table.shape[1] == 0:
+            raise ValueError("page_table: no pages per row, but width > 0 tokens are scored")
+        if page_table.shape[1] >= 1 << 31:
+            raise ValueError(f"page_table: {page_table.shape[1]} pages per row do not fit int32")
         stream = stream or torch.cuda.current_stream(device)
+        if stream.device != device:
+            raise ValueError(f"stream: on {stream.device}, scores on {device}")
         status = self._lib.kvgen_score(
             k_layer_ptrs.data_ptr(), page_stride, page_table.data_ptr(), page_table.shape[1], P.data_ptr(),
             S.data_ptr(), c.data_ptr(), d.data_ptr(), qr.data_ptr(), qi.data_ptr(), mlr.data_ptr(),

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal, Sequence, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
 
@@ -24,12 +24,21 @@ HOT_DTYPES = ("bf16", "fp16", "fp8_e4m3")
 ELEM_BYTES = {"bf16": 2, "fp16": 2, "fp8_e4m3": 1}
 MAX_DIM = 1 << 14
 MAX_COUNT = 1 << 12
+MAX_HEADS = 1 << 10
+# One layer's hot page, every buffer and side buffer together (tokens_per_block x heads x row x
+# dtype). Far above what the codec stages in shared memory (227 KiB on sm_90a and sm_100a), and
+# low enough that every size in the generated code is a 32-bit int: a spec that validates builds.
+MAX_PAGE_BYTES = 1 << 24
+# G and Q are binary32 (COLD_PAGE_FORMAT.md §3): both, and 1/G, stay normal finite numbers.
+MIN_SCALE, MAX_SCALE = 2.0 ** -64, 2.0 ** 64
 
 # Names reach C symbols and file names: lowercase words joined by '-' or '_'.
 FamilyName = Annotated[str, StringConstraints(pattern=r"^[a-z][a-z0-9]*([-_.][a-z0-9]+)*$", max_length=64)]
 BufferName = Annotated[str, StringConstraints(pattern=r"^[a-z][a-z0-9_]*$", max_length=32)]
 Dim = Annotated[int, Field(ge=1, le=MAX_DIM, strict=True)]
 Count = Annotated[int, Field(ge=1, le=MAX_COUNT, strict=True)]
+Heads = Annotated[int, Field(ge=1, le=MAX_HEADS, strict=True)]
+Scale = Annotated[float, Field(ge=MIN_SCALE, le=MAX_SCALE, allow_inf_nan=False)]
 PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 
 
@@ -38,9 +47,10 @@ class _Model(BaseModel):
 
 
 class RopeScaling(_Model):
-    """HF ``rope_scaling``; only the fields the supported types use."""
+    """HF ``rope_scaling``; only the fields the supported types use. HF's ``rope_type`` key is
+    accepted as a spelling of ``type``."""
 
-    type: Literal["llama3", "linear", "yarn", "dynamic"]
+    type: Literal["llama3", "linear", "yarn", "dynamic", "longrope"]
     factor: PositiveFloat = 1.0
     low_freq_factor: PositiveFloat | None = None
     high_freq_factor: PositiveFloat | None = None
@@ -49,6 +59,35 @@ class RopeScaling(_Model):
     beta_slow: PositiveFloat | None = None
     mscale: PositiveFloat | None = None
     mscale_all_dim: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None
+    truncate: bool | None = None
+    attention_factor: PositiveFloat | None = None
+    short_factor: Annotated[list[PositiveFloat], Field(min_length=1, max_length=MAX_DIM // 2)] | None = None
+    long_factor: Annotated[list[PositiveFloat], Field(min_length=1, max_length=MAX_DIM // 2)] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _rope_type_is_type(cls, data: object) -> object:
+        if isinstance(data, dict) and "rope_type" in data:
+            if "type" in data:
+                raise ValueError("give one of type or rope_type (the same key, two spellings), not both")
+            data = {("type" if key == "rope_type" else key): value for key, value in data.items()}
+        return data
+
+
+# The fields each scaling type reads (HF transformers' modeling_rope_utils); `type` aside.
+SCALING_FIELDS = {
+    "linear": ("factor",),
+    "dynamic": ("factor", "original_max_position_embeddings"),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+             "truncate", "attention_factor"),
+    "longrope": ("factor", "original_max_position_embeddings", "short_factor", "long_factor", "attention_factor"),
+}
+SCALING_REQUIRED = {
+    "llama3": ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("original_max_position_embeddings",),
+    "longrope": ("short_factor", "long_factor", "original_max_position_embeddings"),
+}
 
 
 class RopeSpec(_Model):
@@ -63,8 +102,8 @@ class RopeSpec(_Model):
 class GlobalScale(_Model):
     """Encode multiplier ``G`` and decode multiplier ``Q`` (default ``1/G``)."""
 
-    G: PositiveFloat = 1.0
-    Q: PositiveFloat | None = None
+    G: Scale = 1.0
+    Q: Scale | None = None
 
 
 class QuantizedRange(_Model):
@@ -115,8 +154,8 @@ class FamilySpec(_Model):
     description: Annotated[str, StringConstraints(max_length=2000)] | None = None
     attention: Literal["mha", "gqa", "mqa", "mla", "csa"]
     layers: Count
-    query_heads: Count
-    kv_heads: Count = 1
+    query_heads: Heads
+    kv_heads: Heads = 1
     head_dim: Dim | None = None
     tokens_per_block: Annotated[int, Field(ge=1, le=1024, strict=True)]
     layout: Literal["HND", "NHD"] = "HND"
@@ -282,6 +321,7 @@ def _semantic_errors(spec: FamilySpec) -> list[tuple[KeyPath, str]]:
     if errors:
         return errors
     errors += _cold_page_errors(spec)
+    errors += _size_errors(spec)
     errors += _layer_errors(spec)
     errors += _triattention_errors(spec)
     return errors
@@ -344,11 +384,31 @@ def _rope_errors(spec: FamilySpec) -> list[tuple[KeyPath, str]]:
     rotary = spec.rotary_dim
     if rope.placement != "none" and (rotary % 2 or rotary <= 0 or rotary > spec.row_dim):
         errors.append((("rope",), f"rotated width {rotary} must be even and in 1..{spec.row_dim}"))
-    if rope.scaling is not None and rope.scaling.type == "llama3":
-        needed = ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-        missing = [k for k in needed if getattr(rope.scaling, k) is None]
-        if missing:
-            errors.append((("rope", "scaling"), f"llama3 scaling needs {', '.join(missing)}"))
+    if rope.scaling is not None:
+        errors += _scaling_errors(spec, rope.scaling)
+    return errors
+
+
+def _scaling_errors(spec: FamilySpec, scaling: RopeScaling) -> list[tuple[KeyPath, str]]:
+    """Required and unused fields of the scaling type; LongRoPE factors, one per rotated pair."""
+    kind = scaling.type
+    missing = [k for k in SCALING_REQUIRED.get(kind, ()) if getattr(scaling, k) is None]
+    if missing:
+        return [(("rope", "scaling"), f"{kind} scaling needs {', '.join(missing)}")]
+    unused = sorted(set(scaling.model_fields_set) - {"type", *SCALING_FIELDS[kind]})
+    if unused:
+        return [(("rope", "scaling", unused[0]), f"{kind} scaling does not use {unused[0]}; "
+                                                 f"accepted: {', '.join(SCALING_FIELDS[kind])}")]
+    errors: list[tuple[KeyPath, str]] = []
+    for key in ("short_factor", "long_factor"):
+        factors = getattr(scaling, key)
+        if factors is not None and len(factors) != spec.rotary_dim // 2:
+            errors.append((("rope", "scaling", key), f"{len(factors)} factors; the rotated width "
+                                                     f"{spec.rotary_dim} has {spec.rotary_dim // 2} pairs"))
+    if kind == "dynamic" and spec.triattention.enabled:
+        errors.append((("rope", "scaling", "type"), "dynamic NTK scaling changes the frequencies with the "
+                                                    "sequence length, which TriAttention's fixed calibration "
+                                                    "cannot follow; set triattention.enabled: false"))
     return errors
 
 
@@ -379,9 +439,6 @@ def _cold_page_errors(spec: FamilySpec) -> list[tuple[KeyPath, str]]:
         if name not in allowed:
             errors.append((("cold_page", "scales", name), f"no quantized buffer named {name!r}; "
                                                            f"accepted: {', '.join(sorted(allowed))}"))
-    for scale_name, scale in cold.scales.items():
-        if scale.Q is not None and not math.isfinite(1.0 / scale.Q):
-            errors.append((("cold_page", "scales", scale_name, "Q"), "Q must be finite and positive"))
     if not errors and cold.quantized_range is not None:
         errors += _check_quantized_range(spec)
     names = [s.name for s in spec.side_buffers]
@@ -389,6 +446,21 @@ def _cold_page_errors(spec: FamilySpec) -> list[tuple[KeyPath, str]]:
         if name in names[:i] or name in allowed:
             errors.append((("side_buffers", i, "name"), f"buffer name {name!r} is used twice"))
     return errors
+
+
+def hot_page_bound(spec: FamilySpec) -> int:
+    """An upper bound of one layer's hot page in bytes (CSA stores fewer rows than this counts)."""
+    rows = spec.kv_heads * spec.tokens_per_block
+    quantized = len(_quantized_buffer_names(spec)) * rows * spec.row_dim * spec.elem_bytes
+    return quantized + sum(s.bytes_per_token for s in spec.side_buffers) * spec.tokens_per_block
+
+
+def _size_errors(spec: FamilySpec) -> list[tuple[KeyPath, str]]:
+    size = hot_page_bound(spec)
+    if size <= MAX_PAGE_BYTES:
+        return []
+    return [(("tokens_per_block",), f"one layer's page holds {size} bytes (kv_heads x tokens_per_block x row x "
+                                    f"dtype, plus side buffers); at most {MAX_PAGE_BYTES} are accepted")]
 
 
 def _check_quantized_range(spec: FamilySpec) -> list[tuple[KeyPath, str]]:
@@ -436,6 +508,31 @@ def _quantized_buffer_names(spec: FamilySpec) -> tuple[str, ...]:
 
 
 quantized_buffer_names = _quantized_buffer_names
+
+
+# ---------------------------------------------------------------- a set of specs
+
+
+def c_identifier(name: str) -> str:
+    """A family name as C symbols and artifact file names spell it: '-' and '.' become '_'."""
+    return "".join(c if c.isalnum() else "_" for c in name)
+
+
+def name_collisions(specs: Sequence[tuple[str | Path, FamilySpec]]) -> list[SpecError]:
+    """One error per spec whose name spells the same C identifier as an earlier one's
+    (``coll-a`` and ``coll_a`` would build one ``libkvgen_coll_a.so``), naming both files."""
+    first: dict[str, tuple[str | Path, FamilySpec]] = {}
+    errors = []
+    for path, spec in specs:
+        ident = c_identifier(spec.name)
+        if ident in first:
+            other_path, other = first[ident]
+            errors.append(SpecError(str(path), [SpecIssue(line=1, key="name", message=(
+                f"family {spec.name!r} collides with {other.name!r} in {other_path}: both are kvgen_{ident} in C "
+                "symbols and artifact names; rename one"))]))
+        else:
+            first[ident] = (path, spec)
+    return errors
 
 
 # ---------------------------------------------------------------- entry points

@@ -3,8 +3,9 @@
 Spec errors must name ``file:line:key``. PyYAML's safe loader forgets positions once it builds
 Python objects, so we compose the node tree ourselves, keep the line of every mapping key and
 sequence item (keyed by its path, e.g. ``("rope", "pairing")``), and refuse the YAML features a
-spec never needs and an attacker likes: aliases (billion-laughs expansion), custom tags, and
-non-string keys.
+spec never needs and an attacker likes: aliases (billion-laughs expansion), custom tags,
+non-string keys, nesting deeper than ``MAX_DEPTH`` (PyYAML composes recursively) and integers
+longer than ``MAX_INT_DIGITS`` (Python refuses to convert them, and no spec value needs them).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from typing import Any
 import yaml
 
 MAX_SPEC_BYTES = 256 * 1024
+MAX_DEPTH = 32           # a spec nests 4 deep; 1,000 levels would exhaust Python's stack
+MAX_INT_DIGITS = 40      # far above any spec value; 4,300+ digits cannot even be converted
 
 KeyPath = tuple[str | int, ...]
 
@@ -45,11 +48,19 @@ class LocatedDoc:
 
 
 class _NoAliasLoader(yaml.SafeLoader):
+    depth = 0
+
     def compose_node(self, parent, index):  # noqa: ANN001 - PyYAML signature
+        event = self.peek_event()
         if self.check_event(yaml.AliasEvent):
-            event = self.peek_event()
             raise YamlShapeError(event.start_mark.line + 1, "YAML aliases (*name) are not allowed in specs")
-        return super().compose_node(parent, index)
+        if self.depth >= MAX_DEPTH:
+            raise YamlShapeError(event.start_mark.line + 1, f"nested more than {MAX_DEPTH} levels deep")
+        self.depth += 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self.depth -= 1
 
 
 _SCALAR_TAGS = {
@@ -79,7 +90,13 @@ def _to_python(node: yaml.Node, path: KeyPath, doc: LocatedDoc, loader: yaml.Saf
         return [_to_python(item, path + (i,), doc, loader) for i, item in enumerate(node.value)]
     if node.tag not in _SCALAR_TAGS:
         raise YamlShapeError(node.start_mark.line + 1, f"unsupported YAML tag {node.tag!r}")
-    return loader.construct_object(node, deep=True)
+    if node.tag == "tag:yaml.org,2002:int" and len(node.value) > MAX_INT_DIGITS:
+        raise YamlShapeError(node.start_mark.line + 1, f"integer of {len(node.value)} characters is out of range "
+                                                       f"(at most {MAX_INT_DIGITS})")
+    try:
+        return loader.construct_object(node, deep=True)
+    except ValueError as exc:   # e.g. a float literal Python cannot read
+        raise YamlShapeError(node.start_mark.line + 1, f"unreadable value {node.value[:40]!r}: {exc}") from None
 
 
 def load_located(text: str) -> LocatedDoc:

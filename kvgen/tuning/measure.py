@@ -43,17 +43,23 @@ def record_key(record: dict[str, Any]) -> tuple:
     return record["family"], record["op"], record["arch"], record["config"], record["bucket"]
 
 
-def read_records(path: Path) -> list[dict[str, Any]]:
-    """Measurement lines of a file (a torn last line from a killed run is ignored)."""
+def numbered_records(path: Path) -> list[tuple[int, Any]]:
+    """(1-based line, parsed JSON) of every line of a measurement file that parses; a torn last
+    line from a killed run is not one."""
     if not Path(path).is_file():
         return []
     records = []
-    for line in Path(path).read_text(encoding="utf-8").splitlines():
+    for n, line in enumerate(Path(path).read_text(encoding="utf-8", errors="replace").splitlines(), 1):
         try:
-            records.append(json.loads(line))
-        except ValueError:
+            records.append((n, json.loads(line)))
+        except (ValueError, RecursionError):
             continue
     return records
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """Measurement lines of a file (a torn last line from a killed run is ignored)."""
+    return [record for _, record in numbered_records(path)]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -131,42 +131,51 @@ class LiveEvaluator:
 
 
 def run(args: argparse.Namespace, sources, console, cache_dir: Path, discover_toolchains) -> int:
-    from kvgen.tuning.study import RecordedEvaluator
+    from kvgen.tuning.study import RecordedEvaluator, StorageError
 
     ops: list[Op] | None = [o.strip() for v in args.op for o in v.split(",") if o.strip()] if args.op else None
     for op in ops or []:
         if op not in TUNED_OPS:
-            console.print(f"[red]error[/red] --op {op}: accepted: {', '.join(TUNED_OPS)}")
+            _error(console, f"--op {op}: accepted: {', '.join(TUNED_OPS)}")
             return 2
+    if args.trials is not None and args.trials < 1:
+        _error(console, f"--trials {args.trials}: a study needs at least 1 trial")
+        return 2
     if args.build_only:
         return _build_only(args, sources, ops, console, cache_dir, discover_toolchains())
     if args.measurements:
         try:
             evaluator = RecordedEvaluator(args.measurements)
-        except (OSError, ValueError, KeyError) as exc:
-            console.print(f"[red]error[/red] {exc}", markup=True, highlight=False)
+        except (OSError, ValueError) as exc:
+            _error(console, str(exc))
             return 1
+        for problem in evaluator.problems:
+            console.print(f"warning: {problem}", markup=False, highlight=False, soft_wrap=True)
     else:
         import torch
 
         if not torch.cuda.is_available():
-            console.print("[red]error[/red] no CUDA GPU here: build candidates with --build-only, measure them on "
-                          "the GPU machine (python -m kvgen.tuning.measure BUNDLE --out m.jsonl), then search them "
-                          "with --measurements m.jsonl")
+            _error(console, "no CUDA GPU here: build candidates with --build-only, measure them on the GPU machine "
+                            "(python -m kvgen.tuning.measure BUNDLE --out m.jsonl), then search them with "
+                            "--measurements m.jsonl")
             return 2
         work = Path(tempfile.mkdtemp(prefix="kvgen-tune-"))
         evaluator = LiveEvaluator(sources, args.arch, work, cache_dir, discover_toolchains())
     storage = args.storage or default_storage(cache_dir)
     results: list[tuple[str, Op, BucketResult, str]] = []
     written: dict[Path, list[str]] = {}
-    for source in sources:
-        spec = source.spec
-        for op in [o for o in (ops or ops_for(spec)) if o in ops_for(spec)]:
-            per_bucket = _tune_op(args, spec, op, evaluator, storage, console)
-            choice, path = _write(args, spec, op, per_bucket, evaluator)
-            results += [(spec.name, op, r, choice) for r in per_bucket]
-            if path is not None:
-                written.setdefault(path, []).append(op)
+    try:
+        for source in sources:
+            spec = source.spec
+            for op in [o for o in (ops or ops_for(spec)) if o in ops_for(spec)]:
+                per_bucket = _tune_op(args, spec, op, evaluator, storage, console)
+                choice, path = _write(args, spec, op, per_bucket, evaluator)
+                results += [(spec.name, op, r, choice) for r in per_bucket]
+                if path is not None:
+                    written.setdefault(path, []).append(op)
+    except StorageError as exc:
+        _error(console, str(exc))
+        return 2
     console.print(summary_table(results))
     _print_written(console, written, args)
     return 0 if all(r.best is not None for _, _, r, _ in results) else 1
@@ -187,6 +196,11 @@ def _print_written(console, written: dict[Path, list[str]], args) -> None:
 def _line(text: str) -> None:
     """Progress without a TTY: one plain line, flushed at once (a log shows where a run is)."""
     print(text, file=sys.stderr, flush=True)
+
+
+def _error(console, text: str) -> None:
+    """Plain text: paths and exception messages hold brackets that rich would read as markup."""
+    console.print(f"error: {text}", markup=False, highlight=False, soft_wrap=True)
 
 
 def _tune_op(args, spec, op: Op, evaluator, storage: str, console) -> list[BucketResult]:

@@ -17,8 +17,11 @@ its speed-up is computed against.
 
 Storage: any optuna storage URL. The embedded default is SQLite (every finished trial is committed
 before the next starts); trials left RUNNING by a killed process are marked FAIL ("interrupted")
-when the study is opened again, and ``--trials N`` means N finished trials in total, so rerunning
-the same command resumes. A PostgreSQL URL lets several workers share a study; each stops when the
+when the study is opened again, and ``--trials N`` means N *counted* trials in total: a candidate
+measured (COMPLETE) or refused for a reason of its own (FAIL with its failure kind). An
+interrupted trial, or one whose objective died without naming a failure, measured nothing: it
+does not count, is no twin of anything, and its configuration is queued again, so rerunning the
+same command after ``kill -9`` measures exactly the missing configurations. A PostgreSQL URL lets several workers share a study; each stops when the
 study holds N finished trials.
 """
 
@@ -37,11 +40,12 @@ from optuna.trial import TrialState
 
 from kvgen.lower.plan import TUNABLES, Op, default_params
 from kvgen.spec.schema import FamilySpec
-from kvgen.tuning.measure import read_records
+from kvgen.tuning.measure import numbered_records
 from kvgen.tuning.space import STRATEGIES, canonical, config_id, configurations, parse_config
 
 WORKER = f"{socket.gethostname()}:{os.getpid()}"
 FINISHED = (TrialState.COMPLETE, TrialState.FAIL)
+INTERRUPTED = "interrupted"
 
 
 class CandidateFailed(Exception):
@@ -61,21 +65,26 @@ class Evaluator(Protocol):
 
 
 class RecordedEvaluator:
-    """Measurements from JSON-lines files written by ``kvgen.tuning.measure``."""
+    """Measurements from JSON-lines files written by ``kvgen.tuning.measure``. A line that is not
+    a usable measurement (a key missing or of the wrong type, a time that is not a positive
+    finite number) is skipped and reported in ``problems`` as ``file:line: what is wrong``."""
 
     def __init__(self, paths: list[Path]):
         self.records: dict[tuple, dict[str, Any]] = {}
+        self.problems: list[str] = []
         for path in paths:
             if not Path(path).is_file():
                 raise FileNotFoundError(f"{path}: no such measurement file")
-            for n, r in enumerate(read_records(path), 1):
-                try:
-                    self.records[(r["family"], r["op"], r["arch"], r["bucket"], r["config"])] = r
-                except (KeyError, TypeError):
-                    raise ValueError(f"{path}: record {n} is not a kvgen measurement (needs family, op, arch, "
-                                     "bucket, config)") from None
+            for line, record in numbered_records(path):
+                problem = record_problem(record)
+                if problem:
+                    self.problems.append(f"{path}:{line}: {problem}; skipped")
+                    continue
+                self.records[tuple(record[k] for k in RECORD_KEYS)] = record
         if not self.records:
-            raise ValueError(f"{', '.join(map(str, paths))}: no measurements")
+            raise ValueError(f"{', '.join(map(str, paths))}: no usable measurements"
+                             + (f" ({len(self.problems)} lines skipped, the first: {self.problems[0]})"
+                                if self.problems else ""))
 
     def environment(self, family: str, op: Op, arch: str) -> dict[str, Any]:
         for (f, o, a, _, _), r in self.records.items():
@@ -89,8 +98,37 @@ class RecordedEvaluator:
             return Measurement("missing", detail=f"{family} {op} {arch} {bucket} {config_id(op, params)}: "
                                                  "not in the measurement files (build and measure it first)")
         if r["status"] != "ok":
-            return Measurement(r["status"], detail=r.get("failure", ""))
+            return Measurement(r["status"], detail=str(r.get("failure", "")))
         return Measurement("ok", r["median_ms"], extra={k: r[k] for k in ("p20_ms", "p80_ms", "size") if k in r})
+
+
+RECORD_KEYS = ("family", "op", "arch", "bucket", "config")
+
+
+def _ms(value: Any, low: float) -> bool:
+    """A finite number of milliseconds above ``low`` (0: at least 0)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        return False
+    return value > low if low else value >= 0
+
+
+def record_problem(record: Any) -> str | None:
+    """Why a measurement line cannot be used (None: it can)."""
+    if not isinstance(record, dict):
+        return f"not a measurement object ({type(record).__name__})"
+    bad = [k for k in (*RECORD_KEYS, "status") if not isinstance(record.get(k), str)]
+    if bad:
+        return f"{', '.join(bad)} missing or not a string (a measurement needs {', '.join(RECORD_KEYS)}, status)"
+    if not isinstance(record.get("environment", {}), dict):
+        return "environment is not an object"
+    if record["status"] != "ok":
+        return None
+    if not _ms(record.get("median_ms"), 1e-9):   # the search divides by it: a zero time is no measurement
+        return f"median_ms {record.get('median_ms')!r} is not a positive number of milliseconds"
+    for key in ("p20_ms", "p80_ms"):
+        if key in record and not _ms(record[key], 0):
+            return f"{key} {record[key]!r} is not a number of milliseconds"
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -121,9 +159,19 @@ def connect(storage: str | optuna.storages.BaseStorage, attempts: int = 5) -> op
     for attempt in range(1, attempts):
         try:
             return optuna.storages.get_storage(storage)
+        except sqlalchemy.exc.ArgumentError:
+            break   # not a URL: retrying will not help
         except sqlalchemy.exc.DBAPIError:
             time.sleep(0.2 * attempt)
-    return optuna.storages.get_storage(storage)
+    try:
+        return optuna.storages.get_storage(storage)
+    except (sqlalchemy.exc.SQLAlchemyError, ValueError) as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise StorageError(f"--storage {storage}: cannot open it ({reason})") from None
+
+
+class StorageError(ValueError):
+    """An optuna storage URL that does not parse or whose database cannot be opened."""
 
 
 def open_study(name: str, storage: str | optuna.storages.BaseStorage, sampler) -> optuna.Study:
@@ -135,9 +183,34 @@ def open_study(name: str, storage: str | optuna.storages.BaseStorage, sampler) -
                                 load_if_exists=True)
     if embedded:
         for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-            storage.set_trial_user_attr(trial._trial_id, "failure", "interrupted")
+            storage.set_trial_user_attr(trial._trial_id, "failure", INTERRUPTED)
             storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)
+    _requeue_uncounted(study)
     return study
+
+
+def counted(trial: optuna.trial.FrozenTrial) -> bool:
+    """Whether a trial measured its candidate: COMPLETE, or FAIL for a failure of the candidate
+    (not an interrupted trial, nor one whose objective raised without naming a failure)."""
+    if trial.state == TrialState.COMPLETE:
+        return True
+    failure = trial.user_attrs.get("failure")
+    return trial.state == TrialState.FAIL and failure is not None and failure != INTERRUPTED
+
+
+def _requeue_uncounted(study: optuna.Study) -> None:
+    """Queue once more the configuration of every failed trial that does not count, unless a
+    counted trial has it or it is queued already (each resume adds nothing twice)."""
+    trials = study.get_trials(deepcopy=False)
+    measured = {t.user_attrs.get("config") for t in trials if counted(t)}
+    queued = {tuple(sorted(t.params.items())) for t in trials if t.state == TrialState.WAITING}
+    for t in trials:
+        key = tuple(sorted(t.params.items()))
+        if t.state != TrialState.FAIL or counted(t) or t.user_attrs.get("config") in measured or key in queued:
+            continue
+        if t.params:
+            study.enqueue_trial(dict(t.params), user_attrs={k: v for k, v in t.user_attrs.items() if k == "role"})
+            queued.add(key)
 
 
 def ordinal(op: Op, params: Mapping[str, int]) -> dict[str, int]:
@@ -148,7 +221,18 @@ def ordinal(op: Op, params: Mapping[str, int]) -> dict[str, int]:
 
 
 def finished(study: optuna.Study) -> int:
-    return len(study.get_trials(deepcopy=False, states=FINISHED))
+    """Trials counted against the budget (see ``counted``)."""
+    return sum(counted(t) for t in study.get_trials(deepcopy=False, states=FINISHED))
+
+
+def stop_at(target: int) -> Callable[[optuna.Study, optuna.trial.FrozenTrial], None]:
+    """Stop the study once it holds ``target`` counted trials (optuna's MaxTrialsCallback would
+    count interrupted ones)."""
+    def callback(study: optuna.Study, _trial: optuna.trial.FrozenTrial) -> None:
+        if finished(study) >= target:
+            study.stop()
+
+    return callback
 
 
 def grid_size(op: Op) -> int:
@@ -186,7 +270,7 @@ def make_objective(spec: FamilySpec, op: Op, arch: str, bucket: str, evaluator: 
 
 def _measured_twin(study: optuna.Study, config: str, number: int) -> optuna.trial.FrozenTrial | None:
     for t in study.get_trials(deepcopy=False, states=FINISHED):
-        if t.number != number and t.user_attrs.get("config") == config:
+        if t.number != number and t.user_attrs.get("config") == config and counted(t):
             return t
     return None
 
@@ -224,9 +308,9 @@ def run_bucket(spec: FamilySpec, op: Op, arch: str, bucket: str, evaluator: Eval
     if not study.get_trials(deepcopy=False):
         study.enqueue_trial(ordinal(op, default_params(op)), user_attrs={"role": "default"})
     objective = make_objective(spec, op, arch, bucket, evaluator, study)
-    callbacks = [optuna.study.MaxTrialsCallback(target, states=FINISHED)]
+    callbacks = [stop_at(target)]
     if on_trial is not None:
-        callbacks.append(lambda _study, trial: on_trial(trial) if trial.state in FINISHED else None)
+        callbacks.append(lambda _study, trial: on_trial(trial) if counted(trial) else None)
     if finished(study) < target:
         # duplicates are pruned and do not count: cap the attempts (the grid stops itself when exhausted)
         attempts = grid_size(op) + 1 if strategy == "grid" else 50 * target
@@ -235,7 +319,7 @@ def run_bucket(spec: FamilySpec, op: Op, arch: str, bucket: str, evaluator: Eval
 
 
 def summarize(study: optuna.Study, spec: FamilySpec, op: Op, strategy: str, default: dict[str, int]) -> BucketResult:
-    trials = study.get_trials(deepcopy=False, states=FINISHED)
+    trials = [t for t in study.get_trials(deepcopy=False, states=FINISHED) if counted(t)]
     complete = [t for t in trials if t.state == TrialState.COMPLETE]
     failures: dict[str, int] = {}
     for t in trials:

@@ -16,7 +16,10 @@
 //   int32 page_table[max_requests * max_pages]
 //   int32 src[num_layers * kv_heads * N], int32 dst[same], int32 offsets[max_requests + 1]
 //   per layer: K pool bytes [num_pages * page_bytes], then V pool bytes
-// stdout: int64 overlaps (address conflicts found in concurrent phases), then the pools as read.
+// stdout: int64 overlaps (address conflicts found in concurrent phases), int64 skipped[2] (whether the
+// walk skipped a move for a token outside the page table row, for a page id outside the pools:
+// the kernel's bounds checks, limits max_pages * tokens_per_block tokens and num_pages pages),
+// then the pools as read.
 #include <cstdio>
 #include <cstring>
 #include <set>
@@ -90,7 +93,7 @@ struct Case {
 };
 
 template <int kThreads>
-long long compact_all(const Case& c, std::vector<kc::LayerPools>& pools) {
+long long compact_all(const Case& c, std::vector<kc::LayerPools>& pools, kvgen::DeviceErrors& errors) {
   HostExec<kThreads> ex;
   ex.stores_first = c.stores_first;
   ex.tile = kc::tile_moves(kThreads, (int)c.tile_tokens, c.g.row_vectors());
@@ -99,6 +102,7 @@ long long compact_all(const Case& c, std::vector<kc::LayerPools>& pools) {
     fprintf(stderr, "rows too long for %d threads\n", kThreads);
     return -1;
   }
+  const kc::MoveLimits limits{c.max_pages * c.g.tokens_per_block, c.num_pages, &errors};
   // Any CTA order is valid (CTAs share no bytes); walk them as the grid enumerates them.
   for (int layer = 0; layer < c.num_layers; ++layer) {
     for (int head = 0; head < c.g.kv_heads; ++head) {
@@ -106,7 +110,7 @@ long long compact_all(const Case& c, std::vector<kc::LayerPools>& pools) {
         const kc::RequestRange range = kc::request_range(c.offsets.data(), r, c.moves_per_head);
         if (range.count == 0) continue;
         const kc::CtaTask task = kc::cta_task(c.g, pools[layer], c.table.data(), c.max_pages, c.src.data(),
-                                              c.dst.data(), c.moves_per_head, range, r, head, layer);
+                                              c.dst.data(), c.moves_per_head, range, r, head, layer, limits);
         kc::walk_moves<kThreads, kHostPer>(ex, c.g, task, ex.tile);
       }
     }
@@ -163,11 +167,12 @@ int main() {
   };
   if (!each_page(true)) return 4;
   long long overlaps = -1;
-  if (c.threads == 64) overlaps = compact_all<64>(c, pools);
-  if (c.threads == 128) overlaps = compact_all<128>(c, pools);
-  if (c.threads == 256) overlaps = compact_all<256>(c, pools);
+  kvgen::DeviceErrors errors{};
+  if (c.threads == 64) overlaps = compact_all<64>(c, pools, errors);
+  if (c.threads == 128) overlaps = compact_all<128>(c, pools, errors);
+  if (c.threads == 256) overlaps = compact_all<256>(c, pools, errors);
   if (overlaps < 0) return 5;
-  const int64_t out = overlaps;
-  fwrite(&out, sizeof(out), 1, stdout);
+  const int64_t out[3] = {overlaps, errors.hit[kvgen::kCompactPosition], errors.hit[kvgen::kCompactPage]};
+  fwrite(out, sizeof(int64_t), 3, stdout);
   return each_page(false) ? 0 : 6;
 }

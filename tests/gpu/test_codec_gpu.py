@@ -170,5 +170,5 @@ def test_bad_configure_is_a_clear_error():
     spec, layout = spec_and_layout(family)
     library = FamilyLibrary(library_path(family), family)
     pools = hot_pools(spec, layout, 2, torch.Generator().manual_seed(0))
-    with pytest.raises(Exception, match="expected 72 pool descriptors"):
+    with pytest.raises(ValueError, match="pools: qwen3-8b has 36 layers, got 35 lists of pools"):
         ColdPageCodec(library, layout, pools[:-1])

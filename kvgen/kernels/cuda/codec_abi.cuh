@@ -11,6 +11,11 @@ struct kvgen_codec {
   kvgen::family::CodecT* impl;
 };
 
+// A null codec is refused by every call (a destroyed one cannot be told apart from a live one in C).
+static bool kvgen_live(const kvgen_codec* codec) {
+  return codec != nullptr || kvgen::fail(std::string(kvgen::family::kTables.name) + ": null codec");
+}
+
 extern "C" {
 
 int kvgen_abi_version(void) { return KVGEN_ABI_VERSION; }
@@ -29,26 +34,61 @@ void kvgen_codec_destroy(kvgen_codec* codec) {
   delete codec;
 }
 
-int kvgen_codec_num_lifecycles(const kvgen_codec* codec) { return codec->impl->num_lifecycles(); }
+int kvgen_codec_num_lifecycles(const kvgen_codec* codec) { return codec ? codec->impl->num_lifecycles() : 0; }
 
 int64_t kvgen_codec_query_cold_page_bytes(const kvgen_codec* codec, int lifecycle) {
-  return codec->impl->cold_page_bytes(lifecycle);
+  return codec ? codec->impl->cold_page_bytes(lifecycle) : 0;
 }
 
 int kvgen_codec_get_batching_layer_group_id(const kvgen_codec*, int lifecycle) { return lifecycle; }
 
 kvgen_index_location kvgen_codec_query_page_index_location(const kvgen_codec* codec, int) {
-  return codec->impl->location();
+  return codec ? codec->impl->location() : KVGEN_INDEX_HOST;
 }
 
 int kvgen_codec_encode(kvgen_codec* codec, int lifecycle, void* cold_base, const kvgen_page_pair* pairs,
                        int64_t num_pairs, void* stream) {
-  return codec->impl->encode(lifecycle, cold_base, pairs, num_pairs, static_cast<cudaStream_t>(stream));
+  return kvgen_live(codec) && codec->impl->encode(lifecycle, cold_base, pairs, num_pairs, static_cast<cudaStream_t>(stream));
 }
 
 int kvgen_codec_decode(kvgen_codec* codec, int lifecycle, const void* cold_base, const kvgen_page_pair* pairs,
                        int64_t num_pairs, void* stream) {
-  return codec->impl->decode(lifecycle, cold_base, pairs, num_pairs, static_cast<cudaStream_t>(stream));
+  return kvgen_live(codec) && codec->impl->decode(lifecycle, cold_base, pairs, num_pairs, static_cast<cudaStream_t>(stream));
+}
+
+// ---- Bounds-checked entry points (kvgen_codec.h, second block)
+
+kvgen_codec* kvgen_codec_configure_checked(const kvgen_pool_extent* pools, int64_t num_pools,
+                                           kvgen_index_location location) {
+  if (pools == nullptr || num_pools < 0) {
+    kvgen::fail(std::string(kvgen::family::kTables.name) + ": null pool array or negative pool count");
+    return nullptr;
+  }
+  std::vector<kvgen_pool_desc> descs;
+  std::vector<int64_t> pages;
+  for (int64_t i = 0; i < num_pools; ++i) {
+    descs.push_back(kvgen_pool_desc{pools[i].base, pools[i].page_stride_bytes});
+    pages.push_back(pools[i].num_pages);
+  }
+  kvgen::family::CodecT* impl =
+      kvgen::family::CodecT::configure(kvgen::family::kTables, descs.data(), num_pools, location, pages.data());
+  return impl ? new kvgen_codec{impl} : nullptr;
+}
+
+int kvgen_codec_encode_checked(kvgen_codec* codec, int lifecycle, void* cold_base, int64_t cold_slots,
+                               const kvgen_page_pair* pairs, int64_t num_pairs, void* stream) {
+  return kvgen_live(codec) &&
+         codec->impl->encode(lifecycle, cold_base, cold_slots, pairs, num_pairs, static_cast<cudaStream_t>(stream));
+}
+
+int kvgen_codec_decode_checked(kvgen_codec* codec, int lifecycle, const void* cold_base, int64_t cold_slots,
+                               const kvgen_page_pair* pairs, int64_t num_pairs, void* stream) {
+  return kvgen_live(codec) &&
+         codec->impl->decode(lifecycle, cold_base, cold_slots, pairs, num_pairs, static_cast<cudaStream_t>(stream));
+}
+
+int kvgen_codec_check_device_errors(kvgen_codec* codec) {
+  return kvgen_live(codec) && codec->impl->check_device_errors();
 }
 
 }  // extern "C"

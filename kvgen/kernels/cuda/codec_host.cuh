@@ -2,7 +2,9 @@
 //
 // A generated codec.cu defines the family's Layer type and lifecycle tables, then expands
 // KVGEN_DEFINE_CODEC_ABI(...) once.  Nothing here synchronizes: configure allocates and fills the
-// per-lifecycle descriptor tables (init time); encode/decode only launch.
+// per-lifecycle descriptor tables and the device error record (init time); encode/decode check
+// host pairs against the pools' pages and the cold slots, then only launch (the kernels check
+// device pairs, device_errors.cuh).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -36,11 +38,62 @@ struct FamilyTables {
   int record_bytes;
 };
 
+// Page counts and cold slot counts a caller did not give (the entry points without them): any
+// non-negative int32 index passes.
+constexpr int64_t kUnknownCount = (int64_t)1 << 32;
+
+// Host index arrays, checked before anything is enqueued: the first pair out of range fails the
+// call, naming it.  Pure host code (tests/csrc/codec_host_check.cu runs it without a GPU).
+inline bool check_host_pairs(const char* family, bool encode, int lifecycle, const kvgen_page_pair* pairs, int64_t n,
+                             int64_t hot_pages, int64_t cold_slots) {
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t hot = encode ? pairs[i].src : pairs[i].dst;
+    const int64_t slot = encode ? pairs[i].dst : pairs[i].src;
+    const char* hot_field = encode ? "src" : "dst";
+    const char* slot_field = encode ? "dst" : "src";
+    if (!in_range(hot, hot_pages)) {
+      return fail(std::string(family) + ": pair " + std::to_string(i) + ": " + hot_field + " " + std::to_string(hot) +
+                  " is not a hot page of lifecycle " + std::to_string(lifecycle) +
+                  (hot_pages == kUnknownCount ? " (pages are >= 0)"
+                                              : " (its pools hold " + std::to_string(hot_pages) + " pages)"));
+    }
+    if (!in_range(slot, cold_slots)) {
+      return fail(std::string(family) + ": pair " + std::to_string(i) + ": " + slot_field + " " +
+                  std::to_string(slot) + " is not a cold slot" +
+                  (cold_slots == kUnknownCount ? " (slots are >= 0)"
+                                               : " (the cold buffer holds " + std::to_string(cold_slots) + " slots)"));
+    }
+  }
+  return true;
+}
+
+// Hot pages every pool of each lifecycle holds (the smallest count of its layers' pools): a page
+// index is used for all of them.  num_pages null: unknown (kUnknownCount).
+inline bool lifecycle_hot_pages(const FamilyTables& f, const int64_t* num_pages, std::vector<int64_t>& out) {
+  out.assign(f.num_lifecycles, kUnknownCount);
+  if (num_pages == nullptr) return true;
+  for (int lc = 0; lc < f.num_lifecycles; ++lc) {
+    for (int i = f.lifecycle_begin[lc]; i < f.lifecycle_begin[lc + 1]; ++i) {
+      for (int p = 0; p < f.parts_per_layer; ++p) {
+        const int64_t d = (int64_t)f.lifecycle_layers[i] * f.parts_per_layer + p;
+        if (num_pages[d] < 0) {
+          return fail(std::string(f.name) + ": pool " + std::to_string(d) + " (layer " +
+                      std::to_string(f.lifecycle_layers[i]) + ", buffer " + std::to_string(p) +
+                      ") has a negative page count");
+        }
+        if (num_pages[d] < out[lc]) out[lc] = num_pages[d];
+      }
+    }
+  }
+  return true;
+}
+
 template <class L, int kThreads, int kInFlight>
 class Codec {
  public:
+  // num_pages: the page count of every pool (descriptor order), or null when not known.
   static Codec* configure(const FamilyTables& f, const kvgen_pool_desc* descs, int64_t num_descs,
-                          kvgen_index_location location) {
+                          kvgen_index_location location, const int64_t* num_pages = nullptr) {
     const int64_t expected = (int64_t)f.num_layers * f.parts_per_layer;
     if (descs == nullptr || num_descs != expected) {
       fail(std::string(f.name) + ": expected " + std::to_string(expected) + " pool descriptors (" +
@@ -57,9 +110,16 @@ class Codec {
         return nullptr;
       }
     }
+    if (location != KVGEN_INDEX_HOST && location != KVGEN_INDEX_DEVICE) {
+      fail(std::string(f.name) + ": index location must be KVGEN_INDEX_HOST or KVGEN_INDEX_DEVICE");
+      return nullptr;
+    }
+    std::vector<int64_t> hot_pages;
+    if (!lifecycle_hot_pages(f, num_pages, hot_pages)) return nullptr;
     if (!set_shared_memory()) return nullptr;
     Codec* codec = new Codec(f, location);
-    if (!codec->upload(descs)) {
+    codec->hot_pages_ = hot_pages;
+    if (!(codec->errors_ = alloc_device_errors()) || !codec->upload(descs)) {
       delete codec;
       return nullptr;
     }
@@ -68,6 +128,7 @@ class Codec {
 
   ~Codec() {
     for (PoolDesc* table : tables_) cudaFree(table);
+    if (errors_) cudaFreeHost(errors_);
   }
 
   int num_lifecycles() const { return f_.num_lifecycles; }
@@ -78,12 +139,26 @@ class Codec {
     return (int64_t)layers_in(lifecycle) * L::kRecordBytes;
   }
 
+  // cold_slots: slots at `cold` (kUnknownCount when the caller did not say).
+  bool encode(int lifecycle, void* cold, int64_t cold_slots, const kvgen_page_pair* pairs, int64_t n,
+              cudaStream_t stream) {
+    return launch<true>(lifecycle, cold, cold_slots, pairs, n, stream);
+  }
+  bool decode(int lifecycle, const void* cold, int64_t cold_slots, const kvgen_page_pair* pairs, int64_t n,
+              cudaStream_t stream) {
+    return launch<false>(lifecycle, const_cast<void*>(cold), cold_slots, pairs, n, stream);
+  }
+
+  // Without a cold slot count (kvgen_codec_encode / _decode): slots are only checked to be >= 0.
   bool encode(int lifecycle, void* cold, const kvgen_page_pair* pairs, int64_t n, cudaStream_t stream) {
-    return launch<true>(lifecycle, cold, pairs, n, stream);
+    return encode(lifecycle, cold, kUnknownCount, pairs, n, stream);
   }
   bool decode(int lifecycle, const void* cold, const kvgen_page_pair* pairs, int64_t n, cudaStream_t stream) {
-    return launch<false>(lifecycle, const_cast<void*>(cold), pairs, n, stream);
+    return decode(lifecycle, cold, kUnknownCount, pairs, n, stream);
   }
+
+  // Device indices the kernels skipped since the last check (see device_errors.cuh).
+  bool check_device_errors() { return take_device_errors(errors_); }
 
  private:
   Codec(const FamilyTables& f, kvgen_index_location location) : f_(f), location_(location) {}
@@ -128,13 +203,21 @@ class Codec {
   }
 
   template <bool kEncode>
-  bool launch(int lifecycle, void* cold, const kvgen_page_pair* pairs, int64_t n, cudaStream_t stream) {
+  bool launch(int lifecycle, void* cold, int64_t cold_slots, const kvgen_page_pair* pairs, int64_t n,
+              cudaStream_t stream) {
+    if (!take_device_errors(errors_)) return false;  // an earlier launch's device indices
     if (lifecycle < 0 || lifecycle >= f_.num_lifecycles) {
       return fail(std::string(f_.name) + ": no lifecycle " + std::to_string(lifecycle));
     }
     if (n < 0 || (n > 0 && (pairs == nullptr || cold == nullptr))) return fail("null cold base or pairs");
     if ((uintptr_t)cold % 16) return fail("cold base must be 16-byte aligned");
+    if (cold_slots < 0) return fail(std::string(f_.name) + ": negative cold slot count");
+    if (location_ == KVGEN_INDEX_HOST &&
+        !check_host_pairs(f_.name, kEncode, lifecycle, pairs, n, hot_pages_[lifecycle], cold_slots)) {
+      return false;
+    }
     if (n == 0) return true;
+    const PairLimits limits{hot_pages_[lifecycle], cold_slots, errors_};
     const int64_t page_bytes = cold_page_bytes(lifecycle);
     const int layers = layers_in(lifecycle);
     const PoolDesc* table = tables_[lifecycle];
@@ -143,13 +226,14 @@ class Codec {
     if (location_ == KVGEN_INDEX_DEVICE) {
       for (int64_t first = 0; first < n; first += kMaxGridX) {
         const int64_t count = n - first < kMaxGridX ? n - first : kMaxGridX;
-        enqueue<kEncode, true>(table, cold, page_bytes, batch, device_pairs + first, dim3(count, layers), stream);
+        enqueue<kEncode, true>(table, cold, page_bytes, batch, device_pairs + first, limits, dim3(count, layers),
+                               stream);
       }
     } else {
       for (int64_t first = 0; first < n; first += kPairsPerLaunch) {
         const int count = (int)(n - first < kPairsPerLaunch ? n - first : kPairsPerLaunch);
         memcpy(batch.pairs, pairs + first, count * sizeof(PagePair));
-        enqueue<kEncode, false>(table, cold, page_bytes, batch, nullptr, dim3(count, layers), stream);
+        enqueue<kEncode, false>(table, cold, page_bytes, batch, nullptr, limits, dim3(count, layers), stream);
       }
     }
     return cuda_ok(cudaGetLastError(), kEncode ? "encode launch" : "decode launch");
@@ -157,13 +241,13 @@ class Codec {
 
   template <bool kEncode, bool kDevicePairs>
   static void enqueue(const PoolDesc* table, void* cold, int64_t page_bytes, const PairBatch& batch,
-                      const PagePair* pairs, dim3 grid, cudaStream_t stream) {
+                      const PagePair* pairs, const PairLimits& limits, dim3 grid, cudaStream_t stream) {
     if constexpr (kEncode) {
       encode_kernel<L, kThreads, kInFlight, kDevicePairs><<<grid, kThreads, L::kRecordBytes, stream>>>(
-          table, static_cast<uint8_t*>(cold), page_bytes, batch, pairs);
+          table, static_cast<uint8_t*>(cold), page_bytes, batch, pairs, limits);
     } else {
       decode_kernel<L, kThreads, kInFlight, kDevicePairs><<<grid, kThreads, L::kRecordBytes, stream>>>(
-          table, static_cast<const uint8_t*>(cold), page_bytes, batch, pairs);
+          table, static_cast<const uint8_t*>(cold), page_bytes, batch, pairs, limits);
     }
   }
 
@@ -171,6 +255,8 @@ class Codec {
   FamilyTables f_;
   kvgen_index_location location_;
   std::vector<PoolDesc*> tables_;
+  std::vector<int64_t> hot_pages_;     // per lifecycle
+  DeviceErrors* errors_ = nullptr;     // mapped pinned: the kernels' record of skipped indices
 };
 
 }  // namespace codec

@@ -16,6 +16,7 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "device_errors.cuh"
 #include "nvfp4.cuh"
 
 namespace kvgen {
@@ -39,6 +40,31 @@ constexpr int kPairsPerLaunch = 256;
 struct PairBatch {
   PagePair pairs[kPairsPerLaunch];
 };
+
+// What a launch may touch: hot pages [0, hot_pages) of every pool of the lifecycle and cold
+// slots [0, cold_slots); a pair outside is skipped and recorded in `errors` (device_errors.cuh).
+struct PairLimits {
+  int64_t hot_pages;
+  int64_t cold_slots;
+  DeviceErrors* errors;
+};
+
+// Whether the CTA's pair is in range; a pair out of range is recorded once (by the CTA of its
+// first layer) and the whole CTA skips it (the pair is uniform over the CTA).
+template <bool kEncode>
+__host__ __device__ __forceinline__ bool pair_in_range(const PagePair& pair, const PairLimits& limits,
+                                                       bool record) {
+  const int64_t hot = kEncode ? pair.src : pair.dst;
+  const int64_t slot = kEncode ? pair.dst : pair.src;
+  const bool hot_ok = in_range(hot, limits.hot_pages);
+  const bool slot_ok = in_range(slot, limits.cold_slots);
+  if (hot_ok && slot_ok) return true;
+  if (record) {
+    if (!hot_ok) record_device_error(limits.errors, kEncode ? kEncodeHotPage : kDecodeHotPage, hot);
+    if (!slot_ok) record_device_error(limits.errors, kEncode ? kEncodeColdSlot : kDecodeColdSlot, slot);
+  }
+  return false;
+}
 
 // ---------------------------------------------------------------------------------------------
 // Hot dtypes: two elements at a time, with the packed hardware conversions where they are exact
@@ -379,10 +405,11 @@ __device__ __forceinline__ PagePair pair_at(const PairBatch& batch, const PagePa
 template <class L, int kThreads, int kInFlight, bool kDevicePairs>
 __global__ void __launch_bounds__(kThreads)
 encode_kernel(const PoolDesc* __restrict__ pools, uint8_t* cold, int64_t cold_page_bytes, PairBatch batch,
-              const PagePair* __restrict__ pairs) {
+              const PagePair* __restrict__ pairs, PairLimits limits) {
   extern __shared__ uint4 smem[];
   uint8_t* rec = reinterpret_cast<uint8_t*>(smem);
   const PagePair pair = pair_at<kDevicePairs>(batch, pairs, blockIdx.x);
+  if (!pair_in_range<true>(pair, limits, threadIdx.x == 0 && blockIdx.y == 0)) return;
   L::encode(rec, pools + blockIdx.y * L::kNumParts, pair.src);
   __syncthreads();
   uint8_t* slot = cold + pair.dst * cold_page_bytes + (int64_t)blockIdx.y * L::kRecordBytes;
@@ -392,10 +419,11 @@ encode_kernel(const PoolDesc* __restrict__ pools, uint8_t* cold, int64_t cold_pa
 template <class L, int kThreads, int kInFlight, bool kDevicePairs>
 __global__ void __launch_bounds__(kThreads)
 decode_kernel(const PoolDesc* __restrict__ pools, const uint8_t* cold, int64_t cold_page_bytes, PairBatch batch,
-              const PagePair* __restrict__ pairs) {
+              const PagePair* __restrict__ pairs, PairLimits limits) {
   extern __shared__ uint4 smem[];
   uint8_t* rec = reinterpret_cast<uint8_t*>(smem);
   const PagePair pair = pair_at<kDevicePairs>(batch, pairs, blockIdx.x);
+  if (!pair_in_range<false>(pair, limits, threadIdx.x == 0 && blockIdx.y == 0)) return;
   const uint8_t* slot = cold + pair.src * cold_page_bytes + (int64_t)blockIdx.y * L::kRecordBytes;
   copy_record<L::kRecordBytes, kThreads, kInFlight>(rec, slot);
   __syncthreads();

@@ -31,6 +31,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "device_errors.cuh"
+
 namespace kvgen {
 namespace compact {
 
@@ -66,7 +68,7 @@ struct LayerPools {
 };
 
 // A move with its tokens resolved to (page, row in page).  src_page < 0: nothing to copy (the
-// packer's -1 fill, or an identity move, which would copy a row onto itself).
+// packer's -1 fill, an identity move, which would copy a row onto itself, or a move out of range).
 struct ResolvedMove {
   int32_t src_page;
   int32_t src_row;
@@ -74,12 +76,34 @@ struct ResolvedMove {
   int32_t dst_row;
 };
 
+// What one CTA may touch: tokens [0, tokens) of its page table row (the row's width times
+// tokens_per_block) and pages [0, pages) of its pools.  A move outside is skipped and recorded in
+// `errors` (device_errors.cuh): one compare per token and per page id on the good path.
+struct MoveLimits {
+  int64_t tokens;
+  int64_t pages;
+  DeviceErrors* errors;
+};
+
+constexpr int32_t kMoveFill = -1;  // the packer's fill slot (src and dst), which moves nothing
+
 __host__ __device__ inline ResolvedMove resolve_move(const Geometry& g, const int32_t* table_row, int head,
-                                                     int32_t src, int32_t dst) {
-  if (src < 0 || src == dst) return ResolvedMove{-1, 0, -1, 0};
+                                                     int32_t src, int32_t dst, const MoveLimits& limits) {
+  const ResolvedMove none{-1, 0, -1, 0};
+  if (src == kMoveFill) return none;
+  if (!in_range(src, limits.tokens) || !in_range(dst, limits.tokens)) {
+    record_device_error(limits.errors, kCompactPosition, in_range(src, limits.tokens) ? dst : src);
+    return none;
+  }
+  if (src == dst) return none;
   const int tpb = g.tokens_per_block;
-  return ResolvedMove{table_row[src / tpb], g.row_in_page(head, src % tpb),
-                      table_row[dst / tpb], g.row_in_page(head, dst % tpb)};
+  const int32_t src_page = table_row[src / tpb];
+  const int32_t dst_page = table_row[dst / tpb];
+  if (!in_range(src_page, limits.pages) || !in_range(dst_page, limits.pages)) {
+    record_device_error(limits.errors, kCompactPage, in_range(src_page, limits.pages) ? dst_page : src_page);
+    return none;
+  }
+  return ResolvedMove{src_page, g.row_in_page(head, src % tpb), dst_page, g.row_in_page(head, dst % tpb)};
 }
 
 // Byte offset of (page, row) from a pool's base.  64-bit: pools exceed 2 GiB.
@@ -114,6 +138,7 @@ struct CtaTask {
   const int32_t* table_row;  // page table row of the request
   int head;
   LayerPools pools;
+  MoveLimits limits;
 };
 
 // The task of the CTA (request, head, layer) whose request owns `range`; src/dst rows are
@@ -121,9 +146,10 @@ struct CtaTask {
 __host__ __device__ inline CtaTask cta_task(const Geometry& g, const LayerPools& pools, const int32_t* page_table,
                                             int64_t page_table_stride, const int32_t* src, const int32_t* dst,
                                             int64_t moves_per_head, RequestRange range, int request, int head,
-                                            int layer) {
+                                            int layer, const MoveLimits& limits) {
   const int64_t row = ((int64_t)layer * g.kv_heads + head) * moves_per_head + range.begin;
-  return CtaTask{src + row, dst + row, range.count, page_table + (int64_t)request * page_table_stride, head, pools};
+  return CtaTask{src + row, dst + row, range.count, page_table + (int64_t)request * page_table_stride, head, pools,
+                 limits};
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -198,7 +224,7 @@ struct Walk {
     if (t >= tile) return;
     const int m = k * tile + t;
     ResolvedMove rm{-1, 0, -1, 0};
-    if (m < task.count) rm = resolve_move(g, task.table_row, task.head, task.src[m], task.dst[m]);
+    if (m < task.count) rm = resolve_move(g, task.table_row, task.head, task.src[m], task.dst[m], task.limits);
     ex.moves(k % 3)[t] = rm;
   }
 
@@ -208,7 +234,7 @@ struct Walk {
     if (i >= tile * 2 * g.row_vectors()) return nullptr;
     const TileVector tv = tile_vector(i, g.row_vectors());
     const ResolvedMove rm = ex.moves(k % 3)[tv.move];
-    if (rm.src_page < 0) return nullptr;  // fill, identity, or past the request's last move
+    if (rm.src_page < 0) return nullptr;  // fill, identity, out of range, or past the request's last move
     uint8_t* base = tv.pool == 0 ? task.pools.k : task.pools.v;
     const int64_t stride = tv.pool == 0 ? task.pools.k_page_stride : task.pools.v_page_stride;
     const int64_t offset = source ? row_offset(g, stride, rm.src_page, rm.src_row)
@@ -277,6 +303,7 @@ __host__ __device__ inline void walk_moves(Exec& ex, const Geometry& g, const Ct
 constexpr int kLayersPerLaunch = 64;
 struct LaunchPools {
   LayerPools layers[kLayersPerLaunch];
+  int64_t num_pages[kLayersPerLaunch];  // pages each of the layer's K and V pools holds
   int first_layer;
 };
 
@@ -308,7 +335,8 @@ template <class F>
 __global__ void __launch_bounds__(F::kThreads)
     compact_kernel(LaunchPools pools, const int32_t* __restrict__ page_table, int64_t page_table_stride,
                    const int32_t* __restrict__ src, const int32_t* __restrict__ dst,
-                   const int32_t* __restrict__ offsets, int64_t moves_per_head) {
+                   const int32_t* __restrict__ offsets, int64_t moves_per_head, int64_t table_tokens,
+                   DeviceErrors* errors) {
   constexpr Geometry g = F::geometry();
   constexpr int kTile = tile_moves(F::kThreads, F::kTileTokens, g.row_vectors());
   constexpr int kPer = vectors_per_thread(F::kThreads, kTile, g.row_vectors());
@@ -321,8 +349,9 @@ __global__ void __launch_bounds__(F::kThreads)
   const RequestRange range = request_range(offsets, request, moves_per_head);
   if (range.count == 0) return;  // uniform over the CTA: padded or inactive request
 
+  const MoveLimits limits{table_tokens, pools.num_pages[blockIdx.z], errors};
   const CtaTask task = cta_task(g, pools.layers[blockIdx.z], page_table, page_table_stride, src, dst, moves_per_head,
-                                range, request, head, layer);
+                                range, request, head, layer, limits);
   __shared__ ResolvedMove tiles[3][kTile];
   ThreadExec<kPer, kTile> ex{tiles, {}};
   walk_moves<F::kThreads, kPer>(ex, g, task, kTile);

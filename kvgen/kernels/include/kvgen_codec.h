@@ -68,6 +68,39 @@ int kvgen_codec_encode(kvgen_codec* codec, int lifecycle, void* cold_base, const
 int kvgen_codec_decode(kvgen_codec* codec, int lifecycle, const void* cold_base, const kvgen_page_pair* pairs,
                        int64_t num_pairs, void* stream);
 
+/* ---- Bounds-checked entry points ---------------------------------------------------------------
+ * The same codec, told how many pages each pool holds and how many slots the cold buffer holds, so
+ * no index can make it touch memory it was not given:
+ *   - host index arrays: every pair is checked before anything is enqueued; the first pair out of
+ *     range fails the call (0, nothing enqueued, kvgen_last_error() names the pair and the limit);
+ *   - device index arrays: the kernels check every pair and skip those out of range (nothing is read
+ *     or written for them) and record them; the next encode/decode of that codec then fails (0,
+ *     nothing enqueued, kvgen_last_error() says what was skipped), as does
+ *     kvgen_codec_check_device_errors, and the record is cleared.  Checking costs no
+ *     synchronization: the record is mapped pinned host memory, so a check sees the kernels that
+ *     have finished (synchronize the stream first to see them all).  Kernels replayed from a CUDA
+ *     graph record too; the next host call or check reports them.
+ * kvgen_codec_configure / _encode / _decode check indices >= 0 only (and hot pages against the page
+ * counts when the codec was configured by kvgen_codec_configure_checked).
+ */
+typedef struct kvgen_pool_extent {
+  void* base;
+  int64_t page_stride_bytes;
+  int64_t num_pages; /* pages 0 .. num_pages-1 exist at base + p * page_stride_bytes */
+} kvgen_pool_extent;
+
+/* As kvgen_codec_configure; a hot page index must be below num_pages of every pool of its lifecycle. */
+kvgen_codec* kvgen_codec_configure_checked(const kvgen_pool_extent* pools, int64_t num_pools,
+                                           kvgen_index_location index_location);
+/* As kvgen_codec_encode / _decode; cold_slots: slots at cold_base (0 .. cold_slots-1). */
+int kvgen_codec_encode_checked(kvgen_codec* codec, int lifecycle, void* cold_base, int64_t cold_slots,
+                               const kvgen_page_pair* pairs, int64_t num_pairs, void* stream);
+int kvgen_codec_decode_checked(kvgen_codec* codec, int lifecycle, const void* cold_base, int64_t cold_slots,
+                               const kvgen_page_pair* pairs, int64_t num_pairs, void* stream);
+/* 1 if no kernel of this codec skipped a device index since the last check or call; else 0,
+ * kvgen_last_error() says what was skipped, and the record is cleared.  No synchronization. */
+int kvgen_codec_check_device_errors(kvgen_codec* codec);
+
 #ifdef __cplusplus
 }
 #endif

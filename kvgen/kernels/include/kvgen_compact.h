@@ -70,6 +70,34 @@ int kvgen_compact(const kvgen_compact_pool* pools, int num_layers, const int32_t
                   int64_t page_table_stride, int max_requests, const int32_t* src, const int32_t* dst,
                   const int32_t* offsets, int64_t moves_per_head, void* stream);
 
+/* ---- Bounds-checked entry points ---------------------------------------------------------------
+ * kvgen_compact_checked is kvgen_compact told the page table's row width (pages per row) and how
+ * many pages each layer's pools hold, so no move and no page table entry can make it touch memory
+ * it was not given.  The moves and the page table are device memory, so the kernel checks them:
+ * a move whose src or dst token is not below page_table_width * tokens_per_block (other than the
+ * -1 fill), or whose page table entry is not a page of the pools, is skipped (nothing is read or
+ * written for it) and recorded.  The next call then fails (0, nothing enqueued,
+ * kvgen_compact_last_error() says what was skipped), as does kvgen_compact_check_device_errors,
+ * and the record is cleared.  No synchronization: the record is mapped pinned host memory, so a
+ * check sees the kernels that have finished (synchronize the stream first to see them all).
+ * The record is allocated by the first call or check: make one before capturing a CUDA graph.
+ * kvgen_compact checks only that tokens and page ids are >= 0.
+ */
+typedef struct kvgen_compact_pool_extent { /* 40 bytes */
+  void* k_base;
+  int64_t k_page_stride_bytes;
+  void* v_base;
+  int64_t v_page_stride_bytes;
+  int64_t num_pages; /* pages 0 .. num_pages-1 exist in both the K and the V pool */
+} kvgen_compact_pool_extent;
+
+int kvgen_compact_checked(const kvgen_compact_pool_extent* pools, int num_layers, const int32_t* page_table,
+                          int64_t page_table_stride, int64_t page_table_width, int max_requests, const int32_t* src,
+                          const int32_t* dst, const int32_t* offsets, int64_t moves_per_head, void* stream);
+/* 1 if no compaction kernel of this library skipped a move since the last check or call; else 0,
+ * kvgen_compact_last_error() says what was skipped, and the record is cleared. */
+int kvgen_compact_check_device_errors(void);
+
 #ifdef __cplusplus
 }
 #endif
