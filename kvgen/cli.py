@@ -195,21 +195,28 @@ def _split(values: list[str] | None) -> list[str]:
     return [v.strip() for value in values or [] for v in value.split(",") if v.strip()]
 
 
-def discover_toolchains() -> list:
-    """Toolchains from $KVGEN_NVCC, $CUDA_HOME, $PATH (``paths.toolchain_search``) and pip wheels."""
-    from kvgen.build.nvcc import (
-        ToolchainError,
-        default_host_compiler,
-        default_nvcc_candidates,
-        find_toolchains,
-        probe_toolchain,
-    )
+def _nvcc_search() -> tuple[str | None, str | None, list[Path]]:
+    """($KVGEN_NVCC, the host compiler, the nvcc candidates in order): found without running any."""
+    from kvgen.build.nvcc import default_host_compiler, default_nvcc_candidates
 
     search = paths.toolchain_search()
-    host_cc = default_host_compiler(search.path)
-    if search.nvcc:
-        probe_toolchain(search.nvcc, host_cc)   # a broken $KVGEN_NVCC is an error, not a silent skip
-    candidates = default_nvcc_candidates(search.nvcc, search.cuda_home, search.path)
+    return (search.nvcc, default_host_compiler(search.path),
+            default_nvcc_candidates(search.nvcc, search.cuda_home, search.path))
+
+
+def toolchain_files() -> list[Path]:
+    """The files ``discover_toolchains`` would probe: the no-op build stamps record their state."""
+    _, host_cc, candidates = _nvcc_search()
+    return [*candidates, *([Path(host_cc)] if host_cc else [])]
+
+
+def discover_toolchains() -> list:
+    """Toolchains from $KVGEN_NVCC, $CUDA_HOME, $PATH (``paths.toolchain_search``) and pip wheels."""
+    from kvgen.build.nvcc import ToolchainError, find_toolchains, probe_toolchain
+
+    explicit, host_cc, candidates = _nvcc_search()
+    if explicit:
+        probe_toolchain(explicit, host_cc)   # a broken $KVGEN_NVCC is an error, not a silent skip
     toolchains = find_toolchains(candidates, host_cc)
     if not toolchains:
         raise ToolchainError("no nvcc found (looked at: " + ", ".join(map(str, candidates)) + "); set KVGEN_NVCC "
@@ -325,7 +332,7 @@ def _render_only(sources: list, args: argparse.Namespace) -> int:
 def _build_report_json(report) -> dict[str, Any]:  # noqa: ANN001 - kvgen.build.pipeline.BuildReport
     return {"ok": report.ok, "outcomes": [_outcome_json(o) for o in report.outcomes],
             "manifests": [str(p) for p in report.manifests], "tuning_notes": report.tuning_notes,
-            "counts": _counts(report)}
+            "counts": _counts(report), "noop": report.noop}
 
 
 def _counts(report) -> dict[str, int]:  # noqa: ANN001 - kvgen.build.pipeline.BuildReport
@@ -342,8 +349,7 @@ def cmd_build(args: argparse.Namespace) -> int:
     if args.render_only:
         return _render_only(sources, args)
     _check_targeted(archs, [s.spec for s in sources])
-    toolchains = discover_toolchains()
-    report = _run_build(args, sources, archs or None, toolchains)
+    report = _run_build(args, sources, archs or None)
     for note in report.tuning_notes:
         err_console.print("[yellow]tuning[/yellow]", Text(note), soft_wrap=True)
     if args.json:
@@ -353,20 +359,22 @@ def cmd_build(args: argparse.Namespace) -> int:
     for outcome in report.with_status("failed"):
         _print_error(f"{outcome.family} {outcome.arch} {outcome.backend}:\n{outcome.error}")
     console.print(Text(", ".join(f"{n} {s}" for s, n in _counts(report).items()) + "; manifests: "
-                       + (", ".join(map(str, report.manifests)) or "none")))
+                       + (", ".join(map(str, report.manifests)) or "none")
+                       + ("; no-op: nothing changed since the last build" if report.noop else "")))
     return EXIT_OK if report.ok else EXIT_FAILED
 
 
-def _run_build(args: argparse.Namespace, sources: list, archs: list[str] | None, toolchains: list):
-    """``kvgen.build.pipeline.build`` with a progress bar on a TTY, else one line per finished job."""
+def _run_build(args: argparse.Namespace, sources: list, archs: list[str] | None):
+    """``kvgen.build.pipeline.build`` with a progress bar on a TTY, else one line per finished job.
+    Toolchains are probed only if the no-op stamps say something must be built."""
     from rich.progress import Progress
 
     from kvgen.build.pipeline import build
 
     def run(progress) -> Any:  # noqa: ANN001 - a BuildProgress
         return build(sources, archs, args.generated, args.cache_dir, args.jobs, progress=progress,
-                     toolchains=toolchains, registry_dir=args.registry, tuning_dir=args.tuning,
-                     templates_dir=args.templates)
+                     toolchains=discover_toolchains, registry_dir=args.registry, tuning_dir=args.tuning,
+                     templates_dir=args.templates, noop_stamps=True, toolchain_files=toolchain_files())
 
     if not err_console.is_terminal:
         return run(_LineProgress(sys.stderr))
@@ -468,7 +476,35 @@ def _verify_counts(manifests: list[Path]) -> dict[str, int]:
             "artifacts": sum(len(e.artifacts) for m in counted for e in m.families)}
 
 
+def _installed_json(check) -> dict[str, Any]:  # noqa: ANN001 - kvgen.artifacts.wheel.InstalledCheck
+    return {"package": check.name, "version": check.version, "location": check.location, "files": check.files,
+            "manifests": check.manifests, "problems": check.problems, "notes": check.notes}
+
+
+def cmd_verify_installed(args: argparse.Namespace) -> int:
+    """``kvgen verify --installed``: every installed kernel wheel (RECORD, manifests, provenance)."""
+    from kvgen.artifacts.wheel import verify_installed
+
+    checks = verify_installed()
+    problems = [p for c in checks for p in c.problems] or ([] if checks else [
+        "no kvgen kernel wheels installed (pip install kvgen-kernels-sm90, or kvgen wheel then pip install dist/*.whl)"])
+    if args.json:
+        _print_json({"ok": not problems, "installed": [_installed_json(c) for c in checks], "problems": problems})
+        return EXIT_FAILED if problems else EXIT_OK
+    for check in checks:
+        status = "verified" if not check.problems else f"{len(check.problems)} problems"
+        console.print(Text(f"{check.name} {check.version} in {check.location}: {check.files} files, "
+                           f"{check.manifests} manifests: {status}"))
+        for note in check.notes:
+            err_console.print("[yellow]warning[/yellow]", Text(note), soft_wrap=True)
+    for line in problems:
+        _print_error(line)
+    return EXIT_FAILED if problems else EXIT_OK
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
+    if args.installed:
+        return cmd_verify_installed(args)
     manifests = sorted(Path(args.registry).glob("*/manifest.json"))
     problems = (verify_registry(args.registry, args.specs) if manifests
                 else [f"{args.registry}: no manifests; run: kvgen build"])
@@ -529,6 +565,8 @@ def _add_build_parsers(sub) -> None:  # noqa: ANN001 - argparse's private subpar
                        epilog=EPILOG)
     _add_paths(p)
     _add_json(p)
+    p.add_argument("--installed", action="store_true", help="check the installed kernel wheels instead: every "
+                                                            "file's RECORD sha256, manifests, recorded spec sha256")
     p.set_defaults(func=cmd_verify)
 
 
@@ -536,19 +574,27 @@ def _add_build_parsers(sub) -> None:  # noqa: ANN001 - argparse's private subpar
 
 
 def cmd_wheel(args: argparse.Namespace) -> int:
-    from kvgen.artifacts.wheel import WheelError, build_wheels, registry_archs
+    from kvgen.artifacts.wheel import PROVENANCE, WheelError, build_wheels, registry_archs, wheel_provenance
 
     archs = _requested_archs(args) or registry_archs(args.registry)
     if not archs:
         _print_error(f"no manifests in {args.registry}; run: kvgen build --arch sm_90a --registry {args.registry}")
         return EXIT_FAILED
     try:
-        wheels = build_wheels(args.registry, archs, args.out)
+        wheels = build_wheels(args.registry, archs, args.out, specs_dir=args.specs, allow_dirty=args.allow_dirty)
     except (WheelError, ValueError) as exc:
         _print_error(str(exc))
         return EXIT_FAILED
     for path in wheels:
-        console.print(Text(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB)"))
+        record = wheel_provenance(path)
+        commit = (record["commit"] or "unknown")[:12]
+        count = len({r["family"] for r in record["specs"]})
+        console.print(Text(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB): {count} "
+                           f"{'family' if count == 1 else 'families'} for {', '.join(record['archs'])}, specs at "
+                           f"commit {commit}, their sha256 in {PROVENANCE}"), soft_wrap=True)
+        for line in record["dirty"]:
+            err_console.print("[yellow]warning[/yellow]", Text(f"packed with --allow-dirty (recorded in the wheel): "
+                                                               f"{line}"), soft_wrap=True)
     return EXIT_OK
 
 
@@ -557,6 +603,8 @@ def _add_wheel_parser(sub) -> None:  # noqa: ANN001 - argparse's private subpars
     p.add_argument("--arch", action="append", help=ARCH_HELP + "every arch in the registry)")
     p.add_argument("--registry", type=Path, default=Path("build/registry"), help="registry (default: build/registry)")
     p.add_argument("--out", type=Path, default=Path("dist"), help="output directory (default: dist)")
+    p.add_argument("--allow-dirty", action="store_true", help="pack families whose spec file is not committed in "
+                                                              "git (or changed since the build); the wheel records it")
     p.set_defaults(func=cmd_wheel)
 
 
@@ -575,6 +623,32 @@ def cmd_tune(args: argparse.Namespace) -> int:
     return run(args, sources, console, args.cache_dir, discover_toolchains)
 
 
+DEMO_CPU = ("without a GPU, kvgen demo needs --device cpu: the CPU oracle then stands in for the kernels; "
+            "the full-size scenario takes minutes there, --small seconds")
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """``kvgen demo``. Without a GPU it does not fall back to the CPU oracle by itself: that runs
+    the full-size scenario for minutes, so it is asked for (``--device cpu``), and warned about
+    without ``--small``."""
+    from kvgen import demo
+
+    if args.device is None and not _has_cuda():
+        raise UsageError("no CUDA device here: kvgen demo runs the generated kernels on a GPU. For the CPU oracle "
+                         "pass --device cpu --small (seconds) or --device cpu (full size, minutes)")
+    if args.device == "cpu" and not args.small:
+        err_console.print("[yellow]warning[/yellow]", Text(
+            "--device cpu without --small: the CPU oracle runs the full-size scenario (on a 2-core machine it had "
+            "not finished after 37 min); add --small for a run of seconds"), soft_wrap=True)
+    return demo.run(args)
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def _add_run_parsers(sub) -> None:  # noqa: ANN001 - argparse's private subparsers type
     from kvgen import bench, demo
     from kvgen.tuning import run as tune
@@ -587,9 +661,10 @@ def _add_run_parsers(sub) -> None:  # noqa: ANN001 - argparse's private subparse
     tune.add_arguments(p)
     p.set_defaults(func=cmd_tune)
 
-    p = sub.add_parser("demo", help="serving scenario on the GPU: offload/onboard through the codec, eviction")
+    p = sub.add_parser("demo", help="serving scenario on the GPU: offload/onboard through the codec, eviction",
+                       epilog=DEMO_CPU)
     demo.add_arguments(p)
-    p.set_defaults(func=demo.run)
+    p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("bench", help="every kernel benchmark with its ceilings; JSON, Markdown and plots")
     bench.add_arguments(p)

@@ -17,6 +17,7 @@ Directories:
 
 Knobs: ``MAX_JOBS``, ``KVGEN_CUDA_ARCH_LIST``, ``KVGEN_TUNING``, ``KVGEN_TUNED_PARAMS``,
 ``KVGEN_COMMIT``, the toolchain search (``PATH``, ``KVGEN_NVCC``, ``CUDA_HOME``), ``CUTE_DSL_ARCH``,
+``CUDA_VISIBLE_DEVICES`` (read, for the no-op build stamps),
 and ``child_environ`` for the environment a worker process is started with.
 """
 
@@ -44,6 +45,7 @@ ENV_COMMIT = "KVGEN_COMMIT"
 ENV_NVCC = "KVGEN_NVCC"
 ENV_CUDA_HOME = "CUDA_HOME"
 ENV_CUTE_DSL_ARCH = "CUTE_DSL_ARCH"
+ENV_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 TUNING_OFF = ("off", "0", "no", "false")
 
 
@@ -155,6 +157,11 @@ def tuning_enabled(environ: Mapping[str, str] | None = None) -> bool:
 def tuned_params_override(environ: Mapping[str, str] | None = None) -> str:
     """``$KVGEN_TUNED_PARAMS`` (``family:op:name=value,...;...``), "" when unset."""
     return _env(environ).get(ENV_TUNED_PARAMS, "")
+
+
+def cuda_visible_devices(environ: Mapping[str, str] | None = None) -> str | None:
+    """``$CUDA_VISIBLE_DEVICES`` as given (None when unset): which GPU a build machine's torch sees first."""
+    return _env(environ).get(ENV_VISIBLE_DEVICES)
 
 
 def commit(environ: Mapping[str, str] | None = None) -> str | None:

@@ -192,6 +192,62 @@ def test_a_bad_tuned_params_override_is_bad_usage(specs: Path, tmp_path: Path, c
     assert "KVGEN_TUNED_PARAMS item 'nonsense'" in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("value, reason", [
+    ("nonsense", "expected family:op:assignments"),
+    (f"{FAMILY}:codec:threads=abc", "threads='abc' is not an integer"),
+    (f"{FAMILY}:nosuch:x=1", "unknown op 'nosuch'; ops: codec, compact, pack, score"),
+    (f"{FAMILY}:codec:threads=100", "codec: threads=100 is not one of (64, 128, 256, 512)"),
+    (f"{FAMILY}:codec:threads=1=2", "'threads=1=2' is not name=value"),
+    ("tuning/sm_90a/qwen3-8b.json", "an override string, not JSON or a file"),
+    ('{"qwen3-8b": {"codec": {"threads": 512}}}', "an override string, not JSON or a file"),
+])
+def test_every_bad_tuned_params_value_is_one_line_naming_the_variable(specs: Path, tmp_path: Path, capsys,
+                                                                       monkeypatch, value: str, reason: str) -> None:
+    monkeypatch.setattr(cli, "discover_toolchains", lambda: pytest.fail("a bad override is refused first"))
+    monkeypatch.setenv("KVGEN_TUNED_PARAMS", value)
+    assert main(["--specs", str(specs), "build", "--arch", "sm_90a", "--generated", str(tmp_path / "g"),
+                 "--cache-dir", str(tmp_path / "c"), "--registry", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error KVGEN_TUNED_PARAMS ") and reason in err and err.count("\n") == 1, err
+
+
+# ---------------------------------------------------------------- tune, demo
+
+
+def test_tune_prints_the_files_it_wrote_and_a_line_per_finished_study(specs: Path, tmp_path: Path, capsys) -> None:
+    pytest.importorskip("optuna")
+    from .tuning_data import write_codec_measurements
+
+    measurements = write_codec_measurements(tmp_path / "m.jsonl")
+    tuning = tmp_path / "tuning"
+    argv = ["--specs", str(specs), "tune", "--family", FAMILY, "--op", "codec", "--arch", "sm_90a", "--strategy",
+            "grid", "--measurements", str(measurements), "--storage", f"sqlite:///{tmp_path / 's.db'}",
+            "--tuning", str(tuning)]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert f"wrote {tuning / 'sm_90a' / f'{FAMILY}.json'} (codec)" in captured.out
+    lines = [line for line in captured.err.splitlines() if line.startswith(f"{FAMILY} codec sm_90a ")]
+    assert [line.split(":")[0] for line in lines] == [f"{FAMILY} codec sm_90a {b}" for b in ("small", "large",
+                                                                                              "offload")]
+    assert all(" trials (" in line and ", best threads=" in line for line in lines), lines
+    assert main([*argv, "--no-write"]) == 0
+    assert f"--no-write: nothing written to {tuning}" in capsys.readouterr().out
+
+
+def test_demo_without_a_gpu_asks_for_the_cpu_oracle_and_warns_at_full_size(capsys, monkeypatch) -> None:
+    ran = []
+    monkeypatch.setattr(cli, "_has_cuda", lambda: False)
+    monkeypatch.setattr("kvgen.demo.run", lambda args: ran.append(args.device) or 0)
+    assert main(["demo"]) == 2 and ran == []
+    err = capsys.readouterr().err
+    assert "no CUDA device here" in err and "--device cpu --small (seconds)" in err and err.count("\n") == 1
+    assert main(["demo", "--device", "cpu"]) == 0 and ran == ["cpu"]
+    err = capsys.readouterr().err
+    assert err.startswith("warning --device cpu without --small: the CPU oracle runs the full-size scenario")
+    assert err.count("\n") == 1
+    assert main(["demo", "--device", "cpu", "--small"]) == 0 and capsys.readouterr().err == ""
+
+
 # ---------------------------------------------------------------- base install
 
 

@@ -233,8 +233,9 @@ def test_candidates_build_into_a_bundle_that_packs_and_unpacks(tmp_path: Path) -
     from kvgen.tuning.candidates import Request, build_candidates, pack_bundle, read_bundle, read_index, unpack_bundle
 
     source = load_spec_source(SPECS_DIR / "qwen3-8b-fp8.yaml")
-    requests = [Request(source, "codec", {"threads": 256, "in_flight": 4, "rounding": 1}),
-                Request(source, "codec", {"threads": 512, "in_flight": 8, "rounding": 0})]
+    default = default_params("codec")
+    requests = [Request(source, "codec", default),
+                Request(source, "codec", {**default, "threads": 512, "in_flight": 8, "rounding": 0})]
     bundle = tmp_path / "bundle"
     built = build_candidates(requests, "sm_90a", bundle, tmp_path / "cache", toolchains=discover_toolchains())
     assert [c.status for c in built] == ["built", "built"] and len({c.artifact for c in built}) == 2

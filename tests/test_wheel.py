@@ -21,13 +21,16 @@ from kvgen import __version__
 from kvgen.artifacts.manifest import RegistryError, manifest_path, parse_manifest, write_manifest
 from kvgen.artifacts.wheel import (
     ENTRY_POINT_GROUP,
+    PROVENANCE,
     WHEEL_TAG,
     WheelError,
     build_wheel,
     build_wheels,
     group_by_wheel,
     registry_archs,
+    verify_installed,
     wheel_filename,
+    wheel_provenance,
 )
 from kvgen.cli import main
 from kvgen.files import file_sha256
@@ -57,7 +60,8 @@ def test_wheel_contents_metadata_and_record(tmp_path: Path) -> None:
         "kvgen_kernels_sm90/registry/sm_90a/libkvgen_fam.so",
         "kvgen_kernels_sm90/registry/sm_90a/libkvgen_other.so",
         "kvgen_kernels_sm90/registry/sm_90a/manifest.json",
-        f"{info}/METADATA", f"{info}/WHEEL", f"{info}/entry_points.txt", f"{info}/top_level.txt", f"{info}/RECORD"]
+        f"{info}/METADATA", f"{info}/WHEEL", f"{info}/entry_points.txt", f"{info}/top_level.txt",
+        f"{info}/{PROVENANCE}", f"{info}/RECORD"]
     metadata = _read(wheel, f"{info}/METADATA")
     assert "Name: kvgen-kernels-sm90\n" in metadata and f"Version: {__version__}\n" in metadata
     assert f"Requires-Dist: kvgen=={__version__}\n" in metadata
@@ -140,13 +144,15 @@ def test_refuses_tampered_missing_or_foreign_registries(tmp_path: Path) -> None:
 
 
 def test_cli_wheel(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    registry = fake_registry(tmp_path / "reg", "sm_90a", ["fam"])
-    fake_registry(registry, "sm_103a", ["fam"])
-    assert main(["wheel", "--registry", str(registry), "--out", str(tmp_path / "dist")]) == 0
+    specs, sha = git_specs(tmp_path)
+    registry = fake_registry(tmp_path / "reg", "sm_90a", ["fam"], spec_sha256=sha)
+    fake_registry(registry, "sm_103a", ["fam"], spec_sha256=sha)
+    assert main(["--specs", str(specs), "wheel", "--registry", str(registry), "--out", str(tmp_path / "dist")]) == 0
     assert sorted(p.name.split("-")[0] for p in (tmp_path / "dist").iterdir()) == [
         "kvgen_kernels_sm100", "kvgen_kernels_sm90"]
     assert "wrote" in capsys.readouterr().out
-    assert main(["wheel", "--arch", "sm_100a", "--registry", str(registry), "--out", str(tmp_path / "d2")]) == 1
+    assert main(["--specs", str(specs), "wheel", "--arch", "sm_100a", "--registry", str(registry),
+                 "--out", str(tmp_path / "d2")]) == 1
     assert "no manifest for sm_100a" in capsys.readouterr().err
     assert main(["wheel", "--registry", str(tmp_path / "none"), "--out", str(tmp_path / "d3")]) == 1
 
@@ -223,3 +229,130 @@ def test_wheel_of_a_built_registry_carries_the_score_library_and_the_packer(
         assert shipped == {a["file"] for a in entry["artifacts"]} | {"manifest.json"}
         for artifact in entry["artifacts"]:
             assert hashlib.sha256(zf.read(prefix + artifact["file"])).hexdigest() == artifact["sha256"]
+
+
+# ---------------------------------------------------------------- provenance: spec sha256, --allow-dirty
+
+
+SPEC_TEXT = "name: fam\n# committed version\n"
+
+
+def _git(repo: Path, *argv: str) -> None:
+    subprocess.run(["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", *argv], check=True,
+                   capture_output=True)
+
+
+def git_specs(tmp_path: Path) -> tuple[Path, str]:
+    """A git checkout holding specs/fam.yaml, committed; (its specs folder, the file's sha256)."""
+    repo = tmp_path / "checkout"
+    specs = repo / "specs"
+    specs.mkdir(parents=True)
+    (specs / "fam.yaml").write_text(SPEC_TEXT)
+    _git(repo, "init", "-q")
+    _git(repo, "add", "specs/fam.yaml")
+    _git(repo, "commit", "-q", "-m", "fam")
+    return specs, file_sha256(specs / "fam.yaml")
+
+
+def _provenance(wheel: Path) -> dict:
+    return json.loads(_read(wheel, f"{SM90}.dist-info/{PROVENANCE}"))
+
+
+def test_a_wheel_records_the_sha256_and_git_state_of_each_spec(tmp_path: Path) -> None:
+    specs, sha = git_specs(tmp_path)
+    registry = fake_registry(tmp_path / "reg", "sm_90a", ["fam"], spec_sha256=sha)
+    wheel = build_wheel(registry, ["sm_90a"], tmp_path / "dist", specs_dir=specs)
+    record = _provenance(wheel)
+    assert record["specs"] == [{"arch": "sm_90a", "family": "fam", "spec": str(specs / "fam.yaml"),
+                                "spec_sha256": sha, "state": "committed"}]
+    assert record["dirty"] == [] and record["allow_dirty"] is False and len(record["commit"]) == 40
+    assert wheel_provenance(wheel) == record
+    assert f"    sm_90a fam {sha} committed\n" in _read(wheel, f"{SM90}.dist-info/METADATA")
+    _check_record(wheel, f"{SM90}.dist-info/RECORD")
+
+
+@pytest.mark.parametrize("state", ["modified", "untracked", "changed since the build", "missing"])
+def test_packing_an_uncommitted_spec_needs_allow_dirty_and_is_recorded(tmp_path: Path, state: str) -> None:
+    specs, committed_sha = git_specs(tmp_path)
+    spec = specs / "fam.yaml"
+    if state == "untracked":
+        _git(specs.parent, "rm", "-q", "--cached", "specs/fam.yaml")
+        _git(specs.parent, "commit", "-q", "-m", "untrack")
+    elif state != "missing":
+        spec.write_text(SPEC_TEXT + "# edited, not committed\n")
+    built_from = committed_sha if state == "changed since the build" else file_sha256(spec) if spec.exists() else "x"
+    if state == "missing":
+        spec.unlink()
+    registry = fake_registry(tmp_path / "reg", "sm_90a", ["fam"], spec_sha256=built_from)
+    with pytest.raises(WheelError, match=rf"not committed: fam sm_90a: {spec} {state}.*--allow-dirty"):
+        build_wheel(registry, ["sm_90a"], tmp_path / "dist", specs_dir=specs)
+    assert not (tmp_path / "dist").exists() or not list((tmp_path / "dist").iterdir())
+    record = _provenance(build_wheel(registry, ["sm_90a"], tmp_path / "dist", specs_dir=specs, allow_dirty=True))
+    assert record["allow_dirty"] is True and record["dirty"] == [f"fam sm_90a: {spec} {state}"]
+    assert record["specs"][0]["state"] == state and record["specs"][0]["spec_sha256"] == built_from
+
+
+def test_specs_outside_a_checkout_are_recorded_as_such(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    specs = tmp_path / "plain" / "specs"
+    specs.mkdir(parents=True)
+    (specs / "fam.yaml").write_text(SPEC_TEXT)
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path))   # no checkout above tmp_path counts
+    registry = fake_registry(tmp_path / "reg", "sm_90a", ["fam"], spec_sha256=file_sha256(specs / "fam.yaml"))
+    record = _provenance(build_wheel(registry, ["sm_90a"], tmp_path / "dist", specs_dir=specs))
+    assert record["specs"][0]["state"] == "not in a git checkout" and record["dirty"] == []
+
+
+def test_cli_wheel_refuses_a_dirty_spec_and_prints_what_allow_dirty_packed(tmp_path: Path, capsys) -> None:
+    specs, _ = git_specs(tmp_path)
+    (specs / "fam.yaml").write_text(SPEC_TEXT + "# edited\n")
+    registry = fake_registry(tmp_path / "reg", "sm_90a", ["fam"], spec_sha256=file_sha256(specs / "fam.yaml"))
+    argv = ["--specs", str(specs), "wheel", "--registry", str(registry), "--out", str(tmp_path / "dist")]
+    assert main(argv) == 1
+    assert "not committed: fam sm_90a" in capsys.readouterr().err
+    assert main([*argv, "--allow-dirty"]) == 0
+    captured = capsys.readouterr()
+    assert "1 family for sm_90a" in captured.out and PROVENANCE in captured.out
+    assert f"packed with --allow-dirty (recorded in the wheel): fam sm_90a: {specs / 'fam.yaml'} modified" in \
+        " ".join(captured.err.split())
+
+
+# ---------------------------------------------------------------- kvgen verify --installed
+
+
+def test_verify_installed_checks_record_manifests_and_provenance(tmp_path: Path) -> None:
+    specs, _ = git_specs(tmp_path)
+    (specs / "fam.yaml").write_text(SPEC_TEXT + "# edited\n")
+    registry = fake_registry(tmp_path / "reg", "sm_90a", ["fam"], spec_sha256=file_sha256(specs / "fam.yaml"),
+                             ops=("codec", "pack"))
+    wheel = build_wheel(registry, ["sm_90a"], tmp_path / "dist", specs_dir=specs, allow_dirty=True)
+    target = tmp_path / "site"
+    _pip_install(wheel, target)
+    (check,) = verify_installed([str(target)])
+    assert (check.name, check.version, check.problems, check.manifests) == ("kvgen-kernels-sm90", __version__, [], 1)
+    assert check.files >= 4 and check.notes == [f"kvgen-kernels-sm90: packed with --allow-dirty: fam sm_90a: "
+                                                f"{specs / 'fam.yaml'} modified"]
+    packer = target / "kvgen_kernels_sm90" / "registry" / "sm_90a" / "kvgen_fam_pack.py"
+    packer.write_text("tampered")
+    (check,) = verify_installed([str(target)])
+    assert any("kvgen_fam_pack.py: sha256 differs from RECORD" in p for p in check.problems)
+    assert any("kvgen_fam_pack.py: sha256 mismatch" in p for p in check.problems)
+    assert verify_installed([str(tmp_path / "nothing")]) == []
+
+
+def test_cli_verify_installed(tmp_path: Path) -> None:
+    """``kvgen verify --installed`` as a user runs it: a fresh interpreter whose path holds the wheel."""
+    specs, sha = git_specs(tmp_path)
+    wheel = build_wheel(fake_registry(tmp_path / "reg", "sm_90a", ["fam"], spec_sha256=sha), ["sm_90a"],
+                        tmp_path / "dist", specs_dir=specs)
+    target = tmp_path / "site"
+    _pip_install(wheel, target)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(target), str(ROOT)])}
+    proc = subprocess.run([sys.executable, "-m", "kvgen", "verify", "--installed", "--json"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["ok"] and [w["package"] for w in report["installed"]] == ["kvgen-kernels-sm90"]
+    (target / "kvgen_kernels_sm90" / "registry" / "sm_90a" / "manifest.json").write_text("{}")
+    proc = subprocess.run([sys.executable, "-m", "kvgen", "verify", "--installed"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "manifest.json: sha256 differs from RECORD" in proc.stderr

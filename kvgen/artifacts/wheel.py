@@ -8,14 +8,24 @@
                                                    lib<symbol>.so; for TriAttention families also
                                                    lib<symbol>_score.so, <symbol>_pack.py and
                                                    <symbol>_select.py)
-    kvgen_kernels_sm90-<v>.dist-info/              METADATA (Requires-Dist: kvgen==<v>), WHEEL,
-                                                   entry_points.txt, RECORD
+    kvgen_kernels_sm90-<v>.dist-info/              METADATA (Requires-Dist: kvgen==<v>; its body lists
+                                                   the specs), WHEEL, entry_points.txt,
+                                                   kvgen_provenance.json, RECORD
 
 How the runtime finds it: the wheel declares an entry point in the group ``kvgen.registries``
 whose value is the package name; ``kvgen.runtime.lookup.installed_sources`` locates that package
 with ``importlib.util.find_spec`` (no code from the wheel runs) and searches its ``registry/``.
 The wheel's version is the kvgen version it was built by, and it requires exactly that kvgen: the
 libraries speak that version's C ABI and layout.
+
+Provenance: ``kvgen_provenance.json`` records, per arch and family, the sha256 of the spec file the
+family was built from (the manifest's ``spec_sha256``) and how that file stood in git when it was
+packed (``git status --porcelain --ignored``): committed, modified, untracked, ignored, changed
+since the build, missing, or "not in a git checkout" (nothing to tell). Packing a spec that is not
+committed (or whose file no longer matches the build) is refused unless ``allow_dirty``, and the
+wheel then says so in that file and in METADATA. ``verify_installed`` checks installed wheels: the
+RECORD sha256 of every file, every manifest with its artifacts, the kvgen version and the
+provenance.
 
 Written with the standard library (zipfile, RECORD with sha256), byte-for-byte reproducible:
 members sorted, fixed timestamps and modes. Data only: the libraries link nothing from torch, and
@@ -30,17 +40,21 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import importlib.metadata
+import json
 import os
 import re
+import subprocess
 import tempfile
 import zipfile
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from kvgen import __version__
+from kvgen import __version__, paths
 from kvgen.arch import parse_arch
-from kvgen.artifacts.manifest import MANIFEST, fix_command, manifest_path, read_manifest
+from kvgen.artifacts.manifest import MANIFEST, RegistryError, fix_command, manifest_path, parse_manifest, read_manifest
 from kvgen.artifacts.packages import ENTRY_POINT_GROUP, package_name
 from kvgen.files import file_sha256
 
@@ -51,6 +65,11 @@ WHEEL_TAG = "py3-none-manylinux_2_28_x86_64"     # for libraries that need nothi
 MAX_FILE_BYTES = 90 * 1000 * 1000
 _ZIP_TIME = (1980, 1, 1, 0, 0, 0)   # earliest zip time: reproducible wheels
 _GLIBC = re.compile(rb"GLIBC_2\.(\d+)")
+PROVENANCE = "kvgen_provenance.json"
+PROVENANCE_SCHEMA = 1
+# Spec states that need --allow-dirty: the wheel could not be rebuilt from a commit.
+DIRTY_STATES = ("modified", "untracked", "ignored", "changed since the build", "missing")
+NO_GIT = "not in a git checkout"
 
 
 class WheelError(RuntimeError):
@@ -107,10 +126,87 @@ def _init_py(archs: Sequence[str]) -> str:
             'REGISTRY = Path(__file__).resolve().parent / "registry"\n')
 
 
-def _metadata(dist: str, archs: Sequence[str]) -> str:
-    return (f"Metadata-Version: 2.1\nName: {dist}\nVersion: {__version__}\n"
+def _metadata(dist: str, archs: Sequence[str], provenance: dict[str, Any]) -> str:
+    head = (f"Metadata-Version: 2.1\nName: {dist}\nVersion: {__version__}\n"
             f"Summary: Pre-generated kvgen kernel libraries (C ABI) for {', '.join(archs)}\n"
             f"Requires-Python: >=3.11\nRequires-Dist: kvgen=={__version__}\n")
+    lines = [f"Built by kvgen {__version__} at commit {provenance['commit'] or 'unknown'} from these specs "
+             f"(arch, family, sha256 of the spec file, its git state when packed):", ""]
+    lines += [f"    {r['arch']} {r['family']} {r['spec_sha256']} {r['state']}" for r in provenance["specs"]]
+    if provenance["dirty"]:
+        lines += ["", "Packed with --allow-dirty: not every spec was committed:", ""]
+        lines += [f"    {line}" for line in provenance["dirty"]]
+    return head + "\n" + "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------- provenance
+
+
+def _git(folder: Path, *argv: str) -> subprocess.CompletedProcess | None:
+    try:
+        return subprocess.run(["git", "-C", str(folder), *argv], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def git_state(path: Path) -> str:
+    """How ``path`` stands in its git checkout: committed, modified (staged or not), untracked or
+    ignored; ``NO_GIT`` outside a checkout or without git."""
+    proc = _git(Path(path).parent, "status", "--porcelain", "--ignored", "--", Path(path).name)
+    if proc is None or proc.returncode != 0:
+        return NO_GIT
+    code = proc.stdout[:2]
+    return {"": "committed", "??": "untracked", "!!": "ignored"}.get(code, "modified")
+
+
+def git_commit(folder: Path) -> str | None:
+    """HEAD of the checkout holding ``folder``, else ``$KVGEN_COMMIT`` (a copy without git)."""
+    proc = _git(folder, "rev-parse", "HEAD")
+    if proc is not None and proc.returncode == 0:
+        return proc.stdout.strip()
+    return paths.commit()
+
+
+def _spec_state(spec: Path | None, built_sha256: str, cache: dict[Path, str]) -> str:
+    if spec is None:
+        return "not checked"
+    if not spec.is_file():
+        return "missing"
+    if file_sha256(spec) != built_sha256:
+        return "changed since the build"
+    if spec not in cache:
+        cache[spec] = git_state(spec)
+    return cache[spec]
+
+
+def provenance(registry_dir: Path, archs: Sequence[str], package: str, specs_dir: Path | None,
+               allow_dirty: bool) -> dict[str, Any]:
+    """What ``kvgen_provenance.json`` holds: per (arch, family) the spec sha256 the manifest
+    records and the spec file's state; ``dirty`` lists the states that needed ``allow_dirty``.
+    ``specs_dir`` None: the spec files are not looked at (state "not checked")."""
+    records, cache = [], {}
+    for arch in archs:
+        for entry in parse_manifest(manifest_path(registry_dir, arch)).families:
+            spec = Path(specs_dir) / f"{entry.family}.yaml" if specs_dir is not None else None
+            records.append({"arch": arch, "family": entry.family, "spec_sha256": entry.spec_sha256,
+                            "spec": str(spec) if spec else None,
+                            "state": _spec_state(spec, entry.spec_sha256, cache)})
+    dirty = [f"{r['family']} {r['arch']}: {r['spec']} {r['state']}" for r in records if r["state"] in DIRTY_STATES]
+    return {"schema": PROVENANCE_SCHEMA, "package": package, "kvgen_version": __version__, "archs": list(archs),
+            "commit": git_commit(Path(specs_dir)) if specs_dir is not None else None,
+            "allow_dirty": bool(allow_dirty and dirty), "dirty": dirty, "specs": records}
+
+
+def _refuse_dirty(package: str, dirty: Sequence[str]) -> WheelError:
+    return WheelError(f"{package}: built from specs that are not committed: {'; '.join(dirty)}. Commit them and "
+                      "rebuild (kvgen build), or pass --allow-dirty (the wheel then records it)")
+
+
+def wheel_provenance(wheel: Path) -> dict[str, Any]:
+    """The ``kvgen_provenance.json`` of a wheel file."""
+    with zipfile.ZipFile(wheel) as zf:
+        name = next(n for n in zf.namelist() if n.endswith(f".dist-info/{PROVENANCE}"))
+        return json.loads(zf.read(name))
 
 
 def _wheel_file(tag: str) -> str:
@@ -136,14 +232,16 @@ def wheel_tag(payload: Iterable[Member]) -> str:
     return f"py3-none-manylinux_2_{glibc_needed(libraries)}_x86_64"
 
 
-def _dist_info_members(package: str, archs: Sequence[str], payload: Sequence[Member], tag: str) -> list[Member]:
+def _dist_info_members(package: str, archs: Sequence[str], payload: Sequence[Member], tag: str,
+                       record: dict[str, Any]) -> list[Member]:
     dist = package.replace("_", "-")
     info = f"{package}-{_file_version()}.dist-info"
     members = [
-        Member(f"{info}/METADATA", _metadata(dist, archs).encode()),
+        Member(f"{info}/METADATA", _metadata(dist, archs, record).encode()),
         Member(f"{info}/WHEEL", _wheel_file(tag).encode()),
         Member(f"{info}/entry_points.txt", f"[{ENTRY_POINT_GROUP}]\n{package} = {package}\n".encode()),
         Member(f"{info}/top_level.txt", f"{package}\n".encode()),
+        Member(f"{info}/{PROVENANCE}", (json.dumps(record, indent=2, sort_keys=True) + "\n").encode()),
     ]
     record = _record([*payload, *members], f"{info}/RECORD")
     return [*members, Member(f"{info}/RECORD", record.encode())]
@@ -204,9 +302,11 @@ def _write_zip(path: Path, members: Sequence[Member], limit_bytes: int) -> None:
         raise
 
 
-def build_wheel(registry_dir: Path, archs: Sequence[str], out_dir: Path,
-                limit_bytes: int = MAX_FILE_BYTES) -> Path:
-    """One wheel holding ``archs`` (all of one arch family) from ``registry_dir``."""
+def build_wheel(registry_dir: Path, archs: Sequence[str], out_dir: Path, limit_bytes: int = MAX_FILE_BYTES, *,
+                specs_dir: Path | None = None, allow_dirty: bool = False) -> Path:
+    """One wheel holding ``archs`` (all of one arch family) from ``registry_dir``. With
+    ``specs_dir`` (what ``kvgen wheel`` passes), a family whose spec file there is not committed
+    in git, or no longer the one it was built from, is refused unless ``allow_dirty``."""
     if not archs:
         raise WheelError("no archs to package (pass --arch, e.g. sm_90a)")
     packages = {package_name(a) for a in archs}
@@ -218,9 +318,12 @@ def build_wheel(registry_dir: Path, archs: Sequence[str], out_dir: Path,
     for arch in archs:
         payload += _registry_members(Path(registry_dir), arch, package)
     payload.sort(key=lambda m: m.name)
+    record = provenance(Path(registry_dir), archs, package, specs_dir, allow_dirty)
+    if record["dirty"] and not allow_dirty:
+        raise _refuse_dirty(package, record["dirty"])
     tag = wheel_tag(payload)
     path = Path(out_dir) / wheel_filename(package, tag)
-    _write_zip(path, [*payload, *_dist_info_members(package, archs, payload, tag)], limit_bytes)
+    _write_zip(path, [*payload, *_dist_info_members(package, archs, payload, tag, record)], limit_bytes)
     return path
 
 
@@ -232,10 +335,11 @@ def group_by_wheel(archs: Iterable[str]) -> dict[str, list[str]]:
     return dict(sorted(groups.items()))
 
 
-def build_wheels(registry_dir: Path, archs: Sequence[str], out_dir: Path,
-                 limit_bytes: int = MAX_FILE_BYTES) -> list[Path]:
+def build_wheels(registry_dir: Path, archs: Sequence[str], out_dir: Path, limit_bytes: int = MAX_FILE_BYTES, *,
+                 specs_dir: Path | None = None, allow_dirty: bool = False) -> list[Path]:
     """One wheel per arch family among ``archs``."""
-    return [build_wheel(registry_dir, group, out_dir, limit_bytes) for group in group_by_wheel(archs).values()]
+    return [build_wheel(registry_dir, group, out_dir, limit_bytes, specs_dir=specs_dir, allow_dirty=allow_dirty)
+            for group in group_by_wheel(archs).values()]
 
 
 def _is_arch(name: str) -> bool:
@@ -252,3 +356,91 @@ def registry_archs(registry_dir: Path) -> list[str]:
     if not root.is_dir():
         return []
     return sorted(d.name for d in root.iterdir() if (d / MANIFEST).is_file() and _is_arch(d.name))
+
+
+# ---------------------------------------------------------------- installed wheels
+
+
+@dataclass
+class InstalledCheck:
+    """One installed kernel wheel, checked: ``problems`` fail ``kvgen verify --installed``;
+    ``notes`` (a wheel packed with --allow-dirty) are reported and do not."""
+
+    name: str
+    version: str
+    location: str
+    files: int = 0
+    manifests: int = 0
+    problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def installed_wheels(search_path: Sequence[str] | None = None) -> list[importlib.metadata.Distribution]:
+    """Installed distributions declaring a ``kvgen.registries`` entry point (on ``search_path``,
+    default ``sys.path``), by name."""
+    found = {}
+    dists = importlib.metadata.distributions(**({"path": list(search_path)} if search_path is not None else {}))
+    for dist in dists:
+        if dist.entry_points.select(group=ENTRY_POINT_GROUP):
+            found.setdefault(dist.metadata["Name"], dist)   # the first on the path wins, as for imports
+    return [found[name] for name in sorted(found)]
+
+
+def _record_problems(dist: importlib.metadata.Distribution) -> tuple[int, list[str]]:
+    """Files RECORD lists with a sha256 that are missing or differ (pip writes no hash for the
+    bytecode it compiles, nor for RECORD itself)."""
+    checked, problems = 0, []
+    for file in dist.files or []:
+        if file.hash is None:
+            continue
+        path = Path(file.locate())
+        if not path.is_file():
+            problems.append(f"{path}: listed in RECORD, missing")
+            continue
+        digest = base64.urlsafe_b64encode(bytes.fromhex(file_sha256(path))).rstrip(b"=").decode()
+        checked += 1
+        if file.hash.mode != "sha256" or file.hash.value != digest:
+            problems.append(f"{path}: sha256 differs from RECORD")
+    return checked, problems
+
+
+def check_installed(dist: importlib.metadata.Distribution) -> InstalledCheck:
+    name, version = dist.metadata["Name"], dist.version
+    check = InstalledCheck(name, version, str(dist.locate_file("")))
+    check.files, check.problems = _record_problems(dist)
+    if version != __version__:
+        check.problems.append(f"{name} {version} needs kvgen {version}, this is kvgen {__version__}; fix: "
+                              f"pip install {name}=={__version__}")
+    recorded = dist.read_text(PROVENANCE)
+    if recorded is None:
+        check.problems.append(f"{name}: no {PROVENANCE} (packed by an older kvgen): the specs it was built from "
+                              "are not recorded; repack it with kvgen wheel")
+        record = {}
+    else:
+        record = json.loads(recorded)
+        check.notes += [f"{name}: packed with --allow-dirty: {line}" for line in record.get("dirty", [])]
+    shas = {(r["arch"], r["family"]): r["spec_sha256"] for r in record.get("specs", [])}
+    for ep in dist.entry_points.select(group=ENTRY_POINT_GROUP):
+        for path in sorted(Path(dist.locate_file(ep.value.replace(".", "/"))).glob(f"registry/*/{MANIFEST}")):
+            check.manifests += 1
+            check.problems += _manifest_problems(path, shas, name, recorded is not None)
+    if check.manifests == 0:
+        check.problems.append(f"{name}: no registry manifests found in the package")
+    return check
+
+
+def _manifest_problems(path: Path, shas: dict[tuple[str, str], str], name: str, has_record: bool) -> list[str]:
+    try:
+        manifest = read_manifest(path, verify=True)
+    except RegistryError as exc:
+        return [str(exc)]
+    if not has_record:
+        return []
+    return [f"{path}: {e.family} built from spec sha256 {e.spec_sha256[:16]}..., {name}'s {PROVENANCE} records "
+            f"{(shas.get((manifest.arch, e.family)) or 'none')[:16]}"
+            for e in manifest.families if shas.get((manifest.arch, e.family)) != e.spec_sha256]
+
+
+def verify_installed(search_path: Sequence[str] | None = None) -> list[InstalledCheck]:
+    """Every installed kernel wheel, checked (``kvgen verify --installed``)."""
+    return [check_installed(dist) for dist in installed_wheels(search_path)]

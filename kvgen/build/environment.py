@@ -7,9 +7,10 @@ this one; the build assembles it here so that every caller of ``build()`` applie
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Mapping, Sequence
 
-from kvgen import __version__
+from kvgen import __version__, paths
 from kvgen.build.cute_aot import CuteToolchain
 from kvgen.build.nvcc import Toolchain, ToolchainError, toolchain_for
 from kvgen.lower.tuned import BuildEnvironment
@@ -25,6 +26,21 @@ def gpu_name() -> str | None:
         return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     except Exception:  # noqa: BLE001 - no usable torch/CUDA: no GPU to compare with
         return None
+
+
+def gpu_fingerprint(environ: Mapping[str, str] | None = None) -> list[str]:
+    """What decides ``gpu_name()``, read without importing torch (the no-op stamps' key): the GPUs
+    the NVIDIA driver lists and ``$CUDA_VISIBLE_DEVICES``. A torch install or upgrade shows in the
+    site-packages state the stamps record."""
+    listed = sorted(Path("/proc/driver/nvidia/gpus").glob("*/information"))
+    return [f"visible={paths.cuda_visible_devices(environ)}"] + [_read_text(p) for p in listed]
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return f"{path}: unreadable"
 
 
 def build_environments(archs: Sequence[str], toolchains: Sequence[Toolchain], cute: CuteToolchain | None,

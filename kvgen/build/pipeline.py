@@ -16,8 +16,9 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping, Protocol, Sequence
+from typing import Callable, Mapping, Protocol, Sequence
 
+from kvgen import paths
 from kvgen.artifacts.manifest import (
     ArtifactEntry,
     FamilyEntry,
@@ -30,13 +31,14 @@ from kvgen.artifacts.manifest import (
 )
 from kvgen.build.compile import Toolchains, compile_many
 from kvgen.build.cute_aot import CuteToolchain
-from kvgen.build.environment import build_environments, gpu_name
+from kvgen.build.environment import build_environments, gpu_fingerprint, gpu_name
 from kvgen.build.job import BACKENDS, Backend, BuildJob, BuildOutcome, SpecSource, Status, family_jobs, load_spec_source
 from kvgen.build.nvcc import Toolchain
+from kvgen.build.stamp import Stamps, common_inputs, replayed_outcomes
 from kvgen.files import copy_if_different, file_lock
 from kvgen.kernels import KERNELS_DIR
 from kvgen.lower.layout import family_layout, to_json
-from kvgen.lower.tuned import TunedParams, load_tuned
+from kvgen.lower.tuned import TunedParams, load_tuned, switch_notes
 from kvgen.render.source import TEMPLATES_DIR, render_family, stale_files, write_rendered
 from kvgen.spec.schema import name_collisions
 
@@ -47,6 +49,7 @@ class BuildReport:
     rendered: list[Path] = field(default_factory=list)      # generated files that changed
     manifests: list[Path] = field(default_factory=list)
     tuning_notes: list[str] = field(default_factory=list)   # tuned files not used (or overrides), one line each
+    noop: bool = False                                      # every (family, arch) current by its stamp
 
     def with_status(self, status: Status) -> list[BuildOutcome]:
         return [o for o in self.outcomes if o.status == status]
@@ -170,31 +173,48 @@ def _needs_score(pairs: Sequence[tuple[SpecSource, str]], backends: Collection[B
 
 
 def build(specs: Sequence[SpecSource | Path], archs: Sequence[str] | None, out_generated: Path, cache_dir: Path,
-          jobs: int = 1, progress: BuildProgress | None = None, *, toolchains: Sequence[Toolchain],
+          jobs: int = 1, progress: BuildProgress | None = None, *,
+          toolchains: Sequence[Toolchain] | Callable[[], Sequence[Toolchain]],
           cute_toolchain: CuteToolchain | None = None, registry_dir: Path = Path("build/registry"),
           tuning_dir: Path = Path("tuning"), tuning_environ: Mapping[str, str] | None = None,
           templates_dir: Path = TEMPLATES_DIR, kernels_dir: Path = KERNELS_DIR, extra_flags: Sequence[str] = (),
-          backends: Collection[Backend] = BACKENDS) -> BuildReport:
+          backends: Collection[Backend] = BACKENDS, noop_stamps: bool = False,
+          toolchain_files: Sequence[Path | str] = ()) -> BuildReport:
     """Render, compile every artifact (cached, ``jobs`` compiles at once) and publish to the registry.
 
     ``archs=None`` builds each spec's targets; an arch a spec does not target is skipped. Tuned
     launch parameters come from ``tuning_dir`` where they match this build's environment
     (``KVGEN_TUNING`` / ``KVGEN_TUNED_PARAMS`` read from ``tuning_environ``, default the process
-    environment, exactly as ``kvgen build`` does). The CuTe DSL toolchain is probed when a score
-    library is due and ``cute_toolchain`` is None. ``backends`` narrows what is compiled (tests
-    of one backend). A missing nvcc raises ``ToolchainError`` before anything compiles; a compile
-    failure is reported in its outcome and everything else still builds and publishes.
+    environment, exactly as ``kvgen build`` does). ``toolchains`` may be a function that probes
+    them, called only when something has to be built. The CuTe DSL toolchain is probed when a
+    score library is due and ``cute_toolchain`` is None. ``backends`` narrows what is compiled
+    (tests of one backend). A missing nvcc raises ``ToolchainError`` before anything compiles; a
+    compile failure is reported in its outcome and everything else still builds and publishes.
+
+    ``noop_stamps`` (what ``kvgen build`` passes): when every (family, arch) is current by its
+    stamp (``kvgen.build.stamp``), return the report a full build would give without rendering,
+    probing or compiling (``report.noop``); otherwise build, then stamp what built.
+    ``toolchain_files`` are the files a ``toolchains`` function would probe (nvcc candidates, the
+    host compiler): their state stands for its result in the stamps' key.
     """
     sources = _as_sources(specs)
     collisions = name_collisions([(s.path or s.spec.name, s.spec) for s in sources])
     if collisions:
         raise collisions[0]   # two families would build one library
     progress = progress or _NoProgress()
-    report = BuildReport()
-    for files in render_all(sources, templates_dir).values():
+    pairs, skipped = _pairs(sources, archs)
+    stamps = _stamps(toolchains, toolchain_files, cute_toolchain, templates_dir, kernels_dir, extra_flags, backends,
+                     tuning_environ, cache_dir, registry_dir, out_generated, tuning_dir) if noop_stamps else None
+    if stamps is not None:
+        replayed = _replay(stamps, pairs, skipped, progress, tuning_environ)
+        if replayed is not None:
+            return replayed
+    report = BuildReport(outcomes=skipped)
+    rendered = render_all(sources, templates_dir)
+    for files in rendered.values():
         report.rendered += write_rendered(files, Path(out_generated))
-    pairs, report.outcomes = _pairs(sources, archs)
-    compilers = Toolchains(tuple(toolchains), cute_toolchain)
+    toolchains = tuple(toolchains() if callable(toolchains) else toolchains)
+    compilers = Toolchains(toolchains, cute_toolchain)
     if _needs_score(pairs, backends):
         compilers = compilers.probe_cute()    # once, before the tuned files are checked against its version
     tuned = _tuned(sources, pairs, toolchains, compilers.cute, tuning_dir, tuning_environ)
@@ -205,13 +225,72 @@ def build(specs: Sequence[SpecSource | Path], archs: Sequence[str] | None, out_g
     progress.start(len(todo))
     outcomes = compile_many(todo, Path(cache_dir), compilers, workers=jobs,
                             kernels_dir=Path(kernels_dir), extra_flags=extra_flags, on_done=progress.advance)
+    published = []
     for arch in sorted({job.arch for job in todo}):
         results = [(job, outcome) for job, outcome in zip(todo, outcomes) if job.arch == arch]
         path = publish(Path(registry_dir), arch, results)
         report.manifests.append(path)
-        report.outcomes += [_registry_outcome(path, job, outcome) for job, outcome in results]
+        published += [(job, _registry_outcome(path, job, outcome)) for job, outcome in results]
+    report.outcomes += [outcome for _, outcome in published]
     report.outcomes.sort(key=lambda o: (o.family, o.arch, o.backend or ""))
+    if stamps is not None:
+        _stamp(stamps, pairs, published, rendered, report.tuning_notes, _tool_files(toolchains, compilers.cute))
     return report
+
+
+# ---------------------------------------------------------------- no-op stamps
+
+
+def _stamps(toolchains: Sequence[Toolchain] | Callable[[], Sequence[Toolchain]], toolchain_files: Sequence[Path | str],
+            cute: CuteToolchain | None, templates_dir: Path, kernels_dir: Path, extra_flags: Sequence[str],
+            backends: Collection[Backend], environ: Mapping[str, str] | None, cache_dir: Path, registry_dir: Path,
+            out_generated: Path, tuning_dir: Path) -> Stamps:
+    given = None if callable(toolchains) else [{**t.identity(), "archs": list(t.archs)} for t in toolchains]
+    tuning = {"enabled": paths.tuning_enabled(environ), "override": paths.tuned_params_override(environ)}
+    common = common_inputs(given_toolchains=given, toolchain_files=toolchain_files,
+                           cute_identity=cute.identity() if cute is not None else None, templates_dir=templates_dir,
+                           kernels_dir=kernels_dir, extra_flags=extra_flags, backends=backends, tuning=tuning,
+                           gpus=gpu_fingerprint(environ), cache_dir=cache_dir)
+    return Stamps(Path(cache_dir), Path(registry_dir), Path(out_generated), common, Path(tuning_dir))
+
+
+def _replay(stamps: Stamps, pairs: Sequence[tuple[SpecSource, str]], skipped: list[BuildOutcome],
+            progress: BuildProgress, environ: Mapping[str, str] | None) -> BuildReport | None:
+    """The report of a no-op build, or None when some (family, arch) is not current."""
+    before, after = switch_notes(environ)   # a bad override is an error on this path too
+    current = []
+    for source, arch in sorted(pairs, key=lambda pair: pair[1]):   # the full build's note order
+        stamp = stamps.current(source, arch)
+        if stamp is None:
+            return None
+        current.append(stamp)
+    if not current:
+        return None
+    outcomes = [o for stamp in current for o in replayed_outcomes(stamp)]
+    progress.start(len(outcomes))
+    for outcome in outcomes:
+        progress.advance(outcome)
+    notes = before + [note for stamp in current for note in stamp["tuning_notes"]] + after
+    archs = sorted({arch for _, arch in pairs})
+    return BuildReport(outcomes=sorted(skipped + outcomes, key=lambda o: (o.family, o.arch, o.backend or "")),
+                       manifests=[manifest_path(stamps.registry_dir, arch) for arch in archs],
+                       tuning_notes=notes, noop=True)
+
+
+def _tool_files(toolchains: Sequence[Toolchain], cute: CuteToolchain | None) -> list[str]:
+    """The compilers a probe found: their state must stay as it was for a stamp to hold."""
+    files = [path for t in toolchains for path in (t.nvcc, t.host_cc) if path]
+    if cute is not None:
+        files += [cute.runtime_lib, cute.cudart_static, cute.cxx]
+    return sorted(set(files))
+
+
+def _stamp(stamps: Stamps, pairs: Sequence[tuple[SpecSource, str]], published: Sequence[tuple[BuildJob, BuildOutcome]],
+           rendered: Mapping[str, Mapping[str, str]], notes: Sequence[str], tools: Sequence[str]) -> None:
+    for source, arch in pairs:
+        family = source.spec.name
+        results = [(job, outcome) for job, outcome in published if job.family == family and job.arch == arch]
+        stamps.record(source, arch, results, rendered[family], notes, tools)
 
 
 def _tuned(sources: Sequence[SpecSource], pairs: Sequence[tuple[SpecSource, str]], toolchains: Sequence[Toolchain],

@@ -150,19 +150,27 @@ def load_tuned(tuning_dir: Path, envs: Mapping[str, BuildEnvironment], families:
     """The tuned parameters ``kvgen build`` applies for each arch of ``envs`` (what that arch is
     built with), with a note for each file it does not use."""
     tuned = TunedParams()
-    if not paths.tuning_enabled(environ):
-        tuned.notes.append("KVGEN_TUNING=off: building every op with its safe default parameters")
-    else:
+    before, after = switch_notes(environ)
+    tuned.notes += before
+    if paths.tuning_enabled(environ):
         for arch, env in envs.items():
             for family in families:
                 _load_one(tuning_path(tuning_dir, arch, family), arch, family, env, tuned)
-    override = paths.tuned_params_override(environ)
-    if override:
-        for (family, op), params in parse_override(override).items():
-            for arch in envs:
-                tuned.set(arch, family, op, {**tuned.for_family(arch, family).get(op, {}), **params})
-        tuned.notes.append(f"KVGEN_TUNED_PARAMS overrides: {override}")
+    for (family, op), params in parse_override(paths.tuned_params_override(environ)).items():
+        for arch in envs:
+            tuned.set(arch, family, op, {**tuned.for_family(arch, family).get(op, {}), **params})
+    tuned.notes += after
     return tuned
+
+
+def switch_notes(environ: Mapping[str, str] | None = None) -> tuple[list[str], list[str]]:
+    """The notes of ``KVGEN_TUNING=off`` and of a ``KVGEN_TUNED_PARAMS`` override: (before the
+    tuned files' notes, after them). A bad override raises ``TuningFileError`` naming the variable."""
+    before = [] if paths.tuning_enabled(environ) else [
+        "KVGEN_TUNING=off: building every op with its safe default parameters"]
+    override = paths.tuned_params_override(environ)
+    parse_override(override)
+    return before, [f"KVGEN_TUNED_PARAMS overrides: {override}"] if override else []
 
 
 def _load_one(path: Path, arch: str, family: str, env: BuildEnvironment, tuned: TunedParams) -> None:
@@ -184,16 +192,40 @@ def _load_one(path: Path, arch: str, family: str, env: BuildEnvironment, tuned: 
             tuned.set(arch, family, op, entry["params"])
 
 
+OVERRIDE_FORMAT = "format: family:op:name=value,name=value;..."
+
+
 def parse_override(text: str) -> dict[tuple[str, Op], dict[str, int]]:
-    """``family:op:name=value,name=value;...`` -> {(family, op): params}; errors name the item."""
+    """``family:op:name=value,name=value;...`` -> {(family, op): params}; a bad item raises
+    ``TuningFileError`` naming the variable, the item and what is wrong with it."""
+    if text.strip().startswith("{") or text.strip().endswith(".json"):
+        raise TuningFileError(f"KVGEN_TUNED_PARAMS {text.strip()!r}: an override string, not JSON or a file "
+                              f"({OVERRIDE_FORMAT}); tuned files go in tuning/<arch>/<family>.json")
     out: dict[tuple[str, Op], dict[str, int]] = {}
     for item in filter(None, (part.strip() for part in text.split(";"))):
         try:
-            family, op, assignments = item.split(":", 2)
-            params = {k.strip(): int(v) for k, v in (a.split("=") for a in assignments.split(","))}
-            check_params(op, params)  # type: ignore[arg-type]
-        except (ValueError, KeyError) as exc:
-            raise TuningFileError(f"KVGEN_TUNED_PARAMS item {item!r}: {exc} "
-                                  "(format: family:op:name=value,name=value;...)") from None
-        out[(family, op)] = params  # type: ignore[index]
+            family, op, params = _override_item(item)
+        except ValueError as exc:
+            raise TuningFileError(f"KVGEN_TUNED_PARAMS item {item!r}: {exc} ({OVERRIDE_FORMAT})") from None
+        out[(family, op)] = params
     return out
+
+
+def _override_item(item: str) -> tuple[str, Op, dict[str, int]]:
+    parts = [part.strip() for part in item.split(":", 2)]
+    if len(parts) != 3 or not all(parts):
+        raise ValueError("expected family:op:assignments")
+    family, op, assignments = parts
+    if op not in TUNABLES:
+        raise ValueError(f"unknown op {op!r}; ops: {', '.join(TUNABLES)}")
+    params = {}
+    for assignment in assignments.split(","):
+        name, eq, value = (piece.strip() for piece in assignment.partition("="))
+        if not eq or not name or "=" in value:
+            raise ValueError(f"{assignment.strip()!r} is not name=value")
+        try:
+            params[name] = int(value)
+        except ValueError:
+            raise ValueError(f"{name}={value!r} is not an integer") from None
+    check_params(op, params)  # type: ignore[arg-type]
+    return family, op, params  # type: ignore[return-value]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -162,18 +163,39 @@ def run(args: argparse.Namespace, sources, console, cache_dir: Path, discover_to
         evaluator = LiveEvaluator(sources, args.arch, work, cache_dir, discover_toolchains())
     storage = args.storage or default_storage(cache_dir)
     results: list[tuple[str, Op, BucketResult, str]] = []
+    written: dict[Path, list[str]] = {}
     try:
         for source in sources:
             spec = source.spec
             for op in [o for o in (ops or ops_for(spec)) if o in ops_for(spec)]:
                 per_bucket = _tune_op(args, spec, op, evaluator, storage, console)
-                choice = _write(args, spec, op, per_bucket, evaluator)
+                choice, path = _write(args, spec, op, per_bucket, evaluator)
                 results += [(spec.name, op, r, choice) for r in per_bucket]
+                if path is not None:
+                    written.setdefault(path, []).append(op)
     except StorageError as exc:
         _error(console, str(exc))
         return 2
     console.print(summary_table(results))
+    _print_written(console, written, args)
     return 0 if all(r.best is not None for _, _, r, _ in results) else 1
+
+
+def _print_written(console, written: dict[Path, list[str]], args) -> None:
+    """Where the tuned configurations went (the build reads them from there)."""
+    from rich.text import Text
+
+    for path, ops in sorted(written.items()):
+        console.print(Text(f"wrote {path} ({', '.join(ops)})"), soft_wrap=True)
+    if args.no_write:
+        console.print(Text(f"--no-write: nothing written to {args.tuning}"))
+    elif not written:
+        console.print(Text(f"nothing written to {args.tuning}: no op had a best configuration in every bucket"))
+
+
+def _line(text: str) -> None:
+    """Progress without a TTY: one plain line, flushed at once (a log shows where a run is)."""
+    print(text, file=sys.stderr, flush=True)
 
 
 def _error(console, text: str) -> None:
@@ -191,7 +213,7 @@ def _tune_op(args, spec, op: Op, evaluator, storage: str, console) -> list[Bucke
     for name in names:
         total = args.trials or len(configurations(op, spec))
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                      console=console, transient=True) as bar:
+                      console=console, transient=True, disable=not console.is_terminal) as bar:
             task = bar.add_task(f"{spec.name} {op} {args.arch} {name} ({args.strategy})", total=total)
 
             def advance(trial, task=task, bar=bar) -> None:
@@ -201,15 +223,21 @@ def _tune_op(args, spec, op: Op, evaluator, storage: str, console) -> list[Bucke
 
             out.append(run_bucket(spec, op, args.arch, name, evaluator, strategy=args.strategy, trials=args.trials,
                                   storage=storage, seed=args.seed, on_trial=advance))
+        if not console.is_terminal:
+            r = out[-1]
+            speedup = "" if math.isnan(r.speedup) else f", {r.speedup:.3f}x the default"
+            best = f"best {config_id(op, r.best)} {_ms(r.best_ms)} ms{speedup}" if r.best else "no correct configuration"
+            _line(f"{spec.name} {op} {args.arch} {name}: {r.trials} trials ({r.failed} failed), {best}")
     return out
 
 
-def _write(args, spec, op: Op, per_bucket: list[BucketResult], evaluator) -> str:
-    """The config the build will compile (printed either way), written unless --no-write."""
+def _write(args, spec, op: Op, per_bucket: list[BucketResult], evaluator) -> tuple[str, Path | None]:
+    """The config the build will compile (printed either way), written unless --no-write, and
+    the file it went to (None: not written)."""
     default = config_id(op, canonical(op, default_params(op), spec))
     choice = build_choice({r.bucket: r.measured for r in per_bucket}, default)
     if args.no_write or any(r.best is None for r in per_bucket):
-        return choice
+        return choice, None
     entry = {
         "params": parse_config(choice),
         "default": parse_config(default),
@@ -219,8 +247,7 @@ def _write(args, spec, op: Op, per_bucket: list[BucketResult], evaluator) -> str
                                "strategy": r.strategy, "study": r.study} for r in per_bucket},
     }
     env = evaluator.environment(spec.name, op, args.arch)
-    write_op(args.tuning, spec.name, args.arch, op, entry, env)
-    return choice
+    return choice, write_op(args.tuning, spec.name, args.arch, op, entry, env)
 
 
 def summary_table(results):
@@ -245,13 +272,18 @@ def _build_only(args, sources, ops, console, cache_dir: Path, toolchains) -> int
     from kvgen.tuning.candidates import build_candidates, pack_bundle
 
     requests = requests_for(sources, ops)
-    with Progress(console=console, transient=True) as bar:
+    done = []
+
+    def line(c) -> None:
+        done.append(c)
+        _line(f"[{len(done)}/{len(requests)}] {c.family} {c.op} {args.arch} {c.config}: {c.status}")
+
+    with Progress(console=console, transient=True, disable=not console.is_terminal) as bar:
         task = bar.add_task("building candidates", total=len(requests))
+        on_done = (lambda c: bar.update(task, advance=1, description=f"{c.family} {c.op} {c.config}: {c.status}")
+                   ) if console.is_terminal else line
         candidates = build_candidates(requests, args.arch, args.bundle, cache_dir, toolchains=toolchains,
-                                      jobs=args.jobs,
-                                      on_done=lambda c: bar.update(task, advance=1,
-                                                                   description=f"{c.family} {c.op} {c.config}: "
-                                                                               f"{c.status}"))
+                                      jobs=args.jobs, on_done=on_done)
     archive = pack_bundle(args.bundle, args.bundle.with_suffix(".tar.xz"))
     failed = [c for c in candidates if c.status == "failed"]
     console.print(f"{len(candidates)} candidates ({len(failed)} failed to build) in {args.bundle}; packed: {archive} "
