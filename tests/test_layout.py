@@ -102,9 +102,15 @@ def test_layout_json_carries_the_eviction_config(family):
 @pytest.mark.parametrize("family, reason", [
     ("deepseek-v3", "TriAttention cannot serve attention: mla"),
     ("deepseek-v4-csa", "TriAttention cannot serve attention: csa"),
-    ("qwen3-8b-fp8", "triattention.enabled is false"),
 ])
 def test_layout_json_says_why_a_family_has_no_eviction(family, reason):
     spec = load_spec(SPECS_DIR / f"{family}.yaml")
     data = to_json(spec, family_layout(spec))
     assert data["triattention"] is None and data["triattention_refusal"].startswith(reason)
+
+
+def test_fp8_k_families_are_scored():
+    """fp8_e4m3 K is no longer refused (issue 14): the shipped FP8 family carries its eviction entry."""
+    spec = load_spec(SPECS_DIR / "qwen3-8b-fp8.yaml")
+    data = to_json(spec, family_layout(spec))
+    assert data["triattention"] is not None and data["triattention_refusal"] is None

@@ -121,7 +121,6 @@ def test_quantized_range_is_cross_checked():
 
 @pytest.mark.parametrize("edit, reason", [
     (("placement: full", "placement: none"), dict(rope_placement="none")),
-    (("dtype: bf16", "dtype: fp8_e4m3"), dict(dtype="fp8_e4m3")),
     (("dtype: bf16", "dtype: bf16\nsliding_window: {window: 64, layers: all}"), dict(scored_layers=0)),
 ])
 def test_triattention_refusals_are_the_oracles(edit, reason):

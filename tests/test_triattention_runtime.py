@@ -253,7 +253,7 @@ def test_from_registry_asks_for_the_artifacts_it_is_not_given(tmp_path: Path) ->
 
 @pytest.mark.parametrize("family, reason", [
     ("deepseek-v3", "TriAttention cannot serve attention: mla"),
-    ("qwen3-8b-fp8", "triattention.enabled is false"),
+    ("glm-5", "TriAttention cannot serve attention"),
 ])
 def test_from_registry_refuses_a_family_without_eviction(tmp_path: Path, family: str, reason: str) -> None:
     resolved = _resolved(load_spec(SPECS / f"{family}.yaml"))
