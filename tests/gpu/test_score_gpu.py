@@ -14,11 +14,9 @@ the magnitudes every rounding error is relative to) the first-order worst case i
 coefficients and the magnitude. The bound is asserted everywhere, so it holds for any inputs, not
 only on average. Columns past a request's width must be exactly 0.
 
-fp8 E4M3 K (qwen3-8b-fp8 with TriAttention enabled; the shipped spec leaves it off): every code
-widens exactly, the kernel reads K as stored (no scale), so the same bound holds with T taken over
-the fp8 values, and the kept sets are compared the same way. Its library comes from
-``KVGEN_FP8_REGISTRY`` (default ``build/registry-score-fp8``, built on the CPU machine from the
-enabled spec) when ``KVGEN_SCORE_REGISTRY`` has none. Variants of the pipeline tunables
+fp8 E4M3 K (qwen3-8b-fp8): every code widens exactly, the kernel reads K as stored (no scale), so
+the same bound holds with T taken over the fp8 values, and the kept sets are compared the same way.
+Variants of the pipeline tunables
 (``tokens_per_thread``, ``prefetch``) are the same tests run with ``KVGEN_SCORE_REGISTRY`` set to
 their registry (``build/registry-score-{t2,p1,t2p1,t4p1}``): same scores within the same bound.
 Device-side safety: page ids outside the pool in the page table score 0 and the next call raises.
@@ -63,7 +61,7 @@ from kvgen.runtime.eviction import TriAttentionManager, generated_backends
 from kvgen.runtime.library import LibraryError
 from kvgen.runtime.lookup import RegistryError, RuntimeRegistry
 from kvgen.runtime.score import ScoreLibrary
-from kvgen.spec.schema import load_spec, parse_spec
+from kvgen.spec.schema import load_spec
 
 from ..conftest import SPECS_DIR
 from ..tri_sim import DecodeSim, run_against_oracle, save_synthetic_calibration, small_spec
@@ -72,35 +70,25 @@ from .conftest import ARCH, REGISTRY
 pytestmark = pytest.mark.gpu
 
 FP8_FAMILY = "qwen3-8b-fp8"
-FAMILIES = sorted(p.stem for p in SPECS_DIR.glob("*.yaml") if load_spec(p).triattention.enabled) + [FP8_FAMILY]
+FAMILIES = sorted(p.stem for p in SPECS_DIR.glob("*.yaml") if load_spec(p).triattention.enabled)
 U = 2.0 ** -24
 PROMPTS, GENERATED, TAILS = [5, 37, 70], [300, 0, 517], [0, 2, 1]
 EVICTED = [0, 1000, 70000]
 COMBINED = {"qwen3-8b-nhd", "mistral-7b"}
 # Score libraries may come from another registry (a variant with other tunable parameters).
 SCORE_REGISTRY = Path(os.environ.get("KVGEN_SCORE_REGISTRY", REGISTRY))
-FP8_REGISTRY = Path(os.environ.get("KVGEN_FP8_REGISTRY", REGISTRY.parent / "registry-score-fp8"))
 
 
 def family_spec(family: str):  # noqa: ANN201 - a FamilySpec
-    """The family's spec; qwen3-8b-fp8 with TriAttention enabled (its shipped spec leaves it off)."""
-    path = SPECS_DIR / f"{family}.yaml"
-    if family != FP8_FAMILY:
-        return load_spec(path)
-    return parse_spec(path.read_text() + "triattention:\n  enabled: true\n  budget: 2048\n  beta: 128\n"
-                      "  eviction_mode: union\n", path.name)
+    return load_spec(SPECS_DIR / f"{family}.yaml")
 
 
 def score_library(family: str) -> ScoreLibrary:
-    registries = [SCORE_REGISTRY] + ([FP8_REGISTRY] if family == FP8_FAMILY else [])
-    for registry in registries:
-        try:
-            path = RuntimeRegistry([registry]).resolve(family, ARCH).artifact("score")
-        except RegistryError as exc:
-            error = exc
-            continue
-        return ScoreLibrary(path, family=family)
-    pytest.skip(f"no score library ({error}); build it on the CPU machine and carry {registries}")
+    try:
+        path = RuntimeRegistry([SCORE_REGISTRY]).resolve(family, ARCH).artifact("score")
+    except RegistryError as exc:
+        pytest.skip(f"no score library ({exc}); build it on the CPU machine and carry {SCORE_REGISTRY}")
+    return ScoreLibrary(path, family=family)
 
 
 def exact_pool(pool: torch.Tensor) -> torch.Tensor:

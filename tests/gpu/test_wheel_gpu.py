@@ -67,7 +67,7 @@ def test_resolves_from_the_installed_wheel_without_a_compiler(registry: RuntimeR
     assert resolved.arch == "sm_90a"
     assert (resolved.source.package, resolved.source.version) == (PACKAGE, __version__)
     ops = [op.op for op in resolved.entry.ops]
-    assert ops == ["codec", "compact", "pack", "score"], "the wheel ships every artifact of the family"
+    assert ops == ["codec", "compact", "pack", "score", "select"], "the wheel ships every artifact of the family"
     if TARGET:
         for op in ops:
             assert resolved.artifact(op).is_relative_to(Path(TARGET)), resolved.artifact(op)
