@@ -22,8 +22,8 @@ from kvgen.reference.triattention import (
     synthetic_calibration,
 )
 from kvgen.runtime.eviction import GenerationStep, TriAttentionManager
+from kvgen.runtime.score import TORCH_DTYPES
 
-TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def small_spec(spec, layers: int):  # noqa: ANN001 - a FamilySpec (pydantic), kept out of this module's imports
