@@ -25,7 +25,6 @@ from kvgen.runtime.eviction import GenerationStep, TriAttentionManager
 from kvgen.runtime.score import TORCH_DTYPES
 
 
-
 def small_spec(spec, layers: int):  # noqa: ANN001 - a FamilySpec (pydantic), kept out of this module's imports
     """The family with fewer cache layers (the kernel does not depend on the count)."""
     return spec.model_copy(update={"layers": layers})
