@@ -211,7 +211,7 @@ def test_runtime_loader(rendered: dict[str, Path], tmp_path: Path) -> None:
     assert (packer.num_layers, packer.kv_heads) == (36, 8) and packer.swa_window == (None,) * 36
     with pytest.raises(PackModuleError, match="generated for family 'qwen3-8b', not 'mistral-7b'"):
         MovePacker(path, "mistral-7b")
-    with pytest.raises(PackModuleError, match="no generated packer; build it with: kvgen build"):
+    with pytest.raises(PackModuleError, match="no generated pack module; build it with: kvgen build"):
         import_pack_module(tmp_path / "missing" / "pack.py")
     (tmp_path / "other.py").write_text("x = 1\n")
     with pytest.raises(PackModuleError, match="missing FAMILY"):

@@ -240,7 +240,7 @@ def test_from_registry_asks_for_the_artifacts_it_is_not_given(tmp_path: Path) ->
         TriAttentionManager.from_registry(resolved, path, sim.k_pools, sim.v_pools)
     assert sorted(resolved.asked) == ["compact", "pack", "score", "select"]
     resolved.asked.clear()
-    with pytest.raises(SelectModuleError, match="missing-select: no generated selection module"):
+    with pytest.raises(SelectModuleError, match="missing-select: no generated select module"):
         TriAttentionManager.from_registry(resolved, path, sim.k_pools, sim.v_pools, score_library=scorer,
                                           packer=object(), compactor=object())
     assert resolved.asked == ["select"]

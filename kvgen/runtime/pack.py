@@ -11,13 +11,12 @@ without the geometry, plus ``capacity`` for graph capture).
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import importlib.util
 from pathlib import Path
 from types import ModuleType
 
 import torch
+
+from kvgen.runtime.generated_module import import_generated_module, load_generated_module
 
 REQUIRED = ("FAMILY", "NUM_LAYERS", "KV_HEADS", "SWA_WINDOW", "pack_moves")
 
@@ -27,29 +26,13 @@ class PackModuleError(RuntimeError):
 
 
 def import_pack_module(path: str | Path) -> ModuleType:
-    """Execute the file as a fresh module (Triton decides JIT or interpreter here, from
-    TRITON_INTERPRET at import time)."""
-    path = Path(path).resolve()
-    if not path.is_file():
-        raise PackModuleError(f"{path}: no generated packer; build it with: kvgen build")
-    name = "kvgen_pack_" + hashlib.sha256(str(path).encode()).hexdigest()[:16]
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    missing = [attr for attr in REQUIRED if not hasattr(module, attr)]
-    if missing:
-        raise PackModuleError(f"{path}: not a kvgen packer (missing {', '.join(missing)})")
-    return module
-
-
-@functools.lru_cache(maxsize=None)
-def _cached(path: str) -> ModuleType:
-    return import_pack_module(path)
+    """Execute the file as a fresh module (``kvgen.runtime.generated_module``)."""
+    return import_generated_module(path, "pack", REQUIRED, PackModuleError)
 
 
 def load_pack_module(path: str | Path) -> ModuleType:
-    """The packer module of ``path``, imported once per process."""
-    return _cached(str(Path(path).resolve()))
+    """The pack module of ``path``, imported once per process."""
+    return load_generated_module(path, "pack", REQUIRED, PackModuleError)
 
 
 class MovePacker:

@@ -11,14 +11,13 @@ scores' width) before anything is launched, then calls the module's ``decide``.
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import importlib.util
 from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 
 import torch
+
+from kvgen.runtime.generated_module import import_generated_module, load_generated_module
 
 REQUIRED = ("FAMILY", "NUM_LAYERS", "KV_HEADS", "GROUP", "SCORED_LAYERS", "decide", "num_decision_rows")
 
@@ -28,29 +27,13 @@ class SelectModuleError(RuntimeError):
 
 
 def import_select_module(path: str | Path) -> ModuleType:
-    """Execute the file as a fresh module (Triton decides JIT or interpreter here, from
-    TRITON_INTERPRET at import time)."""
-    path = Path(path).resolve()
-    if not path.is_file():
-        raise SelectModuleError(f"{path}: no generated selection module; build it with: kvgen build")
-    name = "kvgen_select_" + hashlib.sha256(str(path).encode()).hexdigest()[:16]
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    missing = [attr for attr in REQUIRED if not hasattr(module, attr)]
-    if missing:
-        raise SelectModuleError(f"{path}: not a kvgen selection module (missing {', '.join(missing)})")
-    return module
-
-
-@functools.lru_cache(maxsize=None)
-def _cached(path: str) -> ModuleType:
-    return import_select_module(path)
+    """Execute the file as a fresh module (``kvgen.runtime.generated_module``)."""
+    return import_generated_module(path, "select", REQUIRED, SelectModuleError)
 
 
 def load_select_module(path: str | Path) -> ModuleType:
-    """The selection module of ``path``, imported once per process."""
-    return _cached(str(Path(path).resolve()))
+    """The select module of ``path``, imported once per process."""
+    return load_generated_module(path, "select", REQUIRED, SelectModuleError)
 
 
 def check_round(P: Sequence[int], S: Sequence[int], width: int, budget: int) -> None:
