@@ -45,7 +45,8 @@ class OracleScoreLibrary:
             raise ValueError(f"oracle scorer built for {self.geometry}, asked for {geometry}")
 
     def score(self, k_layer_ptrs, page_stride, page_table, P, S, c, d, qr, qi, mlr, freq_scale_sq,  # noqa: ANN001
-              scores, stream=None) -> None:
+              scores, stream=None, *, num_pages: int) -> None:
+        """``ScoreLibrary.score``'s signature; ``num_pages`` is unused (the oracle indexes tensors)."""
         P, S = P.long(), S.long()
         j = torch.arange(scores.shape[-1], device=scores.device)
         valid = j[None, :] < (S - P)[:, None]
