@@ -63,7 +63,7 @@ def _warm(work: Path) -> Probe:
     probe = Probe()
     first = _build(work, probe)
     assert first.ok and not first.noop and probe.calls == 1
-    assert [o.status for o in first.outcomes] == ["built"]
+    assert [o.status for o in first.outcomes] == ["built", "built"]   # pack and select
     return probe
 
 
@@ -74,7 +74,8 @@ def test_a_no_op_build_replays_the_report_without_rendering_or_probing(work: Pat
     assert again.noop and probe.calls == 1
     assert again.outcomes == full.outcomes and again.manifests == full.manifests and again.rendered == []
     assert [(o.status, o.artifact) for o in again.outcomes] == [
-        ("hit", work / "registry" / "sm_90a" / "kvgen_qwen3_8b_pack.py")]
+        ("hit", work / "registry" / "sm_90a" / "kvgen_qwen3_8b_pack.py"),
+        ("hit", work / "registry" / "sm_90a" / "kvgen_qwen3_8b_select.py")]
 
 
 def test_a_changed_spec_rebuilds(work: Path) -> None:
@@ -94,7 +95,7 @@ def test_a_changed_template_rebuilds(work: Path) -> None:
     template = work / "templates" / "pack.py.j2"
     template.write_text(template.read_text() + "\n# one more line\n")
     report = _build(work, probe)
-    assert not report.noop and [o.status for o in report.outcomes] == ["built"]
+    assert not report.noop and [o.status for o in report.outcomes] == ["built", "hit"]   # pack rebuilt, select not
     assert "# one more line" in (work / "registry" / "sm_90a" / "kvgen_qwen3_8b_pack.py").read_text()
 
 
@@ -149,7 +150,7 @@ def test_building_another_family_keeps_the_first_ones_stamp(work: Path) -> None:
     probe = _warm(work)
     assert not _build(work, probe, families=(OTHER,)).noop       # rewrites the shared manifest
     both = _build(work, probe, families=(FAMILY, OTHER))
-    assert both.noop and probe.calls == 2 and [o.family for o in both.outcomes] == [OTHER, FAMILY]
+    assert both.noop and probe.calls == 2 and [o.family for o in both.outcomes] == [OTHER, OTHER, FAMILY, FAMILY]
 
 
 def test_given_toolchains_are_named_by_identity(work: Path) -> None:

@@ -117,22 +117,20 @@ def test_mla_and_csa_are_refused_with_the_reason(family: str) -> None:
         parse_spec(text, f"{family}.yaml")
 
 
-FP8_ENABLED = "triattention:\n  enabled: true\n  budget: 2048\n  beta: 128\n  eviction_mode: union\n"
-
-
 def fp8_family():
-    """qwen3-8b-fp8 with TriAttention enabled (the shipped spec leaves it off): fp8 E4M3 K."""
-    return parse_spec((SPECS / "qwen3-8b-fp8.yaml").read_text() + FP8_ENABLED, "qwen3-8b-fp8.yaml")
+    """qwen3-8b-fp8: fp8 E4M3 K, scored since issue 14."""
+    return ALL_SPECS["qwen3-8b-fp8"]
 
 
 def test_fp8_k_is_scorable_and_disabled_families_are_not() -> None:
     fp8 = fp8_family()
-    assert require_scorable(fp8) == tri_geometry(fp8)
+    assert fp8.triattention.enabled and require_scorable(fp8) == tri_geometry(fp8)
     assert score_plan(fp8).geometry["dtype"] == "fp8_e4m3"
-    shipped = ALL_SPECS["qwen3-8b-fp8"]
-    assert not shipped.triattention.enabled
+    text = (SPECS / "qwen3-8b-fp8.yaml").read_text()
+    disabled = parse_spec(text.replace("triattention:\n  enabled: true", "triattention:\n  enabled: false"),
+                          "qwen3-8b-fp8.yaml")
     with pytest.raises(GeometryError, match="enabled is false"):
-        require_scorable(shipped)
+        require_scorable(disabled)
 
 
 def test_calibration_defaults_follow_the_spec_rope(tmp_path: Path) -> None:
@@ -260,16 +258,17 @@ def test_an_arch_the_spec_does_not_target_builds_no_score_library(tmp_path: Path
 
 def test_build_publishes_every_op_with_its_sha256(tmp_path_factory, toolchain) -> None:
     """``build()`` from Python, as ``kvgen build`` runs it: codec and compact (nvcc), score (CuTe
-    DSL) and pack (Triton) each name their artifact in the manifest, with its sha256, and the
+    DSL), pack and select (Triton) each name their artifact in the manifest, with its sha256, and the
     runtime loads each from the path ``Resolved.artifact`` verifies."""
     registry = real_registry(tmp_path_factory)
     path = manifest_path(registry, "sm_90a")
     entry = read_manifest(path).family(PROBE_FAMILY)
     assert {op.op: op.artifact for op in entry.ops} == {
         "codec": "libkvgen_qwen3_8b.so", "compact": "libkvgen_qwen3_8b.so", "score": "libkvgen_qwen3_8b_score.so",
-        "pack": "kvgen_qwen3_8b_pack.py"}
+        "pack": "kvgen_qwen3_8b_pack.py", "select": "kvgen_qwen3_8b_select.py"}
     assert {a.file: a.backend for a in entry.artifacts} == {
-        "libkvgen_qwen3_8b.so": "nvcc", "libkvgen_qwen3_8b_score.so": "cute", "kvgen_qwen3_8b_pack.py": "triton"}
+        "libkvgen_qwen3_8b.so": "nvcc", "libkvgen_qwen3_8b_score.so": "cute", "kvgen_qwen3_8b_pack.py": "triton",
+        "kvgen_qwen3_8b_select.py": "triton"}
     for artifact in entry.artifacts:
         assert file_sha256(path.parent / artifact.file) == artifact.sha256 and len(artifact.cache_key) == 64
     assert entry.op("score").params == default_params("score") and entry.layout["family"] == PROBE_FAMILY
