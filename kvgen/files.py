@@ -72,8 +72,11 @@ def write_if_different(path: Path, text: str) -> bool:
 def copy_if_different(src: Path, dest: Path, sha256: str, mode: int = 0o755) -> None:
     """Publish ``src`` as ``dest`` (``mode``: 755 for a library, 644 for a data or source file)
     unless ``dest`` already has that sha256: a temp file beside it, then one atomic rename, so a
-    reader never sees half a library."""
+    reader never sees half a library. An identical ``dest`` keeps its bytes but gets ``mode`` (an
+    older build may have left it 0600)."""
     if dest.is_file() and file_sha256(dest) == sha256:
+        if dest.stat().st_mode & 0o777 != mode:
+            os.chmod(dest, mode)
         return
     dest.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")

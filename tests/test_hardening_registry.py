@@ -27,7 +27,7 @@ from kvgen.build.job import BuildOutcome, SpecSource, family_jobs, load_spec_sou
 from kvgen.build.nvcc import CompileError, Toolchain, compile_shared_library
 from kvgen.build.pipeline import publish
 from kvgen.cli import main
-from kvgen.files import file_sha256, write_if_different, write_json_atomic
+from kvgen.files import copy_if_different, file_sha256, write_if_different, write_json_atomic
 from kvgen.runtime.lookup import RuntimeRegistry, spec_file_sha256
 
 from .conftest import SPECS_DIR
@@ -253,6 +253,17 @@ def test_published_files_are_readable_by_others_whatever_the_umask(tmp_path: Pat
     assert path.stat().st_mode & 0o777 == 0o644
     modes = {p.name: p.stat().st_mode & 0o777 for p in path.parent.iterdir() if not p.name.startswith(".")}
     assert all(mode == (0o644 if name.endswith((".py", ".json")) else 0o755) for name, mode in modes.items()), modes
+
+
+def test_an_identical_artifact_left_unreadable_gets_its_mode_back(tmp_path: Path) -> None:
+    """An older build may have left an artifact 0600; republishing the same bytes fixes the mode."""
+    src, dest = tmp_path / "lib.so", tmp_path / "reg" / "lib.so"
+    src.write_bytes(b"\x7fELF")
+    copy_if_different(src, dest, file_sha256(src))
+    dest.chmod(0o600)
+    before = dest.stat().st_ino
+    copy_if_different(src, dest, file_sha256(src))
+    assert dest.stat().st_mode & 0o777 == 0o755 and dest.stat().st_ino == before   # same file, not rewritten
 
 
 # ---------------------------------------------------------------- no compiler left behind
