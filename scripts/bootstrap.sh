@@ -11,7 +11,7 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 .venv/bin/python -m pip install -q --disable-pip-version-check "torch==2.13.0"
-.venv/bin/python -m pip install -q --disable-pip-version-check -e ".[triton,cute,tune,nvcc-rubin,dev,report]"
+.venv/bin/python -m pip install -q --disable-pip-version-check -e ".[triton,cute,tune,nvcc-rubin,dev,report,hf]"
 # The shared-study test needs a real PostgreSQL server; where the system has none, take the one
 # the `pgserver` wheel bundles (tests/pgserver.py looks for it after the system's).
 if ! command -v pg_ctl >/dev/null 2>&1 && ! compgen -G "/usr/lib/postgresql/*/bin/pg_ctl" >/dev/null; then

@@ -1,0 +1,230 @@
+"""``kvgen.integrations.transformers`` on the CPU: refusals of models the family does not describe,
+the mapping of transformers' ``[B, H, T, D]`` K/V to the family's pages and back (through the
+oracle's cold-page codec too), and the TriAttention cache inside a real ``generate()`` with the
+oracle standing in for the GPU kernels (kept sets equal to ``eviction_round``'s, exactly).
+
+The codec and the score kernel need a GPU: ``tests/gpu/test_hf_gpu.py`` runs both caches there.
+Models are tiny random-initialised Qwen3 / Qwen3.5-text configs (no hub access), 2 layers."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from transformers import DynamicCache  # noqa: E402
+
+from kvgen.integrations.transformers import (  # noqa: E402
+    KvgenOffloadedCache,
+    KvgenTriAttentionCache,
+    ModelMismatch,
+    PagedKV,
+    check_model,
+    reference_record,
+)
+from kvgen.lower.layout import family_layout, to_json  # noqa: E402
+from kvgen.lower.triattention import eviction_config  # noqa: E402
+from kvgen.reference.codec import decode_records, encode_records  # noqa: E402
+from kvgen.reference.layout import LayerRecord, record_regions  # noqa: E402
+from kvgen.reference.triattention import load_calibration, rope_defaults  # noqa: E402
+from kvgen.runtime.eviction import TriAttentionManager  # noqa: E402
+from kvgen.runtime.lookup import RegistryLayout  # noqa: E402
+from kvgen.spec.schema import load_spec  # noqa: E402
+
+from .conftest import SPECS_DIR  # noqa: E402
+from .hf_models import RoundOracle, config_for, tiny_model  # noqa: E402
+from .test_triattention_runtime import OracleScorer  # noqa: E402
+from .tri_sim import save_synthetic_calibration, small_spec  # noqa: E402
+
+
+@dataclass
+class _Entry:
+    family: str
+    layout: dict
+
+
+@dataclass
+class _Resolved:
+    """Duck-types ``kvgen.runtime.lookup.Resolved`` (``entry.layout``, ``layout()``, ``arch``)."""
+
+    entry: _Entry
+    arch: str = "cpu"
+
+    def layout(self) -> RegistryLayout:
+        return RegistryLayout.from_json(self.entry.layout)
+
+
+class _Registry:
+    """A registry of specs, as the manifest would carry them (layout JSON through JSON)."""
+
+    def __init__(self, *specs):
+        self.specs = {spec.name: spec for spec in specs}
+
+    def resolve(self, family: str, arch: str | None = None) -> _Resolved:
+        spec = self.specs[family]
+        return _Resolved(_Entry(family, json.loads(json.dumps(to_json(spec, family_layout(spec))))))
+
+
+def _spec(name: str, layers: int = 2):
+    return small_spec(load_spec(SPECS_DIR / f"{name}.yaml"), layers)
+
+
+# ---------------------------------------------------------------- refusals
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"num_hidden_layers": 3}, "num_hidden_layers 3, family 2"),
+    ({"num_key_value_heads": 4}, "num_key_value_heads 4, family 8"),
+    ({"head_dim": 64}, "head_dim 64, family 128"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}, "rope_theta 10000.0, family 1000000.0"),
+    ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}},
+     "rope_type 'linear', the family has no RoPE scaling"),
+    ({"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 64, "use_sliding_window": True},
+     "these caches serve full attention in every layer"),
+])
+def test_a_model_the_family_does_not_describe_is_refused(change: dict, message: str) -> None:
+    spec = _spec("qwen3-8b")
+    config = config_for(eviction_config(spec))
+    for key, value in change.items():
+        setattr(config, key, value)
+    for cache in (KvgenOffloadedCache, KvgenTriAttentionCache):
+        args = (config, "qwen3-8b") if cache is KvgenOffloadedCache else (config, "qwen3-8b", "unused.pt")
+        with pytest.raises(ModelMismatch, match="qwen3 config does not match kvgen family qwen3-8b") as info:
+            cache(*args, registry=_Registry(spec))
+        assert message in str(info.value)
+
+
+def test_partial_rotary_is_checked_against_the_family() -> None:
+    lossless = _spec("qwen3.5-397b-a17b-lossless-rope")
+    check_model(config_for(eviction_config(lossless)), eviction_config(lossless))   # 64 of 256 rotate
+    full = config_for(eviction_config(_spec("qwen3-8b")))
+    with pytest.raises(ModelMismatch, match=r"rotary dim \(head_dim \* partial_rotary_factor\) 64, family 128"):
+        check_model(config_for(eviction_config(lossless)), eviction_config(_spec("qwen3-8b")))
+    assert full.head_dim == 128
+
+
+def test_a_family_without_per_head_pages_is_refused() -> None:
+    spec = _spec("deepseek-v3")
+    config = config_for(eviction_config(_spec("qwen3-8b")))
+    with pytest.raises(ModelMismatch, match="deepseek-v3: no TriAttention eviction from the registry.*per-head K/V"):
+        KvgenOffloadedCache(config, "deepseek-v3", registry=_Registry(spec))
+
+
+def test_the_hot_dtype_is_checked_at_the_first_forward() -> None:
+    spec = _spec("qwen3-8b")
+    cache = KvgenOffloadedCache(config_for(eviction_config(spec)), "qwen3-8b", registry=_Registry(spec))
+    with pytest.raises(ModelMismatch, match="K/V dtype torch.float32, family qwen3-8b keeps bf16 pages"):
+        cache.update(torch.zeros(1, 8, 3, 128), torch.zeros(1, 8, 3, 128), 0)
+
+
+# ---------------------------------------------------------------- pages
+
+
+@pytest.mark.parametrize("family", ["qwen3-8b", "qwen3-8b-nhd"])
+def test_pages_hold_tokens_in_the_family_layout_and_read_back(family: str) -> None:
+    g = eviction_config(_spec(family)).geometry
+    store = PagedKV(g, batch=2, capacity=70, dtype=torch.bfloat16, device=torch.device("cpu"))
+    gen = torch.Generator().manual_seed(1)
+    k = torch.randn(2, g.kv_heads, 45, g.head_dim, generator=gen).bfloat16()
+    store.write(0, k[:, :, :40], k[:, :, :40], 0)
+    store.write(0, k[:, :, 40:], k[:, :, 40:], 40)       # a second write starts mid-page
+    keys, values = store.read(0, 45)
+    assert torch.equal(keys, k) and keys.is_contiguous() and torch.equal(values, k)
+    tpb = g.tokens_per_block
+    page = store.k[0][store.page_table[1, 1]]             # row 1, tokens 32..63
+    token_rows = page[:, 13] if g.layout == "HND" else page[13]   # token 45 would be slot 13: not written
+    assert torch.equal(token_rows, torch.zeros_like(token_rows))
+    expected = k[1, :, tpb + 3]                           # token 35 of row 1: [H, D]
+    assert torch.equal(page[:, 3] if g.layout == "HND" else page[3], expected)
+    with pytest.raises(ValueError, match="kvgen cache full: 97 tokens per row, max_cache_len gives 96"):
+        more = torch.zeros(2, g.kv_heads, 52, g.head_dim, dtype=torch.bfloat16)
+        store.write(0, more, more, 45)
+
+
+@pytest.mark.parametrize("family", ["qwen3-8b", "qwen3.5-397b-a17b-lossless-rope"])
+def test_pages_through_the_oracle_codec_are_the_rows_through_it(family: str) -> None:
+    """Each cold-page row is one (head, token) K or V row: restored pages read back as the oracle's
+    round trip of the [B, H, T, D] rows themselves; the lossless RoPE span comes back bit for bit."""
+    spec = _spec(family)
+    g = eviction_config(spec).geometry
+    record = reference_record(RegistryLayout.from_json(json.loads(json.dumps(to_json(spec, family_layout(spec))))))
+    store = PagedKV(g, batch=1, capacity=64, dtype=torch.bfloat16, device=torch.device("cpu"))
+    k = torch.randn(1, g.kv_heads, 64, g.head_dim, generator=torch.Generator().manual_seed(2)).bfloat16()
+    v = -k
+    store.write(1, k, v, 0)
+    cold = encode_records(record, {"k": store.k[1], "v": store.v[1]})
+    restored, _ = decode_records(record, cold, "bf16")
+    store.k[1].copy_(restored["k"].view_as(store.k[1]))
+    keys, _ = store.read(1, 64)
+    rows = k.reshape(-1, 1, g.head_dim)                   # every row its own "page" of one row
+    row_record = _one_row_record(record)
+    expected, _ = decode_records(row_record, encode_records(row_record, {"k": rows, "v": rows}), "bf16")
+    assert torch.equal(keys.reshape(-1, g.head_dim).view(torch.int16),
+                       expected["k"].reshape(-1, g.head_dim).view(torch.int16))
+    span = slice(g.rotary_start, g.rotary_start + g.rotary_dim)
+    lossless = record.buffers[0].prefix >= g.rotary_dim
+    assert lossless == (family != "qwen3-8b")
+    if lossless:
+        assert torch.equal(keys[..., span].view(torch.int16), k[..., span].view(torch.int16))
+
+
+def _one_row_record(record: LayerRecord) -> LayerRecord:
+    """The record with pages of one row each: same row spans, regions sized for one row."""
+    buffers = tuple(replace(b, rows=1) for b in record.buffers)
+    regions, size = record_regions(buffers, record.sides)
+    return LayerRecord(buffers, record.sides, tuple(regions), size)
+
+
+# ---------------------------------------------------------------- TriAttention in generate()
+
+
+def _oracle_factory(resolved, calibration, k_pools, v_pools, **overrides) -> TriAttentionManager:
+    """``from_registry`` with the oracle standing in for the GPU kernels (scorer, selection, packer,
+    compactor): what the CPU can run."""
+    config = eviction_config(_spec("qwen3-8b"))
+    omega, scale = rope_defaults(config.geometry.rotary_dim, config.rope_theta, config.rope_scaling)
+    scorer = OracleScorer(config.family, k_pools, load_calibration(calibration, config.geometry, omega, scale),
+                          config.geometry)
+    return TriAttentionManager(config, calibration, k_pools, v_pools, scorer, selector="oracle", **overrides)
+
+
+def test_triattention_cache_in_generate_keeps_the_oracle_sets(tmp_path: Path) -> None:
+    spec = _spec("qwen3-8b")
+    config = eviction_config(spec)
+    calibration = save_synthetic_calibration(config, tmp_path / "calib.pt")
+    model = tiny_model(config, "cpu", hidden=128, intermediate=256, vocab=256)
+    prompt = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(3))
+    oracle = RoundOracle()
+    cache = KvgenTriAttentionCache(model.config, "qwen3-8b", calibration, registry=_Registry(spec),
+                                   max_cache_len=24 + 32 + 16, budget=32, beta=16, manager_factory=_oracle_factory,
+                                   on_round=oracle)
+    out = model.generate(prompt, max_new_tokens=80, do_sample=False, past_key_values=cache)
+    assert out.shape[1] == 24 + 80
+    assert cache.seen == 24 + 80 - 1                        # the last token is sampled, never cached
+    assert [(r.before, r.after) for r in cache.rounds] == [(24 + 48, 24 + 32)] * len(cache.rounds)
+    assert len(cache.rounds) == 2                           # at 48 and 64 generated tokens cached (79 in all)
+    assert oracle.agreement(cache) == [1.0] * 2             # the oracle's own scores: identical sets
+    assert cache.length == 24 + 32 + (cache.seen - cache.rounds[-1].seen)
+    assert cache.evicted_bytes() == (cache.seen - cache.length) * 2 * 2 * 8 * 128 * 2
+
+
+def test_without_eviction_generate_equals_dynamic_cache(tmp_path: Path) -> None:
+    spec = _spec("qwen3-8b")
+    config = eviction_config(spec)
+    calibration = save_synthetic_calibration(config, tmp_path / "calib.pt")
+    model = tiny_model(config, "cpu", hidden=128, intermediate=256, vocab=256)
+    prompt = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(4))
+    cache = KvgenTriAttentionCache(model.config, "qwen3-8b", calibration, registry=_Registry(spec),
+                                   max_cache_len=20 + 64 + 16, budget=64, beta=16, manager_factory=_oracle_factory)
+    mine = model.generate(prompt, max_new_tokens=30, do_sample=False, past_key_values=cache,
+                          output_logits=True, return_dict_in_generate=True)
+    ref = model.generate(prompt, max_new_tokens=30, do_sample=False, past_key_values=DynamicCache(),
+                         output_logits=True, return_dict_in_generate=True)
+    assert cache.rounds == []
+    assert torch.equal(mine.sequences, ref.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(mine.logits, ref.logits))
