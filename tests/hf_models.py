@@ -67,3 +67,49 @@ class RoundOracle:
             same = sum(len(set(a.tolist()) & set(b.tolist())) for a, b in zip(mine.flatten(0, 1), oracle.flatten(0, 1)))
             out.append(same / mine.numel())
         return out
+
+
+def offload_round_trip(cache) -> dict:  # noqa: ANN001 - a KvgenOffloadedCache after a generate()
+    """``offload()`` then ``onboard()`` of every page holding tokens, checked against the oracle:
+    the cold pages byte for byte against ``encode_records`` of the hot pages, the restored hot pages
+    byte for byte against ``decode_records`` of those cold pages, and the lossless span (if any)
+    against the original. Times both transfers (synchronized)."""
+    import time
+
+    from kvgen.integrations.transformers import reference_record
+    from kvgen.reference.codec import decode_records, encode_records
+
+    store, record = cache.store, reference_record(cache.layout)
+    pages = store.used_pages(cache.length).long()
+    before = [(k[pages].clone(), v[pages].clone()) for k, v in zip(store.k, store.v)]
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    cold_bytes = cache.offload()
+    torch.cuda.synchronize()
+    offload_s = time.perf_counter() - start
+    for k, v in zip(store.k, store.v):    # the pages are free now: scribble on them
+        k[pages] = torch.nan
+        v[pages] = torch.nan
+    start = time.perf_counter()
+    cache.onboard()
+    torch.cuda.synchronize()
+    onboard_s = time.perf_counter() - start
+    cold = cache.cold[pages.cpu()].to(pages.device).view(len(pages), len(before), record.bytes)
+    cold_exact = restored_exact = lossless_exact = True
+    b = record.buffers[0]
+    for layer, (k, v) in enumerate(before):
+        expected = encode_records(record, {"k": k, "v": v})
+        cold_exact &= torch.equal(cold[:, layer], expected)
+        decoded, _ = decode_records(record, cold[:, layer].contiguous(), cache.family.dtype)
+        for name, pool in (("k", store.k[layer]), ("v", store.v[layer])):
+            restored_exact &= torch.equal(pool[pages].view(torch.int16).reshape(decoded[name].shape),
+                                          decoded[name].view(torch.int16))
+        if b.prefix:
+            rows = store.k[layer][pages].reshape(decoded["k"].shape)
+            lossless_exact &= torch.equal(rows[..., : b.prefix].view(torch.int16),
+                                          k.reshape(rows.shape)[..., : b.prefix].view(torch.int16))
+    return {"pages": len(pages), "cold_bytes": cold_bytes, "hot_bytes": 2 * sum(t[0].numel() * 2 for t in before),
+            "offload_s": offload_s, "onboard_s": onboard_s, "cold_byte_exact_vs_oracle": bool(cold_exact),
+            "restored_byte_exact_vs_oracle": bool(restored_exact),
+            "lossless_span_elements": b.prefix, "lossless_span_bit_exact": bool(lossless_exact) if b.prefix else None,
+            "strategy": cache.codec.offload_strategy}
