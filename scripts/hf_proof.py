@@ -40,7 +40,7 @@ from kvgen.integrations.transformers import KvgenOffloadedCache, KvgenTriAttenti
 from kvgen.reference.triattention import save_calibration, synthetic_calibration  # noqa: E402
 from kvgen.runtime.eviction import registry_config  # noqa: E402
 from kvgen.runtime.lookup import RuntimeRegistry  # noqa: E402
-from tests.hf_models import RoundOracle, offload_round_trip, tiny_model  # noqa: E402
+from tests.hf_models import RoundOracle, offload_round_trip, oracle_history, tiny_model  # noqa: E402
 
 SIZES = {"hidden": 1024, "intermediate": 2048, "vocab": 8192}
 
@@ -99,11 +99,9 @@ def offload_section(registry: RuntimeRegistry, arch: str, family: str, batch: in
     trip["onboard_GBps"] = trip["hot_bytes"] / trip["onboard_s"] / 1e9
 
     # Continue the conversation: history restored from cold pages vs the oracle's and the raw history.
-    oracle_cache = DynamicCache()
     history = cache.length   # the tokens that went through the codec
-    for layer in range(config.geometry.num_layers):
-        oracle_cache.update(*cache.store.read(layer, history), layer)
     cache.offload()
+    oracle_cache = oracle_history(cache)
     turn = torch.cat([mine.sequences, torch.randint(0, SIZES["vocab"], (batch, 64), device="cuda", generator=gen)], 1)
     again = generate(model, turn, cache, 16)
     oracle = generate(model, turn, oracle_cache, 16)

@@ -113,3 +113,27 @@ def offload_round_trip(cache) -> dict:  # noqa: ANN001 - a KvgenOffloadedCache a
             "restored_byte_exact_vs_oracle": bool(restored_exact),
             "lossless_span_elements": b.prefix, "lossless_span_bit_exact": bool(lossless_exact) if b.prefix else None,
             "strategy": cache.codec.offload_strategy}
+
+
+def oracle_history(cache):  # noqa: ANN001, ANN201 - an offloaded KvgenOffloadedCache -> DynamicCache
+    """A ``DynamicCache`` holding the oracle's decode (``decode_records``) of the cache's cold pages
+    as ``[B, H, T, D]``: what the cache must hold once it onboards them (NVFP4 is not idempotent,
+    so this is read from the cold pages themselves, not from an earlier restore)."""
+    from transformers import DynamicCache
+
+    from kvgen.integrations.transformers import reference_record, token_index
+    from kvgen.reference.codec import decode_records
+
+    torch.cuda.synchronize()
+    store, record, g = cache.store, reference_record(cache.layout), cache.geometry
+    pages = cache.offloaded.long()
+    cold = cache.cold[pages.cpu()].to(pages.device).view(len(pages), g.num_layers, record.bytes)
+    index = token_index(store.page_table, 0, cache.length, g.kv_heads, g.tokens_per_block, g.layout)
+    history = DynamicCache()
+    for layer in range(g.num_layers):
+        decoded, _ = decode_records(record, cold[:, layer].contiguous(), cache.family.dtype)
+        k, v = store.k[layer].clone(), store.v[layer].clone()
+        k[pages] = decoded["k"].view(len(pages), *g.page_shape)
+        v[pages] = decoded["v"].view(len(pages), *g.page_shape)
+        history.update(k[index], v[index], layer)
+    return history

@@ -30,7 +30,7 @@ from kvgen.reference.triattention import save_calibration, synthetic_calibration
 from kvgen.runtime.eviction import registry_config  # noqa: E402
 from kvgen.runtime.lookup import RuntimeRegistry  # noqa: E402
 
-from ..hf_models import RoundOracle, offload_round_trip, tiny_model  # noqa: E402
+from ..hf_models import RoundOracle, offload_round_trip, oracle_history, tiny_model  # noqa: E402
 from .conftest import ARCH, REGISTRY  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -68,11 +68,9 @@ def test_offloading_cache_in_generate(family: str) -> None:
     assert trip["cold_byte_exact_vs_oracle"] and trip["restored_byte_exact_vs_oracle"], trip
     assert trip["lossless_span_bit_exact"] in ((True,) if family != "qwen3-8b" else (None,)), trip
 
-    # The oracle's decoded history in a DynamicCache: the continued generate() must match it exactly.
-    oracle_cache = DynamicCache()
-    for layer in range(config.geometry.num_layers):
-        oracle_cache.update(*cache.store.read(layer, cache.length), layer)
-    cache.offload()                                   # leaves again; the next forward onboards it
+    # Leave again; the next forward onboards. It must match the oracle's decode of those cold pages exactly.
+    cache.offload()
+    oracle_cache = oracle_history(cache)
     turn = torch.cat([mine.sequences, ids[:, :16]], dim=1)
     again, oracle = _generate(model, turn, cache, 8), _generate(model, turn, oracle_cache, 8)
     assert cache.offloaded is None
