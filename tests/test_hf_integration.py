@@ -201,15 +201,15 @@ def test_triattention_cache_in_generate_keeps_the_oracle_sets(tmp_path: Path) ->
     prompt = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(3))
     oracle = RoundOracle()
     cache = KvgenTriAttentionCache(model.config, "qwen3-8b", calibration, registry=_Registry(spec),
-                                   max_cache_len=24 + 32 + 16, budget=32, beta=16, manager_factory=_oracle_factory,
+                                   max_cache_len=24 + 16 + 8, budget=16, beta=8, manager_factory=_oracle_factory,
                                    on_round=oracle)
-    out = model.generate(prompt, max_new_tokens=80, do_sample=False, past_key_values=cache)
-    assert out.shape[1] == 24 + 80
-    assert cache.seen == 24 + 80 - 1                        # the last token is sampled, never cached
-    assert [(r.before, r.after) for r in cache.rounds] == [(24 + 48, 24 + 32)] * len(cache.rounds)
-    assert len(cache.rounds) == 2                           # at 48 and 64 generated tokens cached (79 in all)
+    out = model.generate(prompt, max_new_tokens=40, do_sample=False, past_key_values=cache)
+    assert out.shape[1] == 24 + 40
+    assert cache.seen == 24 + 40 - 1                        # the last token is sampled, never cached
+    assert [(r.before, r.after) for r in cache.rounds] == [(24 + 24, 24 + 16)] * len(cache.rounds)
+    assert len(cache.rounds) == 2                           # at 24 and 32 generated tokens cached (39 in all)
     assert oracle.agreement(cache) == [1.0] * 2             # the oracle's own scores: identical sets
-    assert cache.length == 24 + 32 + (cache.seen - cache.rounds[-1].seen)
+    assert cache.length == 24 + 16 + (cache.seen - cache.rounds[-1].seen)
     assert cache.evicted_bytes() == (cache.seen - cache.length) * 2 * 2 * 8 * 128 * 2
 
 

@@ -180,19 +180,25 @@ class PagedKV:
         g = self.geometry
         return token_index(self.page_table, start, count, g.kv_heads, g.tokens_per_block, g.layout)
 
-    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, start: int) -> None:
-        """Tokens ``start ..`` of every row from ``[B, H, t, D]`` K and V."""
-        count = key.shape[2]
+    def step_index(self, start: int, count: int) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        """(write, read) indices of a forward adding ``count`` tokens at ``start``: the same for every
+        layer, so computed once per step."""
         if start + count > self.tokens:
             raise ValueError(f"kvgen cache full: {start + count} tokens per row, max_cache_len gives {self.tokens} "
                              "(pass a larger max_cache_len)")
-        index = self._index(start, count)
+        return self._index(start, count), self._index(0, start + count)
+
+    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, start: int,
+              index: tuple[torch.Tensor, ...] | None = None) -> None:
+        """Tokens ``start ..`` of every row from ``[B, H, t, D]`` K and V."""
+        index = index or self.step_index(start, key.shape[2])[0]
         self.k[layer][index] = key
         self.v[layer][index] = value
 
-    def read(self, layer: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def read(self, layer: int, length: int,
+             index: tuple[torch.Tensor, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens ``0 .. length-1`` of every row as contiguous ``[B, H, length, D]`` K and V."""
-        index = self._index(0, length)
+        index = index or self._index(0, length)
         return self.k[layer][index], self.v[layer][index]
 
     def used_pages(self, length: int) -> torch.Tensor:
@@ -290,8 +296,10 @@ class _PagedCache(Cache):
         count = key_states.shape[2]
         if layer_idx == 0:
             self._begin_step(count)
-        self.store.write(layer_idx, key_states, value_states, self.length)
-        keys, values = self.store.read(layer_idx, self.length + count)
+            self._index = self.store.step_index(self.length, count)
+        write, read = self._index
+        self.store.write(layer_idx, key_states, value_states, self.length, write)
+        keys, values = self.store.read(layer_idx, self.length + count, read)
         if layer_idx == self.geometry.num_layers - 1:
             first = self.seen == 0
             self.length += count
