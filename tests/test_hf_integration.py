@@ -8,6 +8,7 @@ Models are tiny random-initialised Qwen3 / Qwen3.5-text configs (no hub access),
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -37,7 +38,7 @@ from kvgen.runtime.lookup import RegistryLayout  # noqa: E402
 from kvgen.spec.schema import load_spec  # noqa: E402
 
 from .conftest import SPECS_DIR  # noqa: E402
-from .hf_models import RoundOracle, config_for, tiny_model  # noqa: E402
+from .hf_models import OracleCodec, RoundOracle, config_for, offload_round_trip, oracle_history, tiny_model  # noqa: E402
 from .test_triattention_runtime import OracleScorer  # noqa: E402
 from .tri_sim import save_synthetic_calibration, small_spec  # noqa: E402
 
@@ -72,6 +73,11 @@ class _Registry:
 
 def _spec(name: str, layers: int = 2):
     return small_spec(load_spec(SPECS_DIR / f"{name}.yaml"), layers)
+
+
+@functools.cache
+def _model(family: str):  # noqa: ANN202 - one tiny model per family for the whole module (init is the slow part)
+    return tiny_model(eviction_config(_spec(family)), "cpu", hidden=128, intermediate=256, vocab=256)
 
 
 # ---------------------------------------------------------------- refusals
@@ -180,6 +186,37 @@ def _one_row_record(record: LayerRecord) -> LayerRecord:
     return LayerRecord(buffers, record.sides, tuple(regions), size)
 
 
+# ---------------------------------------------------------------- offloading in generate()
+
+
+@pytest.mark.parametrize("family", ["qwen3-8b", "qwen3.5-397b-a17b-lossless-rope"])
+def test_offloading_cache_in_generate_with_the_oracle_codec(family: str) -> None:
+    """The cache's flow with the oracle's codec standing in for the kernels: same tokens and logits
+    as DynamicCache; offload then the automatic onboard; the continued generate() equal, bit for
+    bit, to a DynamicCache holding the oracle's decode of the cold pages (the proof's bound 0)."""
+    spec = _spec(family)
+    model = _model(family)
+    ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(5))
+    cache = KvgenOffloadedCache(model.config, family, registry=_Registry(spec), max_cache_len=128,
+                                codec_factory=OracleCodec)
+    kw = {"do_sample": False, "output_logits": True, "return_dict_in_generate": True}
+    mine = model.generate(ids, max_new_tokens=8, past_key_values=cache, **kw)
+    ref = model.generate(ids, max_new_tokens=8, past_key_values=DynamicCache(), **kw)
+    assert torch.equal(mine.sequences, ref.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(mine.logits, ref.logits))
+    trip = offload_round_trip(cache)
+    assert trip["pages"] == 2 * 2 and trip["cold_byte_exact_vs_oracle"] and trip["restored_byte_exact_vs_oracle"]
+    assert trip["lossless_span_bit_exact"] is (None if family == "qwen3-8b" else True)
+    cache.offload()
+    history = oracle_history(cache)
+    turn = torch.cat([mine.sequences, ids[:, :5]], dim=1)
+    again = model.generate(turn, max_new_tokens=4, past_key_values=cache, **kw)
+    oracle = model.generate(turn, max_new_tokens=4, past_key_values=history, **kw)
+    assert cache.offloaded is None, "the first forward onboards"
+    assert torch.equal(again.sequences, oracle.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(again.logits, oracle.logits))
+
+
 # ---------------------------------------------------------------- TriAttention in generate()
 
 
@@ -197,7 +234,7 @@ def test_triattention_cache_in_generate_keeps_the_oracle_sets(tmp_path: Path) ->
     spec = _spec("qwen3-8b")
     config = eviction_config(spec)
     calibration = save_synthetic_calibration(config, tmp_path / "calib.pt")
-    model = tiny_model(config, "cpu", hidden=128, intermediate=256, vocab=256)
+    model = _model("qwen3-8b")
     prompt = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(3))
     oracle = RoundOracle()
     cache = KvgenTriAttentionCache(model.config, "qwen3-8b", calibration, registry=_Registry(spec),
@@ -217,7 +254,7 @@ def test_without_eviction_generate_equals_dynamic_cache(tmp_path: Path) -> None:
     spec = _spec("qwen3-8b")
     config = eviction_config(spec)
     calibration = save_synthetic_calibration(config, tmp_path / "calib.pt")
-    model = tiny_model(config, "cpu", hidden=128, intermediate=256, vocab=256)
+    model = _model("qwen3-8b")
     prompt = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(4))
     cache = KvgenTriAttentionCache(model.config, "qwen3-8b", calibration, registry=_Registry(spec),
                                    max_cache_len=20 + 64 + 16, budget=64, beta=16, manager_factory=_oracle_factory)

@@ -339,11 +339,16 @@ class KvgenOffloadedCache(_PagedCache):
     ``offload()`` encodes every page holding tokens into ``cold`` (pinned host, one slot per hot
     page) by the codec's strategy ("staged" where the library has C ABI 2), then the pages are
     free; the next forward (``generate`` continuing with this cache) decodes them back into the
-    same hot pages before layer 0 reads anything. ``onboard()`` does that ahead of time."""
+    same hot pages before layer 0 reads anything. ``onboard()`` does that ahead of time.
+
+    ``codec_factory(layout, pools)`` replaces the registry's ``ColdPageCodec`` (tests pass the
+    oracle's codec on the CPU); ``pools[layer] = [K, V]``."""
 
     def __init__(self, model_config: Any, family: str, *, registry: Any = None, arch: str | None = None,
-                 max_cache_len: int = 4096, strategy: str | None = None):
+                 max_cache_len: int = 4096, strategy: str | None = None,
+                 codec_factory: Callable[[RegistryLayout, list], Any] | None = None):
         super().__init__(model_config, family, registry=registry, arch=arch, max_cache_len=max_cache_len)
+        self.codec_factory = codec_factory or self._registry_codec
         layout = self.resolved.layout()
         names = [b["name"] for b in layout.buffers]
         if names != ["k", "v"] or layout.sides or len(layout.lifecycles) != 1:
@@ -355,12 +360,14 @@ class KvgenOffloadedCache(_PagedCache):
         self.cold: torch.Tensor | None = None
         self.offloaded: torch.Tensor | None = None   # int32 page ids now in cold storage (None: all hot)
 
-    def allocate(self, key_states: torch.Tensor) -> None:
+    def _registry_codec(self, layout: RegistryLayout, pools: list) -> Any:
         from kvgen.runtime.codec import ColdPageCodec  # needs a GPU: imported when a codec is made
 
+        return ColdPageCodec(self.registry.load(self.family.family, self.resolved.arch), layout, pools)
+
+    def allocate(self, key_states: torch.Tensor) -> None:
         super().allocate(key_states)
-        library = self.registry.load(self.family.family, self.resolved.arch)
-        self.codec = ColdPageCodec(library, self.layout, [[k, v] for k, v in zip(self.store.k, self.store.v)])
+        self.codec = self.codec_factory(self.layout, [[k, v] for k, v in zip(self.store.k, self.store.v)])
         if self.strategy is not None:
             self.codec.set_offload_strategy(self.strategy)
 
@@ -374,8 +381,9 @@ class KvgenOffloadedCache(_PagedCache):
         if self.store is None or self.offloaded is not None:
             return 0
         if self.cold is None:
+            # Pinned wherever a GPU is (the codec refuses pageable memory); plain on a CPU-only host (stand-ins).
             self.cold = torch.empty((self.store.batch * self.store.pages_per_row, self.codec.cold_page_bytes()),
-                                    dtype=torch.uint8).pin_memory()
+                                    dtype=torch.uint8, pin_memory=torch.cuda.is_available())
         pages = self.store.used_pages(self.length)
         self.codec.offload(self.cold, self._pairs(pages))
         self.offloaded = pages
