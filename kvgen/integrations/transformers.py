@@ -228,13 +228,14 @@ class _PagedLayer(CacheLayerMixin):
 
     is_sliding = False
     is_croppable = False
+    supports_early_init = False   # the pools are sized by the first forward (its K and the prompt)
 
     def __init__(self, owner: _PagedCache):
         super().__init__()
         self.owner = owner
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.owner.allocate(key_states)
+        raise TypeError("kvgen caches allocate their pools at the first forward, not ahead of it")
 
     def update(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         raise TypeError("kvgen caches update through Cache.update(key, value, layer_idx)")
@@ -286,6 +287,10 @@ class _PagedCache(Cache):
         self.store = PagedKV(g, key_states.shape[0], self.capacity, dtype, key_states.device)
         for layer in self.layers:
             layer.is_initialized = True
+
+    @property
+    def is_initialized(self) -> bool:
+        return self.store is not None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -468,7 +473,9 @@ class KvgenTriAttentionCache(_PagedCache):
             self.manager.on_request_init(_Row(row, self.prompt_len))
 
     def _due(self) -> bool:
-        state = self.manager.requests[0]   # rows share prompt and length, so one decides for all
+        """The manager's cadence rule, asked before its hook so ``on_round`` sees the pools as the
+        round will (rows share prompt and length, so row 0 decides for all)."""
+        state = self.manager.requests[0]
         return is_due(state.prompt_len, self.length, state.evicted, self.length + state.evicted,
                       self.manager.budget, self.manager.beta)
 
