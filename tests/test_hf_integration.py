@@ -196,12 +196,12 @@ def test_offloading_cache_in_generate_with_the_oracle_codec(family: str) -> None
     bit, to a DynamicCache holding the oracle's decode of the cold pages (the proof's bound 0)."""
     spec = _spec(family)
     model = _model(family)
-    ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(5))
-    cache = KvgenOffloadedCache(model.config, family, registry=_Registry(spec), max_cache_len=128,
+    ids = torch.randint(0, 256, (2, 30), generator=torch.Generator().manual_seed(5))
+    cache = KvgenOffloadedCache(model.config, family, registry=_Registry(spec), max_cache_len=64,
                                 codec_factory=OracleCodec)
     kw = {"do_sample": False, "output_logits": True, "return_dict_in_generate": True}
-    mine = model.generate(ids, max_new_tokens=8, past_key_values=cache, **kw)
-    ref = model.generate(ids, max_new_tokens=8, past_key_values=DynamicCache(), **kw)
+    mine = model.generate(ids, max_new_tokens=6, past_key_values=cache, **kw)   # 35 tokens cached: 2 pages a row
+    ref = model.generate(ids, max_new_tokens=6, past_key_values=DynamicCache(), **kw)
     assert torch.equal(mine.sequences, ref.sequences)
     assert all(torch.equal(a, b) for a, b in zip(mine.logits, ref.logits))
     trip = offload_round_trip(cache)
@@ -257,10 +257,10 @@ def test_without_eviction_generate_equals_dynamic_cache(tmp_path: Path) -> None:
     model = _model("qwen3-8b")
     prompt = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(4))
     cache = KvgenTriAttentionCache(model.config, "qwen3-8b", calibration, registry=_Registry(spec),
-                                   max_cache_len=20 + 64 + 16, budget=64, beta=16, manager_factory=_oracle_factory)
-    mine = model.generate(prompt, max_new_tokens=30, do_sample=False, past_key_values=cache,
+                                   max_cache_len=20 + 16 + 8, budget=16, beta=8, manager_factory=_oracle_factory)
+    mine = model.generate(prompt, max_new_tokens=17, do_sample=False, past_key_values=cache,   # 16 cached: no round
                           output_logits=True, return_dict_in_generate=True)
-    ref = model.generate(prompt, max_new_tokens=30, do_sample=False, past_key_values=DynamicCache(),
+    ref = model.generate(prompt, max_new_tokens=17, do_sample=False, past_key_values=DynamicCache(),
                          output_logits=True, return_dict_in_generate=True)
     assert cache.rounds == []
     assert torch.equal(mine.sequences, ref.sequences)
