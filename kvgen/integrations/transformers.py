@@ -273,6 +273,7 @@ class _PagedCache(Cache):
         self.store: PagedKV | None = None
         self.length = 0   # tokens physically cached per row
         self.seen = 0     # tokens processed per row (positions)
+        self._index: tuple = ()   # this forward's (write, read) token indices, made at layer 0
         super().__init__(layers=[_PagedLayer(self) for _ in range(self.geometry.num_layers)])
 
     def allocate(self, key_states: torch.Tensor) -> None:
@@ -331,7 +332,8 @@ class _PagedCache(Cache):
         """Bytes of K/V the rows hold now (physical tokens, every layer)."""
         g = self.geometry
         batch = self.store.batch if self.store else 0
-        return 2 * g.num_layers * batch * self.length * g.kv_heads * g.head_dim * TORCH_DTYPES[self.family.dtype].itemsize
+        itemsize = TORCH_DTYPES[self.family.dtype].itemsize
+        return 2 * g.num_layers * batch * self.length * g.kv_heads * g.head_dim * itemsize
 
 
 # ----------------------------------------------------------------------------------------------
