@@ -167,7 +167,7 @@ def triattention_section(registry: RuntimeRegistry, arch: str, family: str, prom
             "extra_ms_per_round": 1e3 * (t_mine - t_ref) / max(len(cache.rounds), 1),
             "physical_tokens": cache.length, "seen_tokens": cache.seen,
             "kv_bytes": {"dynamic_cache": dynamic_bytes, "kvgen_cached": cache.cached_bytes(),
-                         "saved": cache.evicted_bytes(), "kvgen_pool_allocated": cache.store.nbytes()},
+                         "saved": cache.evicted_bytes(), "kvgen_pool_allocated": cache.pool.nbytes()},
             "memory_saved_fraction": cache.evicted_bytes() / dynamic_bytes,
             "kept_agreement_with_oracle": agreement,
             "kept_agreement_min": min(agreement) if agreement else None,

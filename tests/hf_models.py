@@ -116,42 +116,45 @@ class RoundOracle:
 
 
 def offload_round_trip(cache) -> dict:  # noqa: ANN001 - a KvgenOffloadedCache after a generate()
-    """``offload()`` then ``onboard()`` of every page holding tokens, checked against the oracle:
-    the cold pages byte for byte against ``encode_records`` of the hot pages, the restored hot pages
-    byte for byte against ``decode_records`` of those cold pages, and the lossless span (if any)
-    against the original. Times both transfers (synchronized)."""
+    """``offload()`` then ``onboard()`` of every page the rows hold, checked against the oracle: the
+    cold slots byte for byte against ``encode_records`` of the hot pages, the pages they come back
+    into byte for byte against ``decode_records`` of those slots, and the lossless span (if any)
+    against the original. The pages left are overwritten with NaN in between (they are free), so
+    what comes back comes from the host. Times both transfers (synchronized)."""
     import time
 
     from kvgen.integrations.transformers import reference_record
     from kvgen.reference.codec import decode_records, encode_records
 
-    store, record = cache.store, reference_record(cache.layout)
-    pages = store.used_pages(cache.length).long()
-    before = [(k[pages].clone(), v[pages].clone()) for k, v in zip(store.k, store.v)]
+    store, pool, record = cache.store, cache.pool, reference_record(cache.layout)
+    old_pages = store.used_pages().long()
+    before = [(k[old_pages].clone(), v[old_pages].clone()) for k, v in zip(pool.k, pool.v)]
     synchronize()
     start = time.perf_counter()
     cold_bytes = cache.offload()
     synchronize()
     offload_s = time.perf_counter() - start
-    for k, v in zip(store.k, store.v):    # the pages are free now: scribble on them
-        k[pages] = torch.nan
-        v[pages] = torch.nan
+    slots = cache.offloaded[0].long()
+    for k, v in zip(pool.k, pool.v):
+        k[old_pages] = torch.nan
+        v[old_pages] = torch.nan
     start = time.perf_counter()
     cache.onboard()
     synchronize()
     onboard_s = time.perf_counter() - start
-    cold = cache.cold[pages.cpu()].to(pages.device).view(len(pages), len(before), record.bytes)
+    pages = store.used_pages().long()
+    cold = cache.cold[slots].to(pages.device).view(len(pages), len(before), record.bytes)
     cold_exact = restored_exact = lossless_exact = True
     b = record.buffers[0]
     for layer, (k, v) in enumerate(before):
         expected = encode_records(record, {"k": k, "v": v})
         cold_exact &= torch.equal(cold[:, layer], expected)
         decoded, _ = decode_records(record, cold[:, layer].contiguous(), cache.family.dtype)
-        for name, pool in (("k", store.k[layer]), ("v", store.v[layer])):
-            restored_exact &= torch.equal(pool[pages].view(torch.int16).reshape(decoded[name].shape),
+        for name, hot in (("k", pool.k[layer]), ("v", pool.v[layer])):
+            restored_exact &= torch.equal(hot[pages].view(torch.int16).reshape(decoded[name].shape),
                                           decoded[name].view(torch.int16))
         if b.prefix:
-            rows = store.k[layer][pages].reshape(decoded["k"].shape)
+            rows = pool.k[layer][pages].reshape(decoded["k"].shape)
             lossless_exact &= torch.equal(rows[..., : b.prefix].view(torch.int16),
                                           k.reshape(rows.shape)[..., : b.prefix].view(torch.int16))
     return {"pages": len(pages), "cold_bytes": cold_bytes, "hot_bytes": 2 * sum(t[0].numel() * 2 for t in before),
@@ -162,7 +165,7 @@ def offload_round_trip(cache) -> dict:  # noqa: ANN001 - a KvgenOffloadedCache a
 
 
 def oracle_history(cache):  # noqa: ANN001, ANN201 - an offloaded KvgenOffloadedCache -> DynamicCache
-    """A ``DynamicCache`` holding the oracle's decode (``decode_records``) of the cache's cold pages
+    """A ``DynamicCache`` holding the oracle's decode (``decode_records``) of the cache's cold slots
     as ``[B, H, T, D]``: what the cache must hold once it onboards them (NVFP4 is not idempotent,
     so this is read from the cold pages themselves, not from an earlier restore)."""
     from transformers import DynamicCache
@@ -171,15 +174,15 @@ def oracle_history(cache):  # noqa: ANN001, ANN201 - an offloaded KvgenOffloaded
     from kvgen.reference.codec import decode_records
 
     synchronize()
-    store, record, g = cache.store, reference_record(cache.layout), cache.geometry
-    pages = cache.offloaded.long()
-    cold = cache.cold[pages.cpu()].to(pages.device).view(len(pages), g.num_layers, record.bytes)
-    index = token_index(store.page_table, 0, cache.length, g.kv_heads, g.tokens_per_block, g.layout)
+    record, g = reference_record(cache.layout), cache.geometry
+    slots, row_pages = cache.offloaded
+    device = cache.pool.device
+    cold = cache.cold[slots.long()].to(device).view(len(slots), g.num_layers, record.bytes)
+    table = torch.arange(len(slots), dtype=torch.int32, device=device).view(-1, row_pages)   # slots are row-major
+    index = token_index(table, 0, cache.length, g.kv_heads, g.tokens_per_block, g.layout)
     history = DynamicCache()
     for layer in range(g.num_layers):
         decoded, _ = decode_records(record, cold[:, layer].contiguous(), cache.family.dtype)
-        k, v = store.k[layer].clone(), store.v[layer].clone()
-        k[pages] = decoded["k"].view(len(pages), *g.page_shape)
-        v[pages] = decoded["v"].view(len(pages), *g.page_shape)
+        k, v = (decoded[name].view(len(slots), *g.page_shape) for name in ("k", "v"))
         history.update(k[index], v[index], layer)
     return history

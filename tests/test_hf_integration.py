@@ -25,6 +25,7 @@ from kvgen.integrations.transformers import (  # noqa: E402
     KvgenTriAttentionCache,
     ModelMismatch,
     PagedKV,
+    PagePool,
     check_model,
     reference_record,
 )
@@ -134,7 +135,7 @@ def test_the_hot_dtype_is_checked_at_the_first_forward() -> None:
 @pytest.mark.parametrize("family", ["qwen3-8b", "qwen3-8b-nhd"])
 def test_pages_hold_tokens_in_the_family_layout_and_read_back(family: str) -> None:
     g = eviction_config(_spec(family)).geometry
-    store = PagedKV(g, batch=2, capacity=70, dtype=torch.bfloat16, device=torch.device("cpu"))
+    store = PagedKV(PagePool(g, 8, torch.bfloat16, "cpu"), batch=2, capacity=70)
     gen = torch.Generator().manual_seed(1)
     k = torch.randn(2, g.kv_heads, 45, g.head_dim, generator=gen).bfloat16()
     store.write(0, k[:, :, :40], k[:, :, :40], 0)
@@ -159,7 +160,7 @@ def test_pages_through_the_oracle_codec_are_the_rows_through_it(family: str) -> 
     spec = _spec(family)
     g = eviction_config(spec).geometry
     record = reference_record(RegistryLayout.from_json(json.loads(json.dumps(to_json(spec, family_layout(spec))))))
-    store = PagedKV(g, batch=1, capacity=64, dtype=torch.bfloat16, device=torch.device("cpu"))
+    store = PagedKV(PagePool(g, 2, torch.bfloat16, "cpu"), batch=1, capacity=64)
     k = torch.randn(1, g.kv_heads, 64, g.head_dim, generator=torch.Generator().manual_seed(2)).bfloat16()
     v = -k
     store.write(1, k, v, 0)
@@ -215,6 +216,34 @@ def test_offloading_cache_in_generate_with_the_oracle_codec(family: str) -> None
     assert cache.offloaded is None, "the first forward onboards"
     assert torch.equal(again.sequences, oracle.sequences)
     assert all(torch.equal(a, b) for a, b in zip(again.logits, oracle.logits))
+
+
+def test_caches_sharing_a_pool_take_turns_on_the_gpu() -> None:
+    """Two conversations, one pool that holds one of them: the paused one waits on the host."""
+    spec = _spec("qwen3-8b")
+    model = _model("qwen3-8b")
+    g = eviction_config(spec).geometry
+    pool = PagePool(g, 2, torch.bfloat16, "cpu", host_pages=4)   # 2 hot pages: one row of up to 64 tokens
+    kw = {"do_sample": False, "output_logits": True, "return_dict_in_generate": True}
+    a, b = (KvgenOffloadedCache(model.config, "qwen3-8b", registry=_Registry(spec), max_cache_len=64, pool=pool,
+                                codec_factory=OracleCodec) for _ in range(2))
+    ids = torch.randint(0, 256, (2, 1, 36), generator=torch.Generator().manual_seed(6))
+    first = model.generate(ids[0], max_new_tokens=4, past_key_values=a, **kw)
+    with pytest.raises(ValueError, match="page pool: 2 hot pages asked for, 0 of 2 free"):
+        model.generate(ids[1], max_new_tokens=4, past_key_values=b, **kw)
+    b.close()
+    a.offload()
+    assert pool.free == [0, 1] and a.store.row_pages == 0
+    other = KvgenOffloadedCache(model.config, "qwen3-8b", registry=_Registry(spec), max_cache_len=64, pool=pool,
+                                codec_factory=OracleCodec)
+    model.generate(ids[1], max_new_tokens=4, past_key_values=other, **kw)
+    other.offload()
+    history = oracle_history(a)
+    turn = torch.cat([first.sequences, ids[1][:, :3]], dim=1)
+    again = model.generate(turn, max_new_tokens=3, past_key_values=a, **kw)
+    oracle = model.generate(turn, max_new_tokens=3, past_key_values=history, **kw)
+    assert all(torch.equal(x, y) for x, y in zip(again.logits, oracle.logits))
+    assert pool.free == [] and pool.free_slots == [0, 1]   # a back on the GPU, other's 2 pages on the host (2, 3)
 
 
 # ---------------------------------------------------------------- TriAttention in generate()

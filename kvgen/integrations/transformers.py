@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -148,44 +148,130 @@ def token_index(page_table: torch.Tensor, start: int, count: int, kv_heads: int,
     return (pages, heads, slots) if layout == "HND" else (pages, slots, heads)
 
 
-@dataclass
-class PagedKV:
-    """K and V pools of every layer (``[pages, *page_shape]`` of the family's layout and hot dtype);
-    row ``b`` owns pages ``b * pages_per_row ...`` in order (``page_table``, int32 on the device)."""
+class PagePool:
+    """K and V pages of every layer of a family (``[num_pages, *page_shape]`` in its layout and hot
+    dtype), shared by any number of caches: each takes pages as its rows grow, gives back the pages
+    a TriAttention round emptied, and gives all of them back when it offloads. It also holds what
+    offloading needs once per pool: the codec (configured over these pages at the first offload)
+    and the pinned host cold slots (``host_pages``, default one per hot page)."""
 
-    geometry: TriGeometry
-    batch: int
-    capacity: int
-    dtype: torch.dtype
-    device: torch.device
-    k: list[torch.Tensor] = field(init=False)
-    v: list[torch.Tensor] = field(init=False)
-    page_table: torch.Tensor = field(init=False)
-
-    def __post_init__(self) -> None:
-        g = self.geometry
-        self.pages_per_row = -(-self.capacity // g.tokens_per_block)
-        pages = self.batch * self.pages_per_row
-        self.k = [torch.zeros((pages, *g.page_shape), dtype=self.dtype, device=self.device)
-                  for _ in range(g.num_layers)]
+    def __init__(self, geometry: TriGeometry, num_pages: int, dtype: torch.dtype, device: torch.device | str,
+                 host_pages: int | None = None):
+        if not isinstance(num_pages, int) or num_pages <= 0:
+            raise ValueError(f"num_pages: expected a positive int, got {num_pages!r}")
+        self.geometry, self.num_pages, self.dtype, self.device = geometry, num_pages, dtype, torch.device(device)
+        self.k = [torch.zeros((num_pages, *geometry.page_shape), dtype=dtype, device=self.device)
+                  for _ in range(geometry.num_layers)]
         self.v = [torch.zeros_like(pool) for pool in self.k]
-        self.page_table = torch.arange(pages, dtype=torch.int32, device=self.device).view(self.batch, -1)
+        self.free = list(range(num_pages))
+        self.host_pages = host_pages or num_pages
+        self.free_slots = list(range(self.host_pages))
+        self.codec: Any = None
+        self.cold: torch.Tensor | None = None
+
+    @classmethod
+    def for_family(cls, family: str, num_pages: int, *, registry: Any = None, arch: str | None = None,
+                   device: torch.device | str = "cuda", host_pages: int | None = None) -> PagePool:
+        """A pool for caches of ``family`` (the registry's geometry and hot dtype)."""
+        registry = registry if registry is not None else RuntimeRegistry.default()
+        config = family_config(registry.resolve(family, arch))
+        return cls(config.geometry, num_pages, TORCH_DTYPES[config.dtype], device, host_pages)
+
+    @staticmethod
+    def _take(free: list[int], count: int, what: str, total: int, fix: str) -> list[int]:
+        if count > len(free):
+            raise ValueError(f"page pool: {count} {what} asked for, {len(free)} of {total} free ({fix})")
+        taken = free[:count]
+        del free[:count]
+        return taken
+
+    def take(self, count: int) -> torch.Tensor:
+        """``count`` free hot pages, int32 on the pool's device."""
+        pages = self._take(self.free, count, "hot pages", self.num_pages,
+                           "offload or close another cache, or make num_pages larger")
+        return torch.tensor(pages, dtype=torch.int32, device=self.device)
+
+    def give(self, pages: torch.Tensor) -> None:
+        self.free = sorted(self.free + pages.tolist())
+
+    def take_slots(self, count: int) -> torch.Tensor:
+        """``count`` free cold slots, int32 on the host."""
+        slots = self._take(self.free_slots, count, "cold slots", self.host_pages,
+                           "onboard or close another cache, or make host_pages larger")
+        return torch.tensor(slots, dtype=torch.int32)
+
+    def give_slots(self, slots: torch.Tensor) -> None:
+        self.free_slots = sorted(self.free_slots + slots.tolist())
+
+    def cold_storage(self, page_bytes: int) -> torch.Tensor:
+        """The host cold slots, allocated once: pinned wherever a GPU is (the codec refuses pageable
+        memory), plain on a CPU-only host (stand-in codecs)."""
+        if self.cold is None:
+            self.cold = torch.empty((self.host_pages, page_bytes), dtype=torch.uint8,
+                                    pin_memory=torch.cuda.is_available())
+        return self.cold
+
+    def nbytes(self) -> int:
+        return sum(pool.numel() * pool.element_size() for pool in self.k + self.v)
+
+
+class PagedKV:
+    """One cache's rows in a ``PagePool``: ``page_table`` (int32 ``[batch, pages_per_row]`` on the
+    device) maps row ``b``'s ``j``-th page to a pool page; the first ``row_pages`` entries of every
+    row are assigned, taken from the pool as the rows grow."""
+
+    def __init__(self, pool: PagePool, batch: int, capacity: int):
+        self.pool, self.batch, self.geometry = pool, batch, pool.geometry
+        self.pages_per_row = -(-capacity // self.geometry.tokens_per_block)
+        self.page_table = torch.zeros((batch, self.pages_per_row), dtype=torch.int32, device=pool.device)
+        self.row_pages = 0
+
+    @property
+    def k(self) -> list[torch.Tensor]:
+        return self.pool.k
+
+    @property
+    def v(self) -> list[torch.Tensor]:
+        return self.pool.v
 
     @property
     def tokens(self) -> int:
         """Tokens a row can hold."""
         return self.pages_per_row * self.geometry.tokens_per_block
 
+    def _pages_for(self, tokens: int) -> int:
+        return -(-tokens // self.geometry.tokens_per_block)
+
+    def attach(self, row_pages: int) -> torch.Tensor:
+        """Assign pool pages to entries ``row_pages_before .. row_pages - 1`` of every row; returns
+        them row-major (int32 on the device)."""
+        pages = self.pool.take(self.batch * (row_pages - self.row_pages)).view(self.batch, -1)
+        self.page_table[:, self.row_pages:row_pages] = pages
+        self.row_pages = row_pages
+        return pages.reshape(-1)
+
+    def detach(self, row_pages: int = 0) -> None:
+        """Give entries ``row_pages ..`` of every row back to the pool."""
+        if row_pages < self.row_pages:
+            self.pool.give(self.page_table[:, row_pages:self.row_pages].reshape(-1))
+            self.row_pages = row_pages
+
+    def release_after(self, tokens: int) -> None:
+        """Give back the pages past ``tokens`` (a round shortened the rows)."""
+        self.detach(self._pages_for(tokens))
+
     def _index(self, start: int, count: int) -> tuple[torch.Tensor, ...]:
         g = self.geometry
         return token_index(self.page_table, start, count, g.kv_heads, g.tokens_per_block, g.layout)
 
     def step_index(self, start: int, count: int) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
-        """(write, read) indices of a forward adding ``count`` tokens at ``start``: the same for every
-        layer, so computed once per step."""
+        """(write, read) indices of a forward adding ``count`` tokens at ``start`` (pages taken from
+        the pool as needed): the same for every layer, so computed once per step."""
         if start + count > self.tokens:
             raise ValueError(f"kvgen cache full: {start + count} tokens per row, max_cache_len gives {self.tokens} "
                              "(pass a larger max_cache_len)")
+        if self._pages_for(start + count) > self.row_pages:
+            self.attach(self._pages_for(start + count))
         return self._index(start, count), self._index(0, start + count)
 
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, start: int,
@@ -201,12 +287,9 @@ class PagedKV:
         index = index or self._index(0, length)
         return self.k[layer][index], self.v[layer][index]
 
-    def used_pages(self, length: int) -> torch.Tensor:
-        """int32 ids of the pages holding tokens ``0 .. length-1`` of every row (row-major)."""
-        return self.page_table[:, : -(-length // self.geometry.tokens_per_block)].reshape(-1)
-
-    def nbytes(self) -> int:
-        return sum(pool.numel() * pool.element_size() for pool in self.k + self.v)
+    def used_pages(self) -> torch.Tensor:
+        """int32 ids of the pool pages the rows hold (row-major)."""
+        return self.page_table[:, : self.row_pages].reshape(-1)
 
 
 def reference_record(layout: RegistryLayout) -> LayerRecord:
@@ -261,7 +344,7 @@ class _PagedCache(Cache):
     (called at layer 0 before a forward writes, and after the last layer wrote)."""
 
     def __init__(self, model_config: Any, family: str, *, registry: Any = None, arch: str | None = None,
-                 max_cache_len: int = 4096):
+                 max_cache_len: int = 4096, pool: PagePool | None = None):
         if not isinstance(max_cache_len, int) or max_cache_len <= 0:
             raise ValueError(f"max_cache_len: expected a positive int, got {max_cache_len!r}")
         self.registry = registry if registry is not None else RuntimeRegistry.default()
@@ -270,6 +353,9 @@ class _PagedCache(Cache):
         self.model = check_model(model_config, self.family)
         self.geometry = self.family.geometry
         self.capacity = max_cache_len
+        if pool is not None and (pool.geometry != self.geometry or pool.dtype != TORCH_DTYPES[self.family.dtype]):
+            raise ValueError(f"pool: pages of another geometry or dtype ({pool.dtype}) than family {family}")
+        self.pool = pool
         self.store: PagedKV | None = None
         self.length = 0   # tokens physically cached per row
         self.seen = 0     # tokens processed per row (positions)
@@ -285,7 +371,12 @@ class _PagedCache(Cache):
         if key_states.dim() != 4 or tuple(key_states.shape[1::2]) != (g.kv_heads, g.head_dim):
             raise ModelMismatch(f"K of shape {list(key_states.shape)}, family {self.family.family} expects "
                                 f"[batch, {g.kv_heads}, tokens, {g.head_dim}]")
-        self.store = PagedKV(g, key_states.shape[0], self.capacity, dtype, key_states.device)
+        batch = key_states.shape[0]
+        if self.pool is None:   # a pool of its own: every row's max_cache_len
+            self.pool = PagePool(g, batch * -(-self.capacity // g.tokens_per_block), dtype, key_states.device)
+        elif self.pool.device != key_states.device:
+            raise ValueError(f"pool on {self.pool.device}, the model's K/V on {key_states.device}")
+        self.store = PagedKV(self.pool, batch, self.capacity)
         for layer in self.layers:
             layer.is_initialized = True
 
@@ -328,6 +419,12 @@ class _PagedCache(Cache):
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         raise NotImplementedError("kvgen caches do not select rows")
 
+    def close(self) -> None:
+        """Give the rows' pages back to the pool (the cache is done)."""
+        if self.store is not None:
+            self.store.detach()
+            self.length = 0
+
     def cached_bytes(self) -> int:
         """Bytes of K/V the rows hold now (physical tokens, every layer)."""
         g = self.geometry
@@ -343,18 +440,19 @@ class _PagedCache(Cache):
 class KvgenOffloadedCache(_PagedCache):
     """Paged GPU cache whose pages leave for pinned host memory through the family's cold-page codec.
 
-    ``offload()`` encodes every page holding tokens into ``cold`` (pinned host, one slot per hot
-    page) by the codec's strategy ("staged" where the library has C ABI 2), then the pages are
-    free; the next forward (``generate`` continuing with this cache) decodes them back into the
-    same hot pages before layer 0 reads anything. ``onboard()`` does that ahead of time.
+    ``offload()`` encodes every page the rows hold into free cold slots of the pool (pinned host)
+    by the codec's strategy ("staged" where the library has C ABI 2) and gives the hot pages back
+    to the pool, where another cache sharing it (``pool=``, ``PagePool.for_family``) can use them;
+    the next forward (``generate`` continuing with this cache) takes free pages again and decodes
+    the cold pages into them before layer 0 reads anything. ``onboard()`` does that ahead of time.
 
     ``codec_factory(layout, pools)`` replaces the registry's ``ColdPageCodec`` (tests pass the
-    oracle's codec on the CPU); ``pools[layer] = [K, V]``."""
+    oracle's codec on the CPU); ``pools[layer] = [K, V]``. One codec serves a pool."""
 
     def __init__(self, model_config: Any, family: str, *, registry: Any = None, arch: str | None = None,
-                 max_cache_len: int = 4096, strategy: str | None = None,
+                 max_cache_len: int = 4096, pool: PagePool | None = None, strategy: str | None = None,
                  codec_factory: Callable[[RegistryLayout, list], Any] | None = None):
-        super().__init__(model_config, family, registry=registry, arch=arch, max_cache_len=max_cache_len)
+        super().__init__(model_config, family, registry=registry, arch=arch, max_cache_len=max_cache_len, pool=pool)
         self.codec_factory = codec_factory or self._registry_codec
         layout = self.resolved.layout()
         names = [b["name"] for b in layout.buffers]
@@ -363,53 +461,69 @@ class KvgenOffloadedCache(_PagedCache):
                                 f"{len(layout.lifecycles)} lifecycles; this cache moves K and V pages of one lifecycle")
         self.layout = layout
         self.strategy = strategy
-        self.codec = None
-        self.cold: torch.Tensor | None = None
-        self.offloaded: torch.Tensor | None = None   # int32 page ids now in cold storage (None: all hot)
+        self.offloaded: tuple[torch.Tensor, int] | None = None   # (cold slots, pages per row) while on the host
 
     def _registry_codec(self, layout: RegistryLayout, pools: list) -> Any:
         from kvgen.runtime.codec import ColdPageCodec  # needs a GPU: imported when a codec is made
 
         return ColdPageCodec(self.registry.load(self.family.family, self.resolved.arch), layout, pools)
 
-    def allocate(self, key_states: torch.Tensor) -> None:
-        super().allocate(key_states)
-        self.codec = self.codec_factory(self.layout, [[k, v] for k, v in zip(self.store.k, self.store.v)])
-        if self.strategy is not None:
-            self.codec.set_offload_strategy(self.strategy)
+    @property
+    def codec(self) -> Any:
+        """The pool's codec, configured over its pages on first use."""
+        pool = self.pool
+        if pool.codec is None:
+            pool.codec = self.codec_factory(self.layout, [[k, v] for k, v in zip(pool.k, pool.v)])
+            if self.strategy is not None:
+                pool.codec.set_offload_strategy(self.strategy)
+        return pool.codec
 
-    def _pairs(self, pages: torch.Tensor) -> torch.Tensor:
-        """(cold slot, hot page) = (page, page): each hot page has its own slot."""
-        return torch.stack([pages, pages], dim=1).to(device="cpu", dtype=torch.int32).contiguous()
+    @property
+    def cold(self) -> torch.Tensor:
+        return self.pool.cold_storage(self.layout.cold_page_bytes())
+
+    @staticmethod
+    def _pairs(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+        """Host int32 ``[n, 2]`` (dst, src) pairs of the codec."""
+        return torch.stack([dst.cpu(), src.cpu()], dim=1).to(torch.int32).contiguous()
 
     def offload(self) -> int:
-        """Encode every page holding tokens to pinned host memory; returns the cold bytes written.
-        Enqueued on the current stream (synchronize it to time the transfer)."""
-        if self.store is None or self.offloaded is not None:
+        """Encode every page the rows hold into cold slots and give the hot pages back to the pool;
+        returns the cold bytes written. Enqueued on the current stream (synchronize it to time the
+        transfer); later users of the pages queue behind it."""
+        if self.store is None or self.offloaded is not None or not self.store.row_pages:
             return 0
-        if self.cold is None:
-            # Pinned wherever a GPU is (the codec refuses pageable memory); plain on a CPU-only host (stand-ins).
-            self.cold = torch.empty((self.store.batch * self.store.pages_per_row, self.codec.cold_page_bytes()),
-                                    dtype=torch.uint8, pin_memory=torch.cuda.is_available())
-        pages = self.store.used_pages(self.length)
-        self.codec.offload(self.cold, self._pairs(pages))
-        self.offloaded = pages
-        return pages.numel() * self.codec.cold_page_bytes()
+        pages = self.store.used_pages()
+        slots = self.pool.take_slots(pages.numel())
+        self.codec.offload(self.cold, self._pairs(slots, pages))
+        self.offloaded = (slots, self.store.row_pages)
+        self.store.detach()
+        return pages.numel() * self.layout.cold_page_bytes()
 
     def onboard(self) -> None:
-        """Decode the offloaded pages back into their hot pages (enqueued before anything reads them)."""
+        """Take free hot pages and decode the cold pages into them (enqueued before anything reads
+        them); the cold slots go back to the pool."""
         if self.offloaded is None:
             return
-        self.codec.onboard(self.cold, self._pairs(self.offloaded))
+        slots, row_pages = self.offloaded
+        pages = self.store.attach(row_pages)
+        self.codec.onboard(self.cold, self._pairs(pages, slots))
+        self.pool.give_slots(slots)
         self.offloaded = None
 
     def _begin_step(self, count: int) -> None:
         self.onboard()
 
+    def close(self) -> None:
+        if self.offloaded is not None:
+            self.pool.give_slots(self.offloaded[0])
+            self.offloaded = None
+        super().close()
+
     def describe(self) -> dict[str, Any]:
-        return {"family": self.family.family, "arch": self.resolved.arch, "pool_bytes": self.store.nbytes()
-                if self.store else 0, "cold_page_bytes": self.layout.cold_page_bytes(),
-                "offload": self.codec.describe_offload() if self.codec else None}
+        return {"family": self.family.family, "arch": self.resolved.arch,
+                "pool_bytes": self.pool.nbytes() if self.pool else 0, "cold_page_bytes": self.layout.cold_page_bytes(),
+                "offload": self.pool.codec.describe_offload() if self.pool and self.pool.codec else None}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -450,9 +564,9 @@ class KvgenTriAttentionCache(_PagedCache):
 
     def __init__(self, model_config: Any, family: str, calibration: str | Path, *, registry: Any = None,
                  arch: str | None = None, max_cache_len: int = 4096, budget: int | None = None,
-                 beta: int | None = None, eviction_mode: str | None = None,
+                 beta: int | None = None, eviction_mode: str | None = None, pool: PagePool | None = None,
                  manager_factory: ManagerFactory | None = None, on_round: Callable[[Any], None] | None = None):
-        super().__init__(model_config, family, registry=registry, arch=arch, max_cache_len=max_cache_len)
+        super().__init__(model_config, family, registry=registry, arch=arch, max_cache_len=max_cache_len, pool=pool)
         self.calibration = Path(calibration)
         self.overrides = {k: v for k, v in {"budget": budget, "beta": beta, "eviction_mode": eviction_mode}.items()
                           if v is not None}
@@ -490,6 +604,7 @@ class KvgenTriAttentionCache(_PagedCache):
         step = GenerationStep(list(range(self.store.batch)), self.store.page_table, [self.length] * self.store.batch)
         report = self.manager.on_generation_step_end(step)
         self.length = report.lengths[0]
+        self.store.release_after(self.length)   # the emptied pages go back to the pool
         self.rounds.append(RoundRecord(self.seen, before, self.length, report.kept))
 
     def evicted_bytes(self) -> int:
