@@ -12,6 +12,8 @@ error is recorded), so one command gives everything:
   bit-exact (qwen3.5-397b-a17b-lossless-rope); then a continued generate() whose logits must equal
   those of a ``DynamicCache`` holding the oracle's decoded history (relative error bound 0, see
   docs/transformers.md), and their relative error against the uncompressed history (reported).
+- ``shared-pool/qwen3-8b``: two conversations on one ``PagePool`` that holds one: the paused one
+  waits in cold pages on the host and continues with logits equal to the oracle's decoded history.
 - ``triattention/qwen3-8b``: tokens/s against ``DynamicCache``, rounds, time per round, K/V bytes
   saved, kept-set agreement with the oracle's ``eviction_round`` per round.
 
@@ -36,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 from transformers import DynamicCache  # noqa: E402
 
-from kvgen.integrations.transformers import KvgenOffloadedCache, KvgenTriAttentionCache  # noqa: E402
+from kvgen.integrations.transformers import KvgenOffloadedCache, KvgenTriAttentionCache, PagePool  # noqa: E402
 from kvgen.reference.triattention import save_calibration, synthetic_calibration  # noqa: E402
 from kvgen.runtime.eviction import registry_config  # noqa: E402
 from kvgen.runtime.lookup import RuntimeRegistry  # noqa: E402
@@ -121,6 +123,36 @@ def offload_section(registry: RuntimeRegistry, arch: str, family: str, batch: in
     out["continued"]["within_bound"] = (out["continued"]["logits_rel_error_vs_oracle_history"]
                                         <= out["continued"]["bound_vs_oracle_history"])
     return out
+
+
+def shared_pool_section(registry: RuntimeRegistry, arch: str, family: str, batch: int, prompt: int, new: int) -> dict:
+    """Two conversations on one pool that holds one of them: the paused one waits on the host
+    (cold pages), then continues exactly as with the oracle's decoded history."""
+    config = registry_config(registry.resolve(family, arch))
+    model = tiny_model(config, "cuda", **SIZES)
+    gen = torch.Generator("cuda").manual_seed(3)
+    ids = [torch.randint(0, SIZES["vocab"], (batch, prompt), device="cuda", generator=gen) for _ in range(2)]
+    tokens = prompt + new + 64
+    pool = PagePool.for_family(family, batch * -(-tokens // config.geometry.tokens_per_block), registry=registry, device="cuda",
+                               arch=arch, host_pages=2 * batch * -(-tokens // config.geometry.tokens_per_block))
+    a, b = (KvgenOffloadedCache(model.config, family, registry=registry, arch=arch, max_cache_len=tokens, pool=pool)
+            for _ in range(2))
+    first = generate(model, ids[0], a, new)
+    (_, offload_a_s) = timed(a.offload)
+    generate(model, ids[1], b, new)                 # takes the pages a gave back
+    (_, offload_b_s) = timed(b.offload)
+    history = oracle_history(a)
+    turn = torch.cat([first.sequences, ids[1][:, :64]], dim=1)
+    again = generate(model, turn, a, 16)           # onboards a into free pages first
+    oracle = generate(model, turn, history, 16)
+    per_conversation = a.cached_bytes()
+    return {"pool_bytes": pool.nbytes(), "conversation_bytes_now": per_conversation,
+            "offload_s": [offload_a_s, offload_b_s],
+            "cold_bytes_per_conversation": a.layout.cold_page_bytes() * batch * -(-(prompt + new) //
+                                                                                 config.geometry.tokens_per_block),
+            "logits_rel_error_vs_oracle_history": max(rel_error(x, y) for x, y in zip(again.logits, oracle.logits)),
+            "same_tokens_as_oracle_history": bool(torch.equal(again.sequences, oracle.sequences)),
+            "pool_free_pages_after": len(pool.free), "host_slots_in_use_after": pool.host_pages - len(pool.free_slots)}
 
 
 def _history_error(cache, raw_cache, layers: int, n: int) -> dict:  # noqa: ANN001
@@ -216,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         "offload/qwen3-8b": lambda: offload_section(registry, args.arch, "qwen3-8b", 4, 1024, 256),
         "offload/qwen3.5-397b-a17b-lossless-rope": lambda: offload_section(
             registry, args.arch, "qwen3.5-397b-a17b-lossless-rope", 4, 1024, 256),
+        "shared-pool/qwen3-8b": lambda: shared_pool_section(registry, args.arch, "qwen3-8b", 4, 1024, 256),
     }
     with tempfile.TemporaryDirectory() as tmp:
         sections["triattention/qwen3-8b"] = lambda: triattention_section(registry, args.arch, "qwen3-8b", 512, 1536,
