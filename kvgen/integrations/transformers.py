@@ -14,9 +14,10 @@ RoPE on the leading elements with ``rotate_half`` pairing), both built from a re
 Both read the family from the registry manifest (no spec, no pydantic) and refuse, before
 allocating anything, a model whose config the family does not describe (``ModelMismatch``).
 
-How the pages meet transformers' ``[B, H, T, D]`` tensors: batch row ``b`` owns pages
-``b * pages_per_row ...`` (``page_table``); token ``t`` of a row sits in page
-``page_table[b, t // tokens_per_block]`` at slot ``t % tokens_per_block``. ``update`` writes the
+Pages come from a ``PagePool`` (one per cache by default, or shared: ``PagePool.for_family``), so
+pages an offload or a round frees serve other caches. How the pages meet transformers'
+``[B, H, T, D]`` tensors: row ``b``'s ``j``-th page is ``page_table[b, j]``; token ``t`` of a row
+sits in page ``page_table[b, t // tokens_per_block]`` at slot ``t % tokens_per_block``. ``update`` writes the
 step's tokens there and returns the row's tokens gathered back to ``[B, H, T, D]``, contiguous.
 The cache counts two lengths: ``seen`` (tokens the model has processed: positions, what
 ``get_seq_length`` returns) and ``length`` (tokens physically cached, smaller after eviction;
