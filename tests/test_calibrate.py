@@ -5,7 +5,8 @@ attention layer hands to its ``apply_rotary_pos_emb`` (the pre-RoPE query by def
 the hook site), cuts the pairs by index itself and takes the float64 means. The hook path also sums
 in float64, so both agree to float32 rounding of the stored means (rtol 1e-6).
 
-Models: Qwen3 (q_norm before RoPE, half pairing, full rotary; float32 and bfloat16), Llama with
+Models: Qwen3 (q_norm before RoPE, half pairing, full rotary; float32 and bfloat16; with a sliding
+layer, whose rows are measured too though never scored), Llama with
 YaRN (attention factor != 1, so freq_scale_sq != 1), GLM (interleaved pairing, partial rotary 0.5).
 All GQA 4/2, 2 layers, head_dim 16: a few milliseconds per forward pass on the CPU.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 import sys
 
 import pytest
@@ -31,6 +33,7 @@ from kvgen.cli import main
 from kvgen.lower.triattention import calibration_defaults, tri_geometry
 from kvgen.reference.triattention import GeometryError, load_calibration
 from kvgen.spec.schema import parse_spec
+from tests.conftest import ROOT
 
 transformers = pytest.importorskip("transformers")
 
@@ -42,12 +45,12 @@ YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max
 
 
 def spec_text(*, pairing: str = "half", rope_extra: str = "  placement: full\n", theta: float = 10000.0,
-              query_heads: int = HEADS, head_dim: int = HEAD_DIM) -> str:
+              query_heads: int = HEADS, head_dim: int = HEAD_DIM, extra: str = "") -> str:
     """Spec of family ``tiny`` for the tiny models (GQA 4/2, head_dim 16)."""
     return (f"name: tiny\nattention: gqa\nlayers: {LAYERS}\nquery_heads: {query_heads}\n"
             f"kv_heads: {KV_HEADS}\nhead_dim: {head_dim}\ntokens_per_block: 16\nlayout: HND\ndtype: bf16\n"
             f"rope:\n{rope_extra}  pairing: {pairing}\n  theta: {theta}\ncold_page:\n  rope: quantized\n"
-            "triattention:\n  enabled: true\n  budget: 64\n  beta: 16\n  eviction_mode: union\n")
+            "triattention:\n  enabled: true\n  budget: 64\n  beta: 16\n  eviction_mode: union\n" + extra)
 
 
 YARN_ROPE = ("  placement: full\n  scaling:\n    type: yarn\n    factor: 4.0\n"
@@ -58,6 +61,9 @@ PARTIAL_ROPE = "  placement: leading\n  partial_rotary_factor: 0.5\n"
 MODELS = {
     "qwen3": ("Qwen3Config", {}, spec_text()),
     "llama-yarn": ("LlamaConfig", {"rope_parameters": YARN}, spec_text(rope_extra=YARN_ROPE)),
+    "qwen3-swa": ("Qwen3Config", {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 8,
+                                  "use_sliding_window": True},
+                  spec_text(extra="sliding_window:\n  window: 8\n  layers: even\n")),
     "glm-interleaved-partial": ("GlmConfig", {"partial_rotary_factor": 0.5},
                                 spec_text(pairing="interleaved", rope_extra=PARTIAL_ROPE)),
 }
@@ -153,6 +159,8 @@ def test_both_forms_load_back_equal(tmp_path):
 @pytest.mark.parametrize(("kind", "spec_kwargs", "message"), [
     ("qwen3", {"query_heads": 8}, "query heads: model 4 (config num_attention_heads), spec 8"),
     ("qwen3", {"head_dim": 32}, "head_dim: model 16 (config head_dim), spec 32"),
+    ("qwen3", {"extra": "sliding_window:\n  window: 8\n  layers: even\n"},
+     "sliding-window layers: model none (config layer_types, sliding_window), spec [0] (window [8])"),
     ("qwen3", {"theta": 1000000.0}, "RoPE frequencies (inv_freq) disagree with tiny's rope.theta"),
     ("qwen3", {"pairing": "interleaved"}, "the model pairs 'half' (set rope.pairing: half)"),
     ("glm-interleaved-partial", {"rope_extra": PARTIAL_ROPE}, "the model pairs 'interleaved'"),
@@ -269,3 +277,26 @@ def test_cli_refusal_is_a_usage_error(tmp_path, capsys):
     assert status == 2
     assert "query heads: model 4" in capsys.readouterr().err
     assert not (tmp_path / "c.pt").exists()
+
+
+NO_TRANSFORMERS = """
+import importlib.abc, runpy, sys
+class Absent(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "transformers":
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, Absent())
+sys.argv = ["kvgen", *ARGV]
+runpy.run_module("kvgen", run_name="__main__")
+"""
+
+
+def test_cli_without_transformers_names_the_extra(tmp_path):
+    """A base install has no transformers: the verb says which extra brings it, in one line."""
+    text = tmp_path / "calib.txt"
+    text.write_text("the quick brown fox", encoding="utf-8")
+    argv = ["calibrate", "qwen3-8b", "--model", str(tmp_path), "--text", str(text), "--out", str(tmp_path / "c.pt")]
+    proc = subprocess.run([sys.executable, "-c", NO_TRANSFORMERS.replace("ARGV", repr(argv))], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == "error kvgen calibrate needs transformers: pip install 'kvgen[hf]'"

@@ -70,8 +70,26 @@ def _model_shape(config: Any) -> dict[str, tuple[int, str]]:
             "head_dim": (head_dim, "head_dim")}
 
 
+def _model_windows(config: Any) -> tuple[int | None, ...] | None:
+    """Per layer: the sliding window, ``None`` for full attention; ``None`` if the config has no
+    ``layer_types`` (then it is not compared)."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None:
+        return None
+    window = getattr(config, "sliding_window", None)
+    return tuple(window if kind == "sliding_attention" else None for kind in layer_types)
+
+
+def _windows_text(windows: tuple[int | None, ...]) -> str:
+    sliding = [layer for layer, window in enumerate(windows) if window is not None]
+    if not sliding:
+        return "none"
+    return f"{sliding} (window {sorted({windows[layer] for layer in sliding})})"
+
+
 def check_shape(model: torch.nn.Module, geometry: TriGeometry, family: str) -> None:
-    """Layers, heads and head_dim of the model's config against the spec's; every mismatch in one message."""
+    """Layers, heads, head_dim and sliding-window layers of the model's config against the spec's;
+    every mismatch in one message."""
     expected = {"layers": geometry.num_layers, "query heads": geometry.query_heads,
                 "KV heads": geometry.kv_heads, "head_dim": geometry.head_dim}
     try:
@@ -81,6 +99,10 @@ def check_shape(model: torch.nn.Module, geometry: TriGeometry, family: str) -> N
                              "Llama/Qwen3-style decoder configs") from None
     wrong = [f"{what}: model {value} (config {key}), spec {expected[what]}"
              for what, (value, key) in shape.items() if value != expected[what]]
+    windows = _model_windows(text_config(model))
+    if windows is not None and windows != geometry.swa_window:
+        wrong.append(f"sliding-window layers: model {_windows_text(windows)} (config layer_types, sliding_window), "
+                     f"spec {_windows_text(geometry.swa_window)}")
     if wrong:
         raise CalibrateError(f"{model_label(model)} is not the model family {family} describes: " + "; ".join(wrong))
 

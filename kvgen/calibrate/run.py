@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+import inspect
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -53,6 +54,15 @@ def _device_of(model: torch.nn.Module) -> torch.device:
     return parameter.device if parameter is not None else torch.device("cpu")
 
 
+def _forward_kwargs(model: torch.nn.Module) -> dict[str, Any]:
+    """No KV cache, and only the last position's logits where the model allows it (HF's
+    ``logits_to_keep``): the queries are all that is read, ``[tokens, vocab]`` logits are waste."""
+    kwargs: dict[str, Any] = {"use_cache": False}
+    if "logits_to_keep" in inspect.signature(model.forward).parameters:
+        kwargs["logits_to_keep"] = 1
+    return kwargs
+
+
 def calibrate(model: torch.nn.Module, chunks: Iterable[torch.Tensor], spec: FamilySpec) -> CalibrationRun:
     """Statistics of ``model``'s pre-RoPE queries over ``chunks`` (1-D token-id tensors, one forward
     pass each) for family ``spec``. The model is checked against the spec first (layers, heads,
@@ -65,11 +75,11 @@ def calibrate(model: torch.nn.Module, chunks: Iterable[torch.Tensor], spec: Fami
     device = _device_of(model)
     stats = QueryStats(geometry, device)
     handles = [site.module.register_forward_hook(partial(_capture, stats, site.layer)) for site in sites]
-    passes = 0
+    passes, kwargs = 0, _forward_kwargs(model)
     try:
         with torch.no_grad():
             for chunk in chunks:
-                model(input_ids=chunk.reshape(1, -1).to(device), use_cache=False)
+                model(input_ids=chunk.reshape(1, -1).to(device), **kwargs)
                 passes += 1
     finally:
         for handle in handles:
