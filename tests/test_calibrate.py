@@ -85,10 +85,11 @@ def record_rope_inputs(model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch) 
     """Patch the modeling module's apply_rotary_pos_emb to keep every query it rotates ([B, Hq, T, D])."""
     module = sys.modules[type(model.model.layers[0].self_attn).__module__]
     original = module.apply_rotary_pos_emb
+    heads = model.config.num_attention_heads
     seen: list[torch.Tensor] = []
 
     def recording(q, k, cos, sin, *args, **kwargs):
-        if q.shape[1] == HEADS:   # the RoPE probe of the model check rotates one head: not a forward pass
+        if q.shape[1] == heads:   # the RoPE probe of the model check rotates one head: not a forward pass
             seen.append(q.detach().clone())
         return original(q, k, cos, sin, *args, **kwargs)
 
@@ -96,19 +97,21 @@ def record_rope_inputs(model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch) 
     return seen
 
 
-def direct_means(seen: list[torch.Tensor], pairing: str, rotary_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """E_q [L, Hq, F] and E_q_norm from the recorded queries; calls come in layer order per pass."""
-    per_layer = [torch.cat([q[0].transpose(0, 1) for q in seen[layer::LAYERS]]).double() for layer in range(LAYERS)]
+def direct_means(seen: list[torch.Tensor], layers: int, pairing: str,
+                 rotary_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """E_q [L, Hq, F] and E_q_norm from the recorded queries (calls come in layer order in every
+    pass), in float64, pairs cut by index here; the rotated span leads in every model tested."""
     e_q, e_norm = [], []
-    for rows in per_layer:                          # [tokens, Hq, D]
-        span = rows[..., :rotary_dim]                # leading span in every model here
+    for layer in range(layers):
+        rows = torch.cat([q[0].transpose(0, 1) for q in seen[layer::layers]]).double()   # [tokens, Hq, D]
+        span = rows[..., :rotary_dim]
         if pairing == "half":
             pairs = torch.complex(span[..., :rotary_dim // 2], span[..., rotary_dim // 2:])
         else:
             pairs = torch.complex(span[..., 0::2], span[..., 1::2])
         e_q.append(pairs.mean(dim=0))
         e_norm.append(pairs.abs().mean(dim=0))
-    return torch.stack(e_q).to(torch.complex64), torch.stack(e_norm).to(torch.float32)
+    return torch.stack(e_q).to(torch.complex64).cpu(), torch.stack(e_norm).to(torch.float32).cpu()
 
 
 @pytest.mark.parametrize(("kind", "dtype"), [(kind, torch.float32) for kind in sorted(MODELS)]
@@ -122,7 +125,7 @@ def test_statistics_are_the_means_of_the_pre_rope_queries(kind, dtype, monkeypat
     assert run.tokens == sum(len(c) for c in chunks) and run.chunks == len(chunks)
     assert len(seen) == LAYERS * len(chunks)
     geometry = tri_geometry(spec)
-    e_q, e_norm = direct_means(seen, geometry.pairing, geometry.rotary_dim)
+    e_q, e_norm = direct_means(seen, LAYERS, geometry.pairing, geometry.rotary_dim)
     calib = run.calibration
     assert calib.E_q.shape == (LAYERS, HEADS, geometry.rotary_dim // 2) and calib.E_q.dtype == torch.complex64
     torch.testing.assert_close(calib.E_q, e_q, rtol=1e-6, atol=1e-7)
