@@ -717,6 +717,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype_name = args.dtype if args.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
     upstream = args.upstream_out or calibrate.upstream_path(args.out)
+    if upstream.resolve() == args.out.resolve():
+        raise UsageError(f"--upstream-out {upstream}: the same file as --out; the two forms need two files")
     try:
         text = calibrate.read_text(args.text)
         model, tokenizer = calibrate.load_model(args.model, device, getattr(torch, dtype_name), args.tokenizer)
@@ -727,7 +729,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
     calibrate.write_outputs(run, args.out, upstream)
     summary = {"family": run.family, "model": run.model, "tokens": run.tokens, "forward_passes": run.chunks,
-               "concentration": round(run.concentration, 6), "flat": str(args.out), "upstream": str(upstream)}
+               "query_site": run.metadata["query_site"], "concentration": round(run.concentration, 6),
+               "flat": str(args.out), "upstream": str(upstream)}
     if args.json:
         _print_json(summary)
     else:

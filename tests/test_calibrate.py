@@ -124,6 +124,7 @@ def test_statistics_are_the_means_of_the_pre_rope_queries(kind, dtype, monkeypat
     run = calibrate(model, chunks, spec)
     assert run.tokens == sum(len(c) for c in chunks) and run.chunks == len(chunks)
     assert len(seen) == LAYERS * len(chunks)
+    assert run.metadata["query_site"] == ("q_norm" if kind.startswith("qwen3") else "q_proj")
     geometry = tri_geometry(spec)
     e_q, e_norm = direct_means(seen, LAYERS, geometry.pairing, geometry.rotary_dim)
     calib = run.calibration
@@ -303,3 +304,12 @@ def test_cli_without_transformers_names_the_extra(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip() == "error kvgen calibrate needs transformers: pip install 'kvgen[hf]'"
+
+
+def test_no_or_empty_chunks_are_refused():
+    model, spec = tiny_model("qwen3"), parse_spec(spec_text())
+    with pytest.raises(CalibrateError, match="no token chunks"):
+        calibrate(model, [], spec)
+    with pytest.raises(CalibrateError, match="token chunk 1 is empty"):
+        calibrate(model, [torch.tensor([3, 4]), torch.tensor([], dtype=torch.int64)], spec)
+    assert not model.training and not model.model.layers[0].self_attn.q_norm._forward_hooks   # hooks removed

@@ -40,7 +40,7 @@ class QuerySite:
     """The module of decoder ``layer`` whose output holds that layer's pre-RoPE queries."""
 
     layer: int
-    name: str
+    kind: str                # "q_norm" or "q_proj"
     module: torch.nn.Module
 
 
@@ -92,14 +92,15 @@ def check_shape(model: torch.nn.Module, geometry: TriGeometry, family: str) -> N
     every mismatch in one message."""
     expected = {"layers": geometry.num_layers, "query heads": geometry.query_heads,
                 "KV heads": geometry.kv_heads, "head_dim": geometry.head_dim}
+    config = text_config(model)
     try:
-        shape = _model_shape(text_config(model))
+        shape = _model_shape(config)
     except AttributeError as exc:
         raise CalibrateError(f"{model_label(model)}: its config has no {exc.name!r}; kvgen calibrate reads "
                              "Llama/Qwen3-style decoder configs") from None
     wrong = [f"{what}: model {value} (config {key}), spec {expected[what]}"
              for what, (value, key) in shape.items() if value != expected[what]]
-    windows = _model_windows(text_config(model))
+    windows = _model_windows(config)
     if windows is not None and windows != geometry.swa_window:
         wrong.append(f"sliding-window layers: model {_windows_text(windows)} (config layer_types, sliding_window), "
                      f"spec {_windows_text(geometry.swa_window)}")
@@ -107,9 +108,14 @@ def check_shape(model: torch.nn.Module, geometry: TriGeometry, family: str) -> N
         raise CalibrateError(f"{model_label(model)} is not the model family {family} describes: " + "; ".join(wrong))
 
 
+def _child(module: torch.nn.Module, name: str) -> torch.nn.Module | None:
+    child = getattr(module, name, None)
+    return child if isinstance(child, torch.nn.Module) else None
+
+
 def attention_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    return [(name, module) for name, module in model.named_modules() if isinstance(getattr(module, "q_proj", None),
-                                                                                   torch.nn.Module)]
+    """``(name, module)`` of every module with a ``q_proj`` child, in module order."""
+    return [(name, module) for name, module in model.named_modules() if _child(module, "q_proj") is not None]
 
 
 def query_sites(model: torch.nn.Module, geometry: TriGeometry) -> list[QuerySite]:
@@ -126,9 +132,9 @@ def query_sites(model: torch.nn.Module, geometry: TriGeometry) -> list[QuerySite
         if width is not None and width != geometry.query_heads * geometry.head_dim:
             raise CalibrateError(f"{model_label(model)}: {name}.q_proj writes {width} features, not query heads × "
                                  f"head_dim = {geometry.query_heads} × {geometry.head_dim}")
-        norm = getattr(attention, "q_norm", None)
-        site, suffix = (norm, "q_norm") if isinstance(norm, torch.nn.Module) else (q_proj, "q_proj")
-        sites.append(QuerySite(getattr(attention, "layer_idx", index), f"{name}.{suffix}", site))
+        norm = _child(attention, "q_norm")
+        kind, site = ("q_norm", norm) if norm is not None else ("q_proj", q_proj)
+        sites.append(QuerySite(getattr(attention, "layer_idx", index), kind, site))
     layers = sorted(site.layer for site in sites)
     if layers != list(range(geometry.num_layers)):
         raise CalibrateError(f"{model_label(model)}: attention layer_idx values {layers} are not "

@@ -7,9 +7,9 @@ goes straight to ``calibrate`` or ``calibrate_text``.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-import inspect
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -75,21 +75,26 @@ def calibrate(model: torch.nn.Module, chunks: Iterable[torch.Tensor], spec: Fami
     device = _device_of(model)
     stats = QueryStats(geometry, device)
     handles = [site.module.register_forward_hook(partial(_capture, stats, site.layer)) for site in sites]
-    passes, kwargs = 0, _forward_kwargs(model)
+    passes, kwargs, training = 0, _forward_kwargs(model), model.training
+    model.eval()   # dropout off: statistics of the queries the model serves with
     try:
         with torch.no_grad():
             for chunk in chunks:
+                if chunk.numel() == 0:
+                    raise CalibrateError(f"token chunk {passes} is empty")
                 model(input_ids=chunk.reshape(1, -1).to(device), **kwargs)
                 passes += 1
     finally:
         for handle in handles:
             handle.remove()
+        model.train(training)
     if passes == 0:
-        raise CalibrateError("no tokens to calibrate from: the text tokenized to nothing")
+        raise CalibrateError("no token chunks to calibrate from")
     calib = stats.calibration(omega, freq_scale_sq)
     rope_type = (rope_scaling(spec) or {}).get("type", "default")
     return CalibrationRun(calib, spec.name, model_label(model), stats.tokens[0], passes,
-                          {"rope_style": geometry.pairing, "rope_type": rope_type, "head_dim": geometry.head_dim})
+                          {"rope_style": geometry.pairing, "rope_type": rope_type, "head_dim": geometry.head_dim,
+                           "query_site": sites[0].kind})
 
 
 def token_chunks(ids: Sequence[int], chunk_tokens: int, bos: int | None = None) -> list[torch.Tensor]:
