@@ -33,7 +33,8 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 EPILOG = ("exit status: 0 ok, 1 a check failed (invalid spec, failed compile, registry problem), "
           "2 bad usage (unknown arch, family or folder, missing extra)")
 # Modules of the optional extras (pyproject.toml) -> the extra that installs them.
-EXTRAS = {"optuna": "tune", "psycopg2": "tune", "triton": "triton", "cutlass": "cute", "matplotlib": "report"}
+EXTRAS = {"optuna": "tune", "psycopg2": "tune", "triton": "triton", "cutlass": "cute", "matplotlib": "report",
+          "transformers": "hf"}
 
 console = Console(highlight=False, emoji=False, width=None if sys.stdout.isatty() else 160)
 err_console = Console(stderr=True, highlight=False, emoji=False)
@@ -700,6 +701,63 @@ def cmd_spec_from_config(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+# ---------------------------------------------------------------- calibrate
+
+CALIBRATE_DTYPES = ("auto", "bfloat16", "float16", "float32")
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    """TriAttention statistics of a local checkpoint on a text file, written in both on-disk forms."""
+    import torch
+
+    from kvgen import calibrate
+    from kvgen.reference.triattention import GeometryError
+
+    spec = load_spec(find_spec(args.family, args.specs))
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype_name = args.dtype if args.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
+    upstream = args.upstream_out or calibrate.upstream_path(args.out)
+    if upstream.resolve() == args.out.resolve():
+        raise UsageError(f"--upstream-out {upstream}: the same file as --out; the two forms need two files")
+    try:
+        text = calibrate.read_text(args.text)
+        model, tokenizer = calibrate.load_model(args.model, device, getattr(torch, dtype_name), args.tokenizer)
+        run = calibrate.calibrate_text(model, tokenizer, text, spec,
+                                       chunk_tokens=args.chunk_tokens or calibrate.DEFAULT_CHUNK_TOKENS,
+                                       max_tokens=args.max_tokens, source=str(args.text))
+    except (calibrate.CalibrateError, GeometryError) as exc:
+        raise UsageError(str(exc)) from None
+    calibrate.write_outputs(run, args.out, upstream)
+    summary = {"family": run.family, "model": run.model, "tokens": run.tokens, "forward_passes": run.chunks,
+               "query_site": run.metadata["query_site"], "concentration": round(run.concentration, 6),
+               "flat": str(args.out), "upstream": str(upstream)}
+    if args.json:
+        _print_json(summary)
+    else:
+        print(f"{run.family}: {run.tokens} tokens in {run.chunks} forward passes; mean |E q|/E|q| "
+              f"{run.concentration:.4f}; wrote {args.out} (flat) and {upstream} (upstream form)", file=sys.stderr)
+    return EXIT_OK
+
+
+def _add_calibrate_parser(sub) -> None:  # noqa: ANN001 - argparse's private subparsers type
+    p = sub.add_parser("calibrate", help="TriAttention query statistics of a Hugging Face checkpoint on a text file",
+                       epilog=EPILOG)
+    p.add_argument("family", help="family name or spec file the model must match")
+    p.add_argument("--model", type=Path, required=True, help="local Hugging Face checkpoint folder")
+    p.add_argument("--text", type=Path, required=True, help="calibration text (UTF-8)")
+    p.add_argument("--out", type=Path, required=True, help="flat calibration file to write (E_q, E_q_norm, omega, "
+                                                           "freq_scale_sq)")
+    p.add_argument("--upstream-out", type=Path, help="upstream-form file to write (default: <out stem>.upstream.pt)")
+    p.add_argument("--tokenizer", type=Path, help="tokenizer folder (default: the model folder)")
+    p.add_argument("--chunk-tokens", type=int, help="tokens per forward pass (default: 4096)")
+    p.add_argument("--max-tokens", type=int, help="use only the first N tokens of the text")
+    p.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
+    p.add_argument("--dtype", choices=CALIBRATE_DTYPES, default="auto",
+                   help="model dtype (default auto: bfloat16 on cuda, float32 on cpu)")
+    _add_json(p)
+    p.set_defaults(func=cmd_calibrate)
+
+
 # ---------------------------------------------------------------- entry
 
 
@@ -736,6 +794,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_build_parsers(sub)
     _add_wheel_parser(sub)
     _add_run_parsers(sub)
+    _add_calibrate_parser(sub)
     return parser
 
 

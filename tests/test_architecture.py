@@ -19,7 +19,7 @@ PACKAGE = ROOT / "kvgen"
 # The bottom layer: modules every stage may use, which import no other part of kvgen.
 BASE_MODULES = {"kvgen", "kvgen.arch", "kvgen.files", "kvgen.paths"}
 BUILD_SIDE = ("spec", "lower", "render", "build")
-TOOLS = ("measure", "tuning", "bench", "demo")
+TOOLS = ("measure", "tuning", "bench", "demo", "calibrate")
 
 # unit -> the units it may import (besides itself). "base" is BASE_MODULES.
 ALLOWED: dict[str, set[str]] = {
@@ -37,8 +37,9 @@ ALLOWED: dict[str, set[str]] = {
     "bench": {"base", "reference", "kernels", "artifacts", "runtime", "measure", *BUILD_SIDE},
     "demo": {"base", "reference", "kernels", "artifacts", "runtime", "measure", *BUILD_SIDE},
     "integrations": {"base", "reference", "kernels", "artifacts", "runtime", "measure", "spec", "lower"},
+    "calibrate": {"base", "reference", "spec", "lower"},
     "cli": {"base", "reference", "kernels", "artifacts", "runtime", "measure", "tuning", "bench", "demo",
-            *BUILD_SIDE},
+            "calibrate", *BUILD_SIDE},
 }
 
 

@@ -26,10 +26,11 @@ from kvgen.artifacts.manifest import manifest_path, read_manifest
 from kvgen.kernels import INCLUDE_DIRS
 from kvgen.lower.layout import family_layout, to_json
 from kvgen.lower.triattention import eviction_config
-from kvgen.runtime.codec import ColdPageCodec, check_pairs, check_pools, cold_slots
+from kvgen.runtime.codec import ColdPageCodec, check_pairs, check_pools
 from kvgen.runtime.compact import CompactLibrary, CompactPoolExtent
 from kvgen.runtime.library import FamilyLibrary, LibraryError, PoolExtent
 from kvgen.runtime.lookup import RegistryLayout
+from kvgen.runtime.offload import cold_slots
 from kvgen.spec.schema import load_spec
 
 from .test_runtime_registry import REAL_FAMILY, real_registry

@@ -32,10 +32,11 @@ def test_strategy_names_and_abi_are_checked() -> None:
 
 
 def test_cold_storage_must_be_pinned_host_whole_pages() -> None:
-    with pytest.raises(ValueError, match="pinned host cold storage"):
-        check_host_cold(torch.zeros(64, dtype=torch.uint8), 16)
+    cpu = torch.device("cpu")
+    with pytest.raises(ValueError, match="pinned host memory"):
+        check_host_cold(torch.zeros(64, dtype=torch.uint8), 16, cpu)
     with pytest.raises(ValueError, match="contiguous uint8"):
-        check_host_cold(torch.zeros(64, dtype=torch.int8), 16)
+        check_host_cold(torch.zeros(64, dtype=torch.int8), 16, cpu)
 
 
 def test_staging_tensor_must_be_contiguous_uint8_on_the_gpu() -> None:

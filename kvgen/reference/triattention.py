@@ -52,8 +52,10 @@ from kvgen.reference.triattention_calib import (
     rope_freq_scale_sq,
     rope_omega,
     save_calibration,
+    save_upstream_calibration,
     synthetic_calibration,
     synthetic_queries,
+    upstream_head_key,
     yarn_attention_factor,
 )
 from kvgen.reference.triattention_family import (
@@ -74,8 +76,8 @@ __all__ = [
     "gather_token_rows", "is_due", "lane_sum", "load_calibration", "longrope_attention_factor", "mean_phase_rows",
     "mean_phase_table", "num_decision_rows", "pack_moves", "page_shape", "post_round", "refusal_reason",
     "rope_attention_factor", "rope_defaults", "rope_freq_scale_sq", "rope_omega",
-    "save_calibration", "score_coefficients", "score_keys", "score_paged", "select_keep", "split_pairs",
-    "synthetic_calibration", "synthetic_queries", "yarn_attention_factor", "zscore",
+    "save_calibration", "save_upstream_calibration", "score_coefficients", "score_keys", "score_paged", "select_keep", "split_pairs",
+    "synthetic_calibration", "synthetic_queries", "upstream_head_key", "yarn_attention_factor", "zscore",
 ]
 
 OFFSETS = tuple(2 ** i for i in range(17))  # future-query offsets 1, 2, 4, ..., 65536 (§3)

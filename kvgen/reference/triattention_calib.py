@@ -335,6 +335,11 @@ def _sampled_heads(path: Path | str, metadata: Any, geometry: TriGeometry) -> li
     return heads
 
 
+def upstream_head_key(layer: int, head: int) -> str:
+    """Key of one (cache layer, query head) in the upstream form's ``stats``."""
+    return f"layer{layer:02d}_head{head:02d}"
+
+
 def _load_upstream(path: Path | str, raw: Mapping[str, Any], geometry: TriGeometry,
                    omega_default: torch.Tensor | None, scale_default: torch.Tensor | None) -> Calibration:
     """Upstream form: per-head dicts; heads not sampled keep zeros, so they score 0."""
@@ -349,7 +354,7 @@ def _load_upstream(path: Path | str, raw: Mapping[str, Any], geometry: TriGeomet
     e_q_norm = torch.zeros(geometry.num_layers, geometry.query_heads, freqs, dtype=torch.float32)
     floats = (torch.float32, torch.float64, torch.float16, torch.bfloat16)  # upstream calls .float()
     for layer, head in _sampled_heads(path, raw.get("metadata"), geometry):
-        name = f"layer{layer:02d}_head{head:02d}"
+        name = upstream_head_key(layer, head)
         entry = stats.get(name)
         if not isinstance(entry, Mapping):
             raise _fail(path, f"stats.{name}", "missing or not a dict, but the head is in sampled_heads")
@@ -388,6 +393,24 @@ def save_calibration(calib: Calibration, path: Path | str) -> None:
     """Write the flat form (loadable with weights_only=True)."""
     torch.save({"E_q": calib.E_q.cpu(), "E_q_norm": calib.E_q_norm.cpu(),
                 "omega": calib.omega.cpu(), "freq_scale_sq": calib.freq_scale_sq.cpu()}, path)
+
+
+def save_upstream_calibration(calib: Calibration, path: Path | str,
+                              metadata: Mapping[str, Any] | None = None) -> None:
+    """Write the upstream form with every (layer, head) sampled. ``metadata`` adds descriptive
+    entries (str, numbers, lists) beside ``sampled_heads``, the only one the loader reads; omega
+    and freq_scale_sq are not stored, the loader takes them from the family's RoPE."""
+    layers, heads, _ = calib.E_q.shape
+    sampled = [[layer, head] for layer in range(layers) for head in range(heads)]
+    stats = {}
+    for layer, head in sampled:
+        # clone(): a view would drag the whole [L, Hq, F] storage into every entry of the file
+        stats[upstream_head_key(layer, head)] = {
+            "q_mean_real": calib.E_q[layer, head].real.cpu().clone(),
+            "q_mean_imag": calib.E_q[layer, head].imag.cpu().clone(),
+            "q_abs_mean": calib.E_q_norm[layer, head].cpu().clone(),
+        }
+    torch.save({"metadata": {**dict(metadata or {}), "sampled_heads": sampled}, "stats": stats}, path)
 
 
 def synthetic_queries(geometry: TriGeometry, seed: int, num_queries: int = 256,

@@ -37,6 +37,7 @@ from kvgen.runtime.offload import (
     check_slots,
     check_staging_tensor,
     check_strategy,
+    cold_slots,
     default_strategy,
 )
 
@@ -119,21 +120,6 @@ def pool_descriptors(pools: Sequence[Sequence[torch.Tensor]]) -> list[tuple[int,
     """(base address, page stride in bytes, pages) per (layer, buffer), layers then buffers in order."""
     return [(pool.data_ptr(), pool.stride(0) * pool.element_size(), pool.shape[0])
             for buffers in pools for pool in buffers]
-
-
-def cold_slots(cold: Any, page_bytes: int, device: torch.device) -> int:
-    """Slots of a cold buffer: contiguous uint8, 16-byte aligned, on ``device`` or pinned host memory."""
-    if not isinstance(cold, torch.Tensor) or cold.dtype != torch.uint8 or not cold.is_contiguous():
-        raise ValueError("cold: cold storage must be a contiguous uint8 tensor")
-    if cold.is_cuda and cold.device != device:
-        raise ValueError(f"cold: on {cold.device}, the hot pools on {device}")
-    if not (cold.is_cuda or cold.is_pinned()):
-        raise ValueError("cold: cold storage must be GPU memory or pinned host memory")
-    if cold.data_ptr() % 16:
-        raise ValueError("cold: base address must be 16-byte aligned")
-    if cold.numel() % page_bytes:
-        raise ValueError(f"cold: {cold.numel()} bytes is not a multiple of the cold page size {page_bytes}")
-    return cold.numel() // page_bytes
 
 
 def check_pairs(pairs: Any, index_location: str, device: torch.device) -> torch.Tensor:
@@ -292,7 +278,7 @@ class ColdPageCodec:
     def _transfer(self, offload: bool, cold: torch.Tensor, pairs: torch.Tensor, lifecycle: int, stream,
                   strategy: str | None) -> None:
         strategy = check_strategy(strategy or self._offload.strategy, getattr(self.library, "abi", 1))
-        num_slots = check_host_cold(cold, self.cold_page_bytes(lifecycle))
+        num_slots = check_host_cold(cold, self.cold_page_bytes(lifecycle), self.device)
         pairs = check_pairs(pairs, self.index_location, self.device)
         slots = pairs[:, 0 if offload else 1]
         if not pairs.is_cuda:

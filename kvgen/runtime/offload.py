@@ -20,6 +20,7 @@ Nothing here needs a GPU: the checks and the record of offloaded slots are plain
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -56,15 +57,27 @@ def check_staging_tensor(staging: torch.Tensor) -> None:
         raise ValueError(f"staging: on {staging.device}, the codec runs on cuda:{torch.cuda.current_device()}")
 
 
-def check_host_cold(cold: torch.Tensor, page_bytes: int) -> int:
-    """Pinned host cold storage of whole pages; its number of slots."""
-    if cold.dtype != torch.uint8 or not cold.is_contiguous():
-        raise ValueError("cold storage must be a contiguous uint8 tensor")
-    if cold.is_cuda or not cold.is_pinned():
-        raise ValueError("offload/onboard take pinned host cold storage (encode/decode serve device memory)")
+def cold_slots(cold: Any, page_bytes: int, device: torch.device) -> int:
+    """Slots of a cold buffer: contiguous uint8, 16-byte aligned, on ``device`` or pinned host memory."""
+    if not isinstance(cold, torch.Tensor) or cold.dtype != torch.uint8 or not cold.is_contiguous():
+        raise ValueError("cold: cold storage must be a contiguous uint8 tensor")
+    if cold.is_cuda and cold.device != device:
+        raise ValueError(f"cold: on {cold.device}, the hot pools on {device}")
+    if not (cold.is_cuda or cold.is_pinned()):
+        raise ValueError("cold: cold storage must be GPU memory or pinned host memory")
+    if cold.data_ptr() % 16:
+        raise ValueError("cold: base address must be 16-byte aligned")
     if cold.numel() % page_bytes:
-        raise ValueError(f"cold storage size {cold.numel()} is not a multiple of {page_bytes} bytes")
+        raise ValueError(f"cold: {cold.numel()} bytes is not a multiple of the cold page size {page_bytes}")
     return cold.numel() // page_bytes
+
+
+def check_host_cold(cold: Any, page_bytes: int, device: torch.device) -> int:
+    """Pinned host cold storage of whole pages (offload and onboard); its number of slots."""
+    slots = cold_slots(cold, page_bytes, device)
+    if cold.is_cuda:
+        raise ValueError("cold: offload/onboard take pinned host cold storage (encode/decode serve device memory)")
+    return slots
 
 
 def check_slots(slots: torch.Tensor, num_slots: int) -> None:
