@@ -1,11 +1,14 @@
 """Tiny random-initialised transformers models shaped like a kvgen family, and the oracle's view of
 a TriAttention round inside ``generate()``; shared by the CPU tests, the GPU tests and
 ``scripts/hf_proof.py``. Needs transformers (extra ``[hf]``) and no spec (the family's
-``EvictionConfig`` from a registry manifest describes it)."""
+``EvictionConfig`` from a registry manifest describes it), except ``calibrate_random_tokens``:
+``kvgen calibrate`` checks the model against the family spec."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -31,7 +34,9 @@ def config_for(family: EvictionConfig, *, hidden: int = 256, intermediate: int =
 
 
 def tiny_model(family: EvictionConfig, device: str | torch.device, seed: int = 0, **sizes):
-    """The random-initialised causal LM of ``config_for`` in the family's hot dtype, eval mode."""
+    """The random-initialised causal LM of ``config_for`` in the family's hot dtype, eval mode.
+    Built with ``from_config(..., dtype=)``, never cast with ``.to(dtype)``: its RoPE ``inv_freq``
+    buffer stays float32, the spec's frequencies, which ``kvgen calibrate`` checks."""
     from transformers import AutoModelForCausalLM
 
     from kvgen.runtime.score import TORCH_DTYPES
@@ -46,6 +51,44 @@ def synchronize() -> None:
     """Wait for the GPU where there is one (the CPU tests run the same helpers with stand-ins)."""
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+
+
+@dataclass(frozen=True)
+class Calibrated:
+    """``kvgen calibrate``'s statistics of a model, written in both on-disk forms."""
+
+    run: object        # a kvgen.calibrate.CalibrationRun
+    flat: Path         # {E_q, E_q_norm, omega, freq_scale_sq}
+    upstream: Path     # the upstream project's stats file
+    seconds: float     # calibrate() alone (forward passes and sums), synchronized
+
+    def describe(self) -> dict:
+        run = self.run
+        return {"producer": "kvgen.calibrate.calibrate", "tokens": run.tokens, "forward_passes": run.chunks,
+                "seconds": self.seconds, "tokens_per_s": run.tokens / self.seconds,
+                "query_site": run.metadata["query_site"], "concentration": run.concentration,
+                "flat": str(self.flat), "upstream": str(self.upstream)}
+
+
+def calibrate_random_tokens(model, spec, folder: Path, tokens: int, chunk_tokens: int,  # noqa: ANN001
+                            seed: int = 0) -> Calibrated:
+    """``kvgen calibrate`` (``kvgen.calibrate.calibrate``) of ``model`` against family ``spec`` over
+    ``tokens`` random token ids in forward passes of ``chunk_tokens``; both forms written to
+    ``folder/<family>.pt`` and ``folder/<family>.upstream.pt``. A random-initialised model has no
+    tokenizer and was trained on no text, so uniformly random ids are as good a calibration text as
+    any: the statistics are of the queries this model makes, which is what its cache scores with."""
+    from kvgen.calibrate import calibrate, token_chunks, upstream_path, write_outputs
+
+    ids = torch.randint(0, model.config.vocab_size, (tokens,), generator=torch.Generator().manual_seed(seed))
+    chunks = token_chunks(ids.tolist(), chunk_tokens)
+    synchronize()
+    start = time.perf_counter()
+    run = calibrate(model, chunks, spec)
+    synchronize()
+    seconds = time.perf_counter() - start
+    flat = folder / f"{spec.name}.pt"
+    write_outputs(run, flat, upstream_path(flat))
+    return Calibrated(run, flat, upstream_path(flat), seconds)
 
 
 @dataclass
@@ -121,8 +164,6 @@ def offload_round_trip(cache) -> dict:  # noqa: ANN001 - a KvgenOffloadedCache a
     into byte for byte against ``decode_records`` of those slots, and the lossless span (if any)
     against the original. The pages left are overwritten with NaN in between (they are free), so
     what comes back comes from the host. Times both transfers (synchronized)."""
-    import time
-
     from kvgen.integrations.transformers import reference_record
     from kvgen.reference.codec import decode_records, encode_records
 

@@ -1,17 +1,19 @@
 """``kvgen.integrations.transformers`` on the CPU: refusals of models the family does not describe,
 the mapping of transformers' ``[B, H, T, D]`` K/V to the family's pages and back (through the
-oracle's cold-page codec too), and the TriAttention cache inside a real ``generate()`` with the
-oracle standing in for the GPU kernels (kept sets equal to ``eviction_round``'s, exactly).
+oracle's cold-page codec too), and the TriAttention cache inside a real ``generate()``, calibrated
+by ``kvgen calibrate`` on the same model, with the oracle standing in for the GPU kernels (kept
+sets equal to ``eviction_round``'s, exactly).
 
 The codec and the score kernel need a GPU: ``tests/gpu/test_hf_gpu.py`` runs both caches there.
-Models are tiny random-initialised Qwen3 / Qwen3.5-text configs (no hub access), 2 layers."""
+Models are tiny random-initialised Qwen3 / Qwen3.5-text configs (no hub access), 2 layers, with
+the family's attention geometry and a small rest (hidden 32, vocabulary 64): CPU time goes to the
+bf16 projections to and from the family's 32 x 128 query heads, so the rest is kept minimal."""
 
 from __future__ import annotations
 
 import functools
 import json
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import pytest
 import torch
@@ -39,9 +41,17 @@ from kvgen.runtime.lookup import RegistryLayout  # noqa: E402
 from kvgen.spec.schema import load_spec  # noqa: E402
 
 from .conftest import SPECS_DIR  # noqa: E402
-from .hf_models import OracleCodec, RoundOracle, config_for, offload_round_trip, oracle_history, tiny_model  # noqa: E402
+from .hf_models import (  # noqa: E402
+    OracleCodec,
+    RoundOracle,
+    calibrate_random_tokens,
+    config_for,
+    offload_round_trip,
+    oracle_history,
+    tiny_model,
+)
 from .test_triattention_runtime import OracleScorer  # noqa: E402
-from .tri_sim import save_synthetic_calibration, small_spec  # noqa: E402
+from .tri_sim import small_spec  # noqa: E402
 
 
 @dataclass
@@ -76,9 +86,19 @@ def _spec(name: str, layers: int = 2):
     return small_spec(load_spec(SPECS_DIR / f"{name}.yaml"), layers)
 
 
+VOCAB = 64
+
+
 @functools.cache
-def _model(family: str):  # noqa: ANN202 - one tiny model per family for the whole module (init is the slow part)
-    return tiny_model(eviction_config(_spec(family)), "cpu", hidden=128, intermediate=256, vocab=256)
+def _model(family: str):  # noqa: ANN202 - one tiny model per family for the whole module
+    return tiny_model(eviction_config(_spec(family)), "cpu", hidden=32, intermediate=64, vocab=VOCAB)
+
+
+@pytest.fixture(scope="module")
+def calibrated(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201 - a hf_models.Calibrated
+    """``kvgen calibrate`` of the qwen3-8b model (2 layers) over 256 random tokens in two passes,
+    both forms written: ~0.3 s on the CPU, so no synthetic statistics are needed here."""
+    return calibrate_random_tokens(_model("qwen3-8b"), _spec("qwen3-8b"), tmp_path_factory.mktemp("calib"), 256, 128)
 
 
 # ---------------------------------------------------------------- refusals
@@ -197,7 +217,7 @@ def test_offloading_cache_in_generate_with_the_oracle_codec(family: str) -> None
     bit, to a DynamicCache holding the oracle's decode of the cold pages (the proof's bound 0)."""
     spec = _spec(family)
     model = _model(family)
-    ids = torch.randint(0, 256, (2, 30), generator=torch.Generator().manual_seed(5))
+    ids = torch.randint(0, VOCAB, (2, 30), generator=torch.Generator().manual_seed(5))
     cache = KvgenOffloadedCache(model.config, family, registry=_Registry(spec), max_cache_len=64,
                                 codec_factory=OracleCodec)
     kw = {"do_sample": False, "output_logits": True, "return_dict_in_generate": True}
@@ -227,7 +247,7 @@ def test_caches_sharing_a_pool_take_turns_on_the_gpu() -> None:
     kw = {"do_sample": False, "output_logits": True, "return_dict_in_generate": True}
     a, b = (KvgenOffloadedCache(model.config, "qwen3-8b", registry=_Registry(spec), max_cache_len=64, pool=pool,
                                 codec_factory=OracleCodec) for _ in range(2))
-    ids = torch.randint(0, 256, (2, 1, 36), generator=torch.Generator().manual_seed(6))
+    ids = torch.randint(0, VOCAB, (2, 1, 36), generator=torch.Generator().manual_seed(6))
     first = model.generate(ids[0], max_new_tokens=4, past_key_values=a, **kw)
     with pytest.raises(ValueError, match="page pool: 2 hot pages asked for, 0 of 2 free"):
         model.generate(ids[1], max_new_tokens=4, past_key_values=b, **kw)
@@ -256,15 +276,17 @@ def _oracle_factory(resolved, calibration, k_pools, v_pools, **overrides) -> Tri
     omega, scale = rope_defaults(config.geometry.rotary_dim, config.rope_theta, config.rope_scaling)
     scorer = OracleScorer(config.family, k_pools, load_calibration(calibration, config.geometry, omega, scale),
                           config.geometry)
+    overrides.setdefault("max_position", 64)   # the mean-phase table doubles as positions grow; 2^15 rows cost ~1 s here
     return TriAttentionManager(config, calibration, k_pools, v_pools, scorer, selector="oracle", **overrides)
 
 
-def test_triattention_cache_in_generate_keeps_the_oracle_sets(tmp_path: Path) -> None:
+def test_calibrate_then_triattention_cache_in_generate_keeps_the_oracle_sets(calibrated) -> None:  # noqa: ANN001
+    """kvgen calibrate -> its flat file -> KvgenTriAttentionCache in generate(): the manager scores
+    with exactly the statistics calibrate measured, and every round keeps the oracle's sets."""
     spec = _spec("qwen3-8b")
-    config = eviction_config(spec)
-    calibration = save_synthetic_calibration(config, tmp_path / "calib.pt")
+    calibration = calibrated.flat
     model = _model("qwen3-8b")
-    prompt = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(3))
+    prompt = torch.randint(0, VOCAB, (1, 24), generator=torch.Generator().manual_seed(3))
     oracle = RoundOracle()
     cache = KvgenTriAttentionCache(model.config, "qwen3-8b", calibration, registry=_Registry(spec),
                                    max_cache_len=24 + 16 + 8, budget=16, beta=8, manager_factory=_oracle_factory,
@@ -275,16 +297,18 @@ def test_triattention_cache_in_generate_keeps_the_oracle_sets(tmp_path: Path) ->
     assert [(r.before, r.after) for r in cache.rounds] == [(24 + 24, 24 + 16)] * len(cache.rounds)
     assert len(cache.rounds) == 2                           # at 24 and 32 generated tokens cached (39 in all)
     assert oracle.agreement(cache) == [1.0] * 2             # the oracle's own scores: identical sets
+    measured = calibrated.run.calibration
+    assert torch.equal(cache.manager.calibration.E_q, measured.E_q)
+    assert torch.equal(cache.manager.calibration.E_q_norm, measured.E_q_norm)
     assert cache.length == 24 + 16 + (cache.seen - cache.rounds[-1].seen)
     assert cache.evicted_bytes() == (cache.seen - cache.length) * 2 * 2 * 8 * 128 * 2
 
 
-def test_without_eviction_generate_equals_dynamic_cache(tmp_path: Path) -> None:
+def test_without_eviction_generate_equals_dynamic_cache(calibrated) -> None:  # noqa: ANN001
     spec = _spec("qwen3-8b")
-    config = eviction_config(spec)
-    calibration = save_synthetic_calibration(config, tmp_path / "calib.pt")
+    calibration = calibrated.upstream                       # the upstream form loads as well
     model = _model("qwen3-8b")
-    prompt = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(4))
+    prompt = torch.randint(0, VOCAB, (2, 20), generator=torch.Generator().manual_seed(4))
     cache = KvgenTriAttentionCache(model.config, "qwen3-8b", calibration, registry=_Registry(spec),
                                    max_cache_len=20 + 16 + 8, budget=16, beta=8, manager_factory=_oracle_factory)
     mine = model.generate(prompt, max_new_tokens=17, do_sample=False, past_key_values=cache,   # 16 cached: no round
