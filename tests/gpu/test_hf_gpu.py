@@ -6,10 +6,11 @@ models shaped like registry families, beside ``DynamicCache`` (greedy):
   onboard, cold pages and restored pages are byte-exact to the oracle's codec, the lossless RoPE
   span (qwen3.5-397b-a17b-lossless-rope) bit-exact to the original, and a continued ``generate()``
   gives logits identical to a ``DynamicCache`` holding the oracle's decoded history;
-- the TriAttention cache runs rounds with the registry's generated scorer, selection, packer and
-  compactor, its kept sets agreeing with the oracle's ``eviction_round`` (scores within the score
-  kernel's tolerance, so a near tie at the budget cut may differ), and equals ``DynamicCache``
-  while no round is due.
+- the TriAttention cache, calibrated by ``kvgen calibrate`` on the same random-init model (2048
+  random token ids, the upstream-form file), scores with exactly the measured statistics and runs
+  rounds with the registry's generated scorer, selection, packer and compactor, its kept sets
+  agreeing with the oracle's ``eviction_round`` (scores within the score kernel's tolerance, so a
+  near tie at the budget cut may differ), and equals ``DynamicCache`` while no round is due.
 
 Needs the carried sm_90a registry (``KVGEN_REGISTRY`` or build/registry) and transformers.
 """
@@ -26,11 +27,12 @@ pytest.importorskip("transformers")
 from transformers import DynamicCache  # noqa: E402
 
 from kvgen.integrations.transformers import KvgenOffloadedCache, KvgenTriAttentionCache  # noqa: E402
-from kvgen.reference.triattention import save_calibration, synthetic_calibration  # noqa: E402
 from kvgen.runtime.eviction import registry_config  # noqa: E402
 from kvgen.runtime.lookup import RuntimeRegistry  # noqa: E402
+from kvgen.spec.schema import load_spec  # noqa: E402
 
-from ..hf_models import RoundOracle, offload_round_trip, oracle_history, tiny_model  # noqa: E402
+from ..conftest import SPECS_DIR  # noqa: E402
+from ..hf_models import RoundOracle, calibrate_random_tokens, offload_round_trip, oracle_history, tiny_model  # noqa: E402
 from .conftest import ARCH, REGISTRY  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -80,9 +82,10 @@ def test_offloading_cache_in_generate(family: str) -> None:
 
 def test_triattention_cache_in_generate(tmp_path: Path) -> None:
     registry, config = _family("qwen3-8b")
-    calibration = tmp_path / "calib.pt"
-    save_calibration(synthetic_calibration(config.geometry, 0, theta=config.rope_theta), calibration)
     model = tiny_model(config, "cuda", **SIZES)
+    calibrated = calibrate_random_tokens(model, load_spec(SPECS_DIR / "qwen3-8b.yaml"), tmp_path, 2048, 1024)
+    print(f"\nkvgen calibrate: {calibrated.describe()}")
+    calibration = calibrated.upstream
     ids = torch.randint(0, SIZES["vocab"], (1, 64), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
     budget, beta = 128, 32
 
@@ -95,6 +98,7 @@ def test_triattention_cache_in_generate(tmp_path: Path) -> None:
     cache = KvgenTriAttentionCache(model.config, "qwen3-8b", calibration, registry=registry, arch=ARCH,
                                    max_cache_len=64 + budget + beta, budget=budget, beta=beta, on_round=oracle)
     _generate(model, ids, cache, budget + 4 * beta + 1)
+    assert torch.equal(cache.manager.calibration.E_q, calibrated.run.calibration.E_q)
     assert len(cache.rounds) == 4
     assert all(r.after == 64 + budget for r in cache.rounds)
     agreement = oracle.agreement(cache)
