@@ -142,8 +142,8 @@ def test_both_forms_load_back_equal(tmp_path):
     model = tiny_model("qwen3")
     spec = parse_spec(MODELS["qwen3"][2])
     run = calibrate(model, random_chunks(), spec)
-    flat, upstream = tmp_path / "c.pt", tmp_path / "c.upstream.pt"
-    write_outputs(run, flat, upstream)
+    flat, upstream = tmp_path / "out" / "c.pt", tmp_path / "out" / "c.upstream.pt"
+    write_outputs(run, str(flat), str(upstream))   # plain strings too, as in a notebook; folders are made
     geometry = tri_geometry(spec)
     omega, scale = calibration_defaults(spec)
     for path in (flat, upstream):   # exact: the upstream form stores the same float32 parts

@@ -162,9 +162,10 @@ def upstream_path(flat_path: Path) -> Path:
     return flat_path.with_name(f"{flat_path.stem}.upstream{flat_path.suffix or '.pt'}")
 
 
-def write_outputs(run: CalibrationRun, flat_path: Path, upstream: Path) -> None:
+def write_outputs(run: CalibrationRun, flat_path: str | Path, upstream: str | Path) -> None:
     """Both forms ``kvgen.reference.triattention.load_calibration`` reads: the flat one (with omega
     and freq_scale_sq) and the upstream project's (per-head dicts, metadata)."""
+    flat_path, upstream = Path(flat_path), Path(upstream)
     for path in (flat_path, upstream):
         path.parent.mkdir(parents=True, exist_ok=True)
     save_calibration(run.calibration, flat_path)
