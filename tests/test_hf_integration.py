@@ -6,8 +6,8 @@ sets equal to ``eviction_round``'s, exactly).
 
 The codec and the score kernel need a GPU: ``tests/gpu/test_hf_gpu.py`` runs both caches there.
 Models are tiny random-initialised Qwen3 / Qwen3.5-text configs (no hub access), 2 layers, with
-the family's attention geometry and a small rest (hidden 32, vocabulary 64): CPU time goes to the
-bf16 projections to and from the family's 32 x 128 query heads, so the rest is kept minimal."""
+the family's attention geometry and little else (hidden 32, MLP 64, vocabulary 64); most of this
+file's time is importing transformers."""
 
 from __future__ import annotations
 
@@ -276,7 +276,7 @@ def _oracle_factory(resolved, calibration, k_pools, v_pools, **overrides) -> Tri
     omega, scale = rope_defaults(config.geometry.rotary_dim, config.rope_theta, config.rope_scaling)
     scorer = OracleScorer(config.family, k_pools, load_calibration(calibration, config.geometry, omega, scale),
                           config.geometry)
-    overrides.setdefault("max_position", 64)   # the mean-phase table doubles as positions grow; 2^15 rows cost ~1 s here
+    overrides.setdefault("max_position", 64)   # the mean-phase table doubles as positions grow; 2^15 rows: ~1 s
     return TriAttentionManager(config, calibration, k_pools, v_pools, scorer, selector="oracle", **overrides)
 
 

@@ -32,7 +32,13 @@ from kvgen.runtime.lookup import RuntimeRegistry  # noqa: E402
 from kvgen.spec.schema import load_spec  # noqa: E402
 
 from ..conftest import SPECS_DIR  # noqa: E402
-from ..hf_models import RoundOracle, calibrate_random_tokens, offload_round_trip, oracle_history, tiny_model  # noqa: E402
+from ..hf_models import (  # noqa: E402
+    RoundOracle,
+    calibrate_random_tokens,
+    offload_round_trip,
+    oracle_history,
+    tiny_model,
+)
 from .conftest import ARCH, REGISTRY  # noqa: E402
 
 pytestmark = pytest.mark.gpu
