@@ -32,7 +32,7 @@ TUNABLES: dict[str, dict[str, tuple[tuple[int, ...], int]]] = {
         "rounding": ((0, 1), 1),
         # Decode of plain blocks: 0 = binary32 multiply then per-pair rounding cvt, 1 = PRMT table
         # lookup of the codes as fp16/bf16 pairs times the scale in one packed FMA (exact: Q = 1
-        # products are representable; other Q compile route 0). Same bytes.
+        # products are representable; another compiled Q, or per-layer scales, compile route 0). Same bytes.
         "decode_route": ((0, 1), 1),
         # __launch_bounds__ minimum CTAs per SM: registers capped near 64K / (threads * min_blocks)
         # for occupancy; 0 = none (ptxas' own choice: 40 registers for qwen3-8b encode, while 1 gives
