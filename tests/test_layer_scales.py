@@ -11,12 +11,15 @@
     refused scale arrays.
 (d) The scales file loader (kvgen.runtime.scales): safetensors and torch weights-only files, shapes
     checked against the layout, clear errors naming the file and what is wrong.
+(e) The built library without a GPU: it exports the per-layer scales entry points, and a bad scales
+    file given to ``codec_from_registry`` is refused before any GPU call.
 The GPU run of the same codec through the C ABI is tests/gpu/test_layer_scales_gpu.py.
 """
 
 from __future__ import annotations
 
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -27,7 +30,8 @@ from kvgen.lower.layout import family_layout, to_json
 from kvgen.lower.plan import plans_for
 from kvgen.reference.codec import decode_page, encode_page, encode_records
 from kvgen.render.source import render_family
-from kvgen.runtime.lookup import RegistryLayout
+from kvgen.runtime.library import FamilyLibrary
+from kvgen.runtime.lookup import RegistryLayout, RuntimeRegistry, codec_from_registry
 from kvgen.runtime.scales import LayerScales, ScalesFileError, load_layer_scales
 from kvgen.spec.schema import SpecError, parse_spec
 
@@ -264,3 +268,34 @@ def test_a_family_with_compiled_scales_takes_no_scales_file(tmp_path: Path) -> N
     mixed = family_layout(mixed_spec())
     with pytest.raises(ScalesFileError, match="unknown key 'v.G' for family per-layer-scales-mixed; accepted: k.G, k.Q"):
         load_layer_scales(tmp_path / "s.pt", mixed)
+
+
+# ---------------------------------------------------------------------------------------------
+# (e) the built library without a GPU
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The test family built by ``kvgen build`` for sm_90a (about 15 s)."""
+    if not SYSTEM_NVCC.is_file():
+        pytest.skip("nvcc 13.0 not found at /usr/local/bin/nvcc")
+    tmp = tmp_path_factory.mktemp("layer-scales-registry")
+    cmd = [sys.executable, "-m", "kvgen.cli", "--specs", str(PER_LAYER_SPEC.parent), "build", "--family",
+           "per-layer-scales", "--arch", "sm_90a", "--registry", str(tmp / "registry"), "--generated",
+           str(tmp / "generated"), "--cache-dir", str(tmp / "cache"), "--jobs", "2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return tmp / "registry"
+
+
+def test_the_library_exports_the_layer_scale_entry_points(registry: Path) -> None:
+    library = FamilyLibrary(registry / "sm_90a" / "libkvgen_per_layer_scales.so", "per-layer-scales")
+    assert library.layer_scales and library.abi == 2
+
+
+def test_a_bad_scales_file_is_refused_before_any_gpu_call(registry: Path, tmp_path: Path) -> None:
+    torch.save({"k.G": torch.ones(4)}, tmp_path / "s.pt")
+    with pytest.raises(ScalesFileError, match=r"s.pt: missing v.G"):
+        codec_from_registry(RuntimeRegistry([registry]), "per-layer-scales", [], arch="sm_90a",
+                            scales_file=tmp_path / "s.pt")
