@@ -132,6 +132,7 @@ def test_new_scales_change_the_bytes_as_the_oracle_says(built):
     pairs = torch.tensor([[0, 3], [1, 0], [2, 2]], dtype=torch.int32)
     first = torch.full((3, layout.cold_page_bytes(0)), FILL, dtype=torch.uint8, device="cuda")
     codec.encode(first, pairs)
+    torch.cuda.synchronize()  # set_layer_scales copies synchronously: nothing of this codec in flight
     second_scales = layer_scales(spec, seed=2)
     codec.set_layer_scales(second_scales)
     second = torch.full_like(first, FILL)
