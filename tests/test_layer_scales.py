@@ -178,20 +178,25 @@ def test_kernel_record_code_matches_the_oracle_with_distinct_layer_scales(driver
     assert pos == out.numel()
 
 
+# Where the driver puts its bad values (the last G, the second Q), per family: (count, per-layer
+# buffers, the last G's layer and buffer, the second Q's layer and buffer).
+REFUSED_AT = {"per-layer-scales": (8, 2, "layer 3, buffer 1", "layer 0, buffer 1"),
+              "per-layer-scales-mixed": (4, 1, "layer 3, buffer 0", "layer 1, buffer 0")}
+
+
 def test_refused_scale_arrays_name_the_value(driver) -> None:
     spec, exe = driver
-    if spec.name != "per-layer-scales":
-        pytest.skip("the messages are pinned for the family with two per-layer buffers")
+    n, k, last_g, second_q = REFUSED_AT[spec.name]
     lines = subprocess.run([str(exe), "--errors"], capture_output=True, text=True, timeout=60, check=True).stdout
-    tail = "; scales must be finite and > 0"
+    name, tail = spec.name, "; scales must be finite and > 0"
     assert lines.splitlines() == [
         "ok: 1 ",
-        "short: 0 per-layer-scales: expected 8 scales (4 layers x 2 per-layer buffers), got 7",
-        "null G: 0 per-layer-scales: expected 8 scales (4 layers x 2 per-layer buffers), got a null G",
+        f"short: 0 {name}: expected {n} scales (4 layers x {k} per-layer buffers), got {n - 1}",
+        f"null G: 0 {name}: expected {n} scales (4 layers x {k} per-layer buffers), got a null G",
         *[line for value in ("nan", "inf", "0", "-2") for line in (
-            f"bad G: 0 per-layer-scales: G[7] (layer 3, buffer 1) is {value}{tail}",
-            f"bad Q: 0 per-layer-scales: Q[1] (layer 0, buffer 1) is {value}{tail}")],
-        f"1/G: 0 per-layer-scales: 1/G[0] (layer 0, buffer 0) is inf{tail}",
+            f"bad G: 0 {name}: G[{n - 1}] ({last_g}) is {value}{tail}",
+            f"bad Q: 0 {name}: Q[1] ({second_q}) is {value}{tail}")],
+        f"1/G: 0 {name}: 1/G[0] (layer 0, buffer 0) is inf{tail}",
     ]
 
 
