@@ -32,6 +32,13 @@ def mixed_spec() -> FamilySpec:
     return parse_spec(text, "per-layer-scales-mixed")
 
 
+def fp8_spec() -> FamilySpec:
+    """The test family with an FP8 hot cache (the FP8 widening and rounding of the record code)."""
+    text = PER_LAYER_SPEC.read_text(encoding="utf-8")
+    text = text.replace("name: per-layer-scales", "name: per-layer-scales-fp8").replace("dtype: bf16", "dtype: fp8_e4m3")
+    return parse_spec(text, "per-layer-scales-fp8")
+
+
 def layer_scales(spec: FamilySpec, seed: int = 0) -> LayerScales:
     """A distinct binary32 (G, Q) per (layer, per-layer buffer): G spread over 2^-6..2^6; Q is 1/G,
     an unrelated value, or exactly 1 (a row whose decode takes Q = 1 at run time)."""
@@ -66,6 +73,8 @@ def hot_pages(spec: FamilySpec, pages: int, seed: int = 0) -> list[list[torch.Te
             x[:, 0, :16] = 0
             junk = torch.tensor([float("nan"), float("inf"), -float("inf"), 1e30])
             x[:, -2:, :] = junk[torch.randint(0, 4, (pages, 2, b.row_dim), generator=gen)]
+            if spec.dtype == "fp8_e4m3":  # torch's fp8 cast gives NaN above 464: keep finite values finite
+                x = torch.where(x.isfinite(), x.clamp(-448, 448), x)
             parts.append(x.to(dtype))
         for s in layout.record.sides:
             parts.append(torch.randint(0, 256, (pages, s.bytes), generator=gen, dtype=torch.uint8))

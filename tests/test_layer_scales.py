@@ -38,6 +38,7 @@ from kvgen.spec.schema import SpecError, parse_spec
 from .conftest import ROOT
 from .layer_scales_cases import (
     PER_LAYER_SPEC,
+    fp8_spec,
     hot_pages,
     layer_scales,
     mixed_spec,
@@ -126,11 +127,12 @@ def test_the_oracle_refuses_missing_and_misplaced_scales() -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", params=["per-layer-scales", "per-layer-scales-mixed"])
+@pytest.fixture(scope="module", params=["per-layer-scales", "per-layer-scales-mixed", "per-layer-scales-fp8"])
 def driver(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     if not SYSTEM_NVCC.is_file():
         pytest.skip("nvcc 13.0 not found at /usr/local/bin/nvcc")
-    spec = per_layer_spec() if request.param == "per-layer-scales" else mixed_spec()
+    spec = {"per-layer-scales": per_layer_spec, "per-layer-scales-mixed": mixed_spec,
+            "per-layer-scales-fp8": fp8_spec}[request.param]()
     tmp = tmp_path_factory.mktemp(request.param)
     source = tmp / "codec.cu"
     source.write_text(render_family(spec)[f"{spec.name}/codec.cu"], encoding="utf-8")
@@ -181,7 +183,8 @@ def test_kernel_record_code_matches_the_oracle_with_distinct_layer_scales(driver
 # Where the driver puts its bad values (the last G, the second Q), per family: (count, per-layer
 # buffers, the last G's layer and buffer, the second Q's layer and buffer).
 REFUSED_AT = {"per-layer-scales": (8, 2, "layer 3, buffer 1", "layer 0, buffer 1"),
-              "per-layer-scales-mixed": (4, 1, "layer 3, buffer 0", "layer 1, buffer 0")}
+              "per-layer-scales-mixed": (4, 1, "layer 3, buffer 0", "layer 1, buffer 0"),
+              "per-layer-scales-fp8": (8, 2, "layer 3, buffer 1", "layer 0, buffer 1")}
 
 
 def test_refused_scale_arrays_name_the_value(driver) -> None:
