@@ -95,6 +95,10 @@ def worker(bundle: Path, family: str, configs: list[str], batches: list[int], wi
             emit(records, event="check", family=family, config=config, ok=True, geometry=lib.geometry)
         except Failure as exc:
             emit(records, event="check", family=family, config=config, ok=False, error=f"{exc.kind}: {exc.detail}")
+        except Exception as exc:  # noqa: BLE001 - not a verdict on the scores: not timed either
+            emit(records, event="check", family=family, config=config, ok=False,
+                 error=f"{type(exc).__name__}: {exc}")
+            del libs[config]
     for batch in batches:
         cache = ScoreCache(scoring, batch, width)
         g = cache.geometry
@@ -151,7 +155,7 @@ def run_family(bundle: Path, family: str, configs: list[str], args, copy_gbps: f
     while remaining:
         before = records.read_text().count("\n") if records.exists() else 0
         cmd = [sys.executable, __file__, "--worker", family, str(bundle), "--out", str(args.out),
-               "--copy-gbps", str(copy_gbps), "--width", str(args.width), "--configs", ",".join(remaining),
+               "--copy-gbps", str(copy_gbps), "--width", str(args.width), "--configs", ";".join(remaining),
                *[x for b in args.batch for x in ("--batch", str(b))]]
         try:
             proc = subprocess.run(cmd, timeout=args.family_timeout)
@@ -218,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     records = args.out / "records.jsonl"
     if args.worker:
-        return worker(args.bundle, args.worker, args.configs.split(","), args.batch, args.width, args.copy_gbps,
+        return worker(args.bundle, args.worker, args.configs.split(";"), args.batch, args.width, args.copy_gbps,
                       records)
 
     import torch
