@@ -31,8 +31,13 @@ Work decomposition (memory bound: every K row is read once per pass, see below):
   all the stage's tokens (``CoefficientReader``): plain loads are hoisted out of the loop and
   shared between the tokens, which held every coefficient of the row live at once (255 registers
   and a 2-6 KB spill stack on sm_90a). The lean form (one token, no prefetch) keeps plain loads
-  under its branch, where nothing hoists them (36 registers). The accumulation order of a token is
-  the same in every variant: the scores are identical, bit for bit.
+  under its branch, where nothing hoists them (36 registers). ptxas may still sink the register
+  prefetch's loads to the end of the stage (it does for qwen3-8b), which ``smem_stages`` avoids:
+  each thread copies its own pieces by ``cp.async`` into a ring of ``smem_stages`` stages in shared
+  memory (``[stage][token][piece][thread]``: conflict-free), issues stage ``s + smem_stages - 1``
+  before waiting for stage ``s`` (``cp.async.wait_group``) and reads its pieces back with volatile
+  loads; no thread reads another's pieces, so no barrier. The accumulation order of a token is the
+  same in every variant: the scores are identical, bit for bit.
 - page ids from the page table outside ``[0, num_pages)``, and positions outside the page table's
   row, are never dereferenced: the token is scored 0 and the value recorded in ``errors`` (the C
   shim fails the next call with it).
@@ -113,11 +118,23 @@ class RowSource:
     the pool's bounds. Traced inside the kernel (values are the kernel's)."""
 
     def __init__(self, k_ptrs, page_table, P, errors, page_stride, num_pages, layer, request, kv_head, lane,
-                 valid_width):
+                 valid_width, hoist: bool):
         self.k_ptrs, self.page_table, self.P, self.errors = k_ptrs, page_table, P, errors
         self.page_stride, self.num_pages = page_stride, num_pages
         self.layer, self.request, self.kv_head, self.lane = layer, request, kv_head, lane
         self.valid_width = valid_width
+        # hoist: read once, here, before any loop (the pipelined loops' volatile accesses would
+        # otherwise make the compiler reload both, a dependent global load, in every stage); the
+        # lean form reads them where it uses them (its code, and so its speed, as measured).
+        self.hoisted = (P[request], k_ptrs[layer]) if hoist else None
+
+    def first_position(self):
+        """``P`` of the request: the position of decode column 0."""
+        return self.P[self.request] if self.hoisted is None else self.hoisted[0]
+
+    def layer_base(self):
+        """The base address of the layer's K pool."""
+        return self.k_ptrs[self.layer] if self.hoisted is None else self.hoisted[1]
 
     def locate(self, kernel: "TriScoreKernel", j, live) -> tuple:
         """``(use, span)``: whether column ``j`` is a token of the request that can be read, and its
@@ -129,7 +146,7 @@ class RowSource:
         of page 0 instead (which exist: the shim requires ``max_pages, num_pages > 0``), and its
         score is written as 0."""
         valid = (j < self.valid_width) & live
-        position = self.P[self.request] + j
+        position = self.first_position() + j
         block = position // kernel.tokens_per_block
         slot = position - block * kernel.tokens_per_block
         in_table = (position >= 0) & (block < self.page_table.shape[1])
@@ -144,7 +161,7 @@ class RowSource:
         slot = cutlass.select_(use, slot, Int32(0))
         offset = (Int64(page) * self.page_stride + self.kv_head * kernel.head_stride + slot * kernel.slot_stride
                   + kernel.rotary_start)
-        span_ptr = cute.make_ptr(kernel.element, self.k_ptrs[self.layer] + offset * kernel.elem_bytes,
+        span_ptr = cute.make_ptr(kernel.element, self.layer_base() + offset * kernel.elem_bytes,
                                  cute.AddressSpace.gmem, assumed_align=kernel.vec * kernel.elem_bytes)
         return use, cute.make_tensor(span_ptr, cute.make_layout(kernel.rotary_dim))
 
@@ -310,7 +327,7 @@ class TriScoreKernel:
         first = (head_pass - kv_head * self.passes) * self.heads   # first group member of this pass
         lane = tid % self.lanes
         token = RowSource(k_ptrs, page_table, P, errors, page_stride, num_pages, layer, request, kv_head, lane,
-                          S[request] - P[request])
+                          S[request] - P[request], hoist=self.pipelined)
         # Registers for one stage's K pieces (tokens_per_thread rows) and whether each is used.
         rows = cute.make_rmem_tensor(cute.make_layout(self.tokens_per_thread * self.row_elems), self.element)
         used = cute.make_rmem_tensor(cute.make_layout(self.tokens_per_thread), Int32)
