@@ -55,6 +55,20 @@ def emit(records: Path, **record) -> None:
 # ---------------------------------------------------------------- worker (one family)
 
 
+def exit_if_context_lost() -> None:
+    """After a failed launch: a sticky CUDA error leaves this process unable to run anything, so
+    end it (the parent restarts a worker without the variant it was on) rather than blame the
+    variants after it."""
+    import os
+
+    import torch
+
+    try:
+        (torch.ones(1, device="cuda") + 1).item()
+    except Exception:  # noqa: BLE001
+        os._exit(3)
+
+
 def done_events(records: Path, family: str) -> set:
     """``(event, config, batch)`` of the checks and timings already recorded for ``family``."""
     if not records.exists():
@@ -95,6 +109,7 @@ def worker(bundle: Path, family: str, configs: list[str], batches: list[int], wi
             emit(records, event="check", family=family, config=config, ok=True, geometry=lib.geometry)
         except Failure as exc:
             emit(records, event="check", family=family, config=config, ok=False, error=f"{exc.kind}: {exc.detail}")
+            exit_if_context_lost()
         except Exception as exc:  # noqa: BLE001 - not a verdict on the scores: not timed either
             emit(records, event="check", family=family, config=config, ok=False,
                  error=f"{type(exc).__name__}: {exc}")
@@ -122,6 +137,7 @@ def worker(bundle: Path, family: str, configs: list[str], batches: list[int], wi
             except Exception as exc:  # noqa: BLE001
                 emit(records, event="time", family=family, config=config, batch=batch,
                      error=f"{type(exc).__name__}: {exc}")
+                exit_if_context_lost()
                 continue
             passes = int(lib.geometry["passes"])
             k_bytes = len(g.scored_layers) * batch * g.kv_heads * width * g.rotary_dim * elem * passes
