@@ -62,6 +62,10 @@ TUNABLES: dict[str, dict[str, tuple[tuple[int, ...], int]]] = {
         "tokens_per_thread": ((1, 2, 4), 1),   # tokens a thread scores per stage, all loads issued first
         "prefetch": ((0, 1), 0),               # 1: the next stage's K loads before computing this one
                                                # (stage 0's before the coefficient prologue)
+        # > 0: K pieces by cp.async into a per-thread ring of that many stages in shared memory
+        # (smem_stages - 1 stages in flight while one is computed; no registers hold them in flight);
+        # replaces prefetch (folded to 0 by the tuner). Unmeasured: 0 until the H200 says otherwise.
+        "smem_stages": ((0, 2, 3, 4), 0),
     },
     # Normalize, aggregate, select (kvgen/kernels/triton/select.py); none changes a result bit: the
     # summation order of the statistics is fixed by the reference (REDUCTION_LANES), not by these.
