@@ -166,7 +166,8 @@ def cmd_show(args: argparse.Namespace) -> int:
                   title="row schema")
     for b in record.buffers:
         spans.add_row(b.name, str(b.rows), str(b.row_dim), str(b.prefix), str(b.q),
-                      f"{b.r} at {b.residual_at}" if b.r else "0", str(b.suffix), f"{b.G:g}", f"{b.Q:g}")
+                      f"{b.r} at {b.residual_at}" if b.r else "0", str(b.suffix),
+                      *(("per layer", "per layer") if b.per_layer_scales else (f"{b.G:g}", f"{b.Q:g}")))
     console.print(spans)
     regions = Table("offset", "bytes", "buffer", "region", title="layer record")
     for r in record.regions:

@@ -2,7 +2,8 @@
 kvgen_compact.h, dlopen()s a real family library and configures a codec. On this GPU-less machine
 configure must refuse with a message (never crash); a wrong descriptor count names the right one.
 ABI version 2 keeps version 1: its declarations compile unchanged beside the header, and the library
-exports every version-1 and version-2 entry point."""
+exports every version-1 and version-2 entry point, and the per-layer scales block that extends
+version 2."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ V1_ENTRY_POINTS = ("kvgen_abi_version", "kvgen_family_name", "kvgen_last_error",
                    "kvgen_codec_encode", "kvgen_codec_decode")
 V2_ENTRY_POINTS = ("kvgen_codec_set_staging", "kvgen_codec_staging_bytes", "kvgen_codec_offload",
                    "kvgen_codec_onboard")
+LAYER_SCALE_ENTRY_POINTS = ("kvgen_codec_set_layer_scales", "kvgen_codec_layer_scale_buffers")  # extends v2
 
 
 @pytest.fixture(scope="module")
@@ -71,10 +73,10 @@ def test_version_1_declarations_are_unchanged(tmp_path: Path) -> None:
                     str(tmp_path / "v1.o")], check=True, capture_output=True, text=True)
 
 
-def test_library_exports_version_1_and_2_entry_points(library: Path) -> None:
+def test_library_exports_version_1_and_2_entry_points_and_layer_scales(library: Path) -> None:
     nm = shutil.which("nm")
     if nm is None:
         pytest.skip("no nm")
     out = subprocess.run([nm, "-D", "--defined-only", str(library)], capture_output=True, text=True, check=True).stdout
     exported = set(re.findall(r" T (\w+)$", out, flags=re.M))
-    assert set(V1_ENTRY_POINTS + V2_ENTRY_POINTS) <= exported
+    assert set(V1_ENTRY_POINTS + V2_ENTRY_POINTS + LAYER_SCALE_ENTRY_POINTS) <= exported

@@ -13,6 +13,8 @@ the session's real qwen3-8b registry (``tests.test_runtime_registry.real_registr
 from __future__ import annotations
 
 import ctypes
+import importlib.util
+import struct
 import subprocess
 from pathlib import Path
 
@@ -341,7 +343,10 @@ def test_score_rejects_mismatched_tensors(built: dict) -> None:
 VARIANTS = [{"lanes": 4, "token_tiles": 4},
             {"tokens_per_thread": 2, "prefetch": 1, "token_tiles": 2},
             {"tokens_per_thread": 4, "prefetch": 1},
-            {"tokens_per_thread": 4, "prefetch": 0, "token_tiles": 2}]
+            {"tokens_per_thread": 4, "prefetch": 0, "token_tiles": 2},
+            {"smem_stages": 2, "token_tiles": 4},
+            {"smem_stages": 3, "tokens_per_thread": 2, "token_tiles": 2},
+            {"smem_stages": 4, "lanes": 1}]
 
 
 def _tokens_per_cta(lib: ScoreLibrary, params: dict) -> int:
@@ -362,9 +367,43 @@ def test_tunable_variants_compile_and_report_their_launch_shape(tmp_path: Path, 
         assert score_plan(specs[0], params).key() != score_plan(specs[0]).key(), "the tunables are in the plan key"
 
 
+_TRITON = importlib.util.find_spec("triton")
+# the disassembler Triton's wheel ships (no CUDA toolkit needed)
+CUOBJDUMP = Path(_TRITON.origin).parent / "backends" / "nvidia" / "bin" / "cuobjdump" if _TRITON else Path("-")
+
+
+def _resource_usage(library: Path, tmp: Path) -> str:
+    """``cuobjdump --dump-resource-usage`` of the sm_90 cubin a score library embeds (the first
+    CUDA ELF image in it, cut out by its own header's section and program tables)."""
+    data = library.read_bytes()
+    start = data.find(b"\x7fELF", 1)
+    while int.from_bytes(data[start + 18:start + 20], "little") != 190:   # EM_CUDA
+        start = data.find(b"\x7fELF", start + 1)
+    phoff, shoff = struct.unpack_from("<QQ", data, start + 0x20)
+    phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", data, start + 0x36)
+    cubin = tmp / "kernel.cubin"
+    cubin.write_bytes(data[start:start + max(shoff + shentsize * shnum, phoff + phentsize * phnum)])
+    return subprocess.run([str(CUOBJDUMP), "--dump-resource-usage", str(cubin)], capture_output=True, text=True,
+                          check=True).stdout
+
+
+@pytest.mark.skipif(not CUOBJDUMP.is_file(), reason="no cuobjdump (Triton's wheel ships it)")
+def test_pipelined_variants_do_not_spill(tmp_path: Path, toolchain) -> None:
+    """The pipelined forms read their coefficients with volatile loads and keep the stage loop rolled:
+    with plain loads they held every coefficient of the row live and spilled (2-6 KB of stack)."""
+    params = [{"threads": 256, "max_heads": 4, "token_tiles": 4, "prefetch": 1},
+              {"threads": 128, "token_tiles": 2, "tokens_per_thread": 2},
+              {"threads": 128, "token_tiles": 4, "smem_stages": 3}]
+    for variant in params:
+        (build,) = compile_scores([ALL_SPECS[PROBE_FAMILY]], "sm_90a", tmp_path / "cache", toolchain, variant)
+        assert build.status == "built", build.error
+        usage = _resource_usage(build.artifact, tmp_path)
+        assert " STACK:0 " in usage and " LOCAL:0 " in usage, (variant, usage)
+
+
 @pytest.mark.parametrize("arch", ["sm_100a", "sm_103a"])
 def test_pipelined_and_fp8_scorers_compile_for_sm100_targets(tmp_path: Path, toolchain, arch: str) -> None:
-    params = {"tokens_per_thread": 2, "prefetch": 1, "token_tiles": 2}
+    params = {"tokens_per_thread": 2, "smem_stages": 2, "token_tiles": 2}
     specs = [spec.model_copy(update={"targets": [arch]}) for spec in (ALL_SPECS[PROBE_FAMILY], fp8_family())]
     for build in compile_scores(specs, arch, tmp_path / "cache", toolchain, params):
         assert build.status == "built", build.error

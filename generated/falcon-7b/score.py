@@ -2,7 +2,7 @@
 # family:   falcon-7b
 # op:       score
 # template: score.py.j2
-# plan key: 2daf37458b4cfc1e59b2b44510802eb0d3434ac3bffc536d6c1f48f7693c5cf6
+# plan key: a0813f9adf2e3d3c136435678e7724f4e23c901ff49b83ec775a2fd46de71d76
 """TriAttention scorer of family falcon-7b (TRIATTENTION.md §3), CuTe DSL, compiled ahead of time.
 
 This file only fixes the family's constants; the kernel is ``kvgen.kernels.cute.score_kernel.TriScoreKernel``.
@@ -30,7 +30,8 @@ GEOMETRY = {
 }
 
 # Tunable launch parameters: threads per CTA, query heads accumulated per pass over K, threads
-# per token, stages per CTA, tokens per thread and stage, next stage's loads issued ahead (0/1).
+# per token, stages per CTA, tokens per thread and stage, next stage's loads issued ahead (0/1),
+# stages of the cp.async ring in shared memory (0: K loads into registers).
 PARAMS = {
     "threads": 128,
     "max_heads": 16,
@@ -38,6 +39,7 @@ PARAMS = {
     "token_tiles": 1,
     "tokens_per_thread": 1,
     "prefetch": 0,
+    "smem_stages": 0,
 }
 
 # Cache layers the kernel is launched for, in the order of its layer grid dimension.

@@ -2,7 +2,7 @@
 # family:   gemma-2-9b
 # op:       score
 # template: score.py.j2
-# plan key: bb4661e498ab7410c32e40d19ca8cbfc3c7f7552a30ed7be403be57c0e7582f3
+# plan key: 8d94e7878eddae98672df1921bffc59267050cd02f012d95115608f903a31746
 """TriAttention scorer of family gemma-2-9b (TRIATTENTION.md §3), CuTe DSL, compiled ahead of time.
 
 This file only fixes the family's constants; the kernel is ``kvgen.kernels.cute.score_kernel.TriScoreKernel``.
@@ -30,7 +30,8 @@ GEOMETRY = {
 }
 
 # Tunable launch parameters: threads per CTA, query heads accumulated per pass over K, threads
-# per token, stages per CTA, tokens per thread and stage, next stage's loads issued ahead (0/1).
+# per token, stages per CTA, tokens per thread and stage, next stage's loads issued ahead (0/1),
+# stages of the cp.async ring in shared memory (0: K loads into registers).
 PARAMS = {
     "threads": 128,
     "max_heads": 16,
@@ -38,6 +39,7 @@ PARAMS = {
     "token_tiles": 1,
     "tokens_per_thread": 1,
     "prefetch": 0,
+    "smem_stages": 0,
 }
 
 # Cache layers the kernel is launched for, in the order of its layer grid dimension.

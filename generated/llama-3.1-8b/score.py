@@ -2,7 +2,7 @@
 # family:   llama-3.1-8b
 # op:       score
 # template: score.py.j2
-# plan key: 46c4febba1e068a0464b5fb2b0e97743c22ff642e693512508a1c34900845fe0
+# plan key: 52f579536605238727f48edcc150cc55ed991f7d7b19137777e506e3f62c56d9
 """TriAttention scorer of family llama-3.1-8b (TRIATTENTION.md §3), CuTe DSL, compiled ahead of time.
 
 This file only fixes the family's constants; the kernel is ``kvgen.kernels.cute.score_kernel.TriScoreKernel``.
@@ -30,7 +30,8 @@ GEOMETRY = {
 }
 
 # Tunable launch parameters: threads per CTA, query heads accumulated per pass over K, threads
-# per token, stages per CTA, tokens per thread and stage, next stage's loads issued ahead (0/1).
+# per token, stages per CTA, tokens per thread and stage, next stage's loads issued ahead (0/1),
+# stages of the cp.async ring in shared memory (0: K loads into registers).
 PARAMS = {
     "threads": 128,
     "max_heads": 16,
@@ -38,6 +39,7 @@ PARAMS = {
     "token_tiles": 1,
     "tokens_per_thread": 1,
     "prefetch": 0,
+    "smem_stages": 0,
 }
 
 # Cache layers the kernel is launched for, in the order of its layer grid dimension.

@@ -2,7 +2,7 @@
 # family:   mistral-7b
 # op:       score
 # template: score.py.j2
-# plan key: 0874100c7e9ce7b8f17adcad91688d901ebda0cec32b326187eac76e5fc487f1
+# plan key: 93149bc05d760319f0be541a3607486b4d8f29c3167893b48c4317ca2bf101b1
 """TriAttention scorer of family mistral-7b (TRIATTENTION.md §3), CuTe DSL, compiled ahead of time.
 
 This file only fixes the family's constants; the kernel is ``kvgen.kernels.cute.score_kernel.TriScoreKernel``.
@@ -30,7 +30,8 @@ GEOMETRY = {
 }
 
 # Tunable launch parameters: threads per CTA, query heads accumulated per pass over K, threads
-# per token, stages per CTA, tokens per thread and stage, next stage's loads issued ahead (0/1).
+# per token, stages per CTA, tokens per thread and stage, next stage's loads issued ahead (0/1),
+# stages of the cp.async ring in shared memory (0: K loads into registers).
 PARAMS = {
     "threads": 128,
     "max_heads": 16,
@@ -38,6 +39,7 @@ PARAMS = {
     "token_tiles": 1,
     "tokens_per_thread": 1,
     "prefetch": 0,
+    "smem_stages": 0,
 }
 
 # Cache layers the kernel is launched for, in the order of its layer grid dimension.

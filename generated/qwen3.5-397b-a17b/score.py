@@ -2,7 +2,7 @@
 # family:   qwen3.5-397b-a17b
 # op:       score
 # template: score.py.j2
-# plan key: 1051e5fd735c1639de8edde0d9b9504fbfcb3a7d8b52b74170800d8243b26129
+# plan key: 58fe2f2a20148ccfb1dc64b4ed18cdadc9db443ff98dcb81161981301f0ca75a
 """TriAttention scorer of family qwen3.5-397b-a17b (TRIATTENTION.md §3), CuTe DSL, compiled ahead of time.
 
 This file only fixes the family's constants; the kernel is ``kvgen.kernels.cute.score_kernel.TriScoreKernel``.
@@ -30,7 +30,8 @@ GEOMETRY = {
 }
 
 # Tunable launch parameters: threads per CTA, query heads accumulated per pass over K, threads
-# per token, stages per CTA, tokens per thread and stage, next stage's loads issued ahead (0/1).
+# per token, stages per CTA, tokens per thread and stage, next stage's loads issued ahead (0/1),
+# stages of the cp.async ring in shared memory (0: K loads into registers).
 PARAMS = {
     "threads": 128,
     "max_heads": 16,
@@ -38,6 +39,7 @@ PARAMS = {
     "token_tiles": 1,
     "tokens_per_thread": 1,
     "prefetch": 0,
+    "smem_stages": 0,
 }
 
 # Cache layers the kernel is launched for, in the order of its layer grid dimension.

@@ -11,7 +11,7 @@ scattered, every scored layer in one launch):
   42; qwen3.5-397b-a17b, 32/2, partial rotary 64 of 256) at B = 32; qwen3-8b-fp8 (fp8 E4M3 K, half
   the bytes) at B = 32, from whichever registry holds its score library (its shipped spec leaves
   TriAttention off: ``build/registry-score-fp8`` is built from an enabled copy), skipped if none.
-Variants: the same kernels with other tunable parameters (``lanes``, ``token_tiles``,
+Variants: the same kernels with other tunable parameters (``lanes``, ``token_tiles``, ``smem_stages``,
   ``tokens_per_thread``, ``prefetch``), from the registries ``build/registry-score-*``, timed on the
   same cache and checked against the first.
 Peers: the oracle's ``score_paged`` (float32) on the GPU, eager and under ``torch.compile``, one

@@ -35,7 +35,7 @@ def row_schema(spec: FamilySpec, buffer: str) -> BufferSchema:
     rotary = spec.rotary_dim if buffer != "v" else 0
     prefix, q, suffix, r, residual_at = row_spans(spec.row_dim, rotary, spec.rope.placement, spec.cold_page.rope,
                                                   spec.cold_page.residual_width)
-    G, Q = spec.scale_for(buffer)
+    G, Q = spec.scale_for(buffer) or (None, None)
     return BufferSchema(name=buffer, rows=buffer_rows(spec), row_dim=spec.row_dim, elem_bytes=spec.elem_bytes,
                         prefix=prefix, q=q, suffix=suffix, r=r, residual_at=residual_at, G=G, Q=Q)
 

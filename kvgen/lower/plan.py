@@ -32,7 +32,7 @@ TUNABLES: dict[str, dict[str, tuple[tuple[int, ...], int]]] = {
         "rounding": ((0, 1), 1),
         # Decode of plain blocks: 0 = binary32 multiply then per-pair rounding cvt, 1 = PRMT table
         # lookup of the codes as fp16/bf16 pairs times the scale in one packed FMA (exact: Q = 1
-        # products are representable; other Q compile route 0). Same bytes.
+        # products are representable; another compiled Q, or per-layer scales, compile route 0). Same bytes.
         "decode_route": ((0, 1), 1),
         # __launch_bounds__ minimum CTAs per SM: registers capped near 64K / (threads * min_blocks)
         # for occupancy; 0 = none (ptxas' own choice: 40 registers for qwen3-8b encode, while 1 gives
@@ -62,6 +62,10 @@ TUNABLES: dict[str, dict[str, tuple[tuple[int, ...], int]]] = {
         "tokens_per_thread": ((1, 2, 4), 1),   # tokens a thread scores per stage, all loads issued first
         "prefetch": ((0, 1), 0),               # 1: the next stage's K loads before computing this one
                                                # (stage 0's before the coefficient prologue)
+        # > 0: K pieces by cp.async into a per-thread ring of that many stages in shared memory
+        # (smem_stages - 1 stages in flight while one is computed; no registers hold them in flight);
+        # replaces prefetch (folded to 0 by the tuner). Unmeasured: 0 until the H200 says otherwise.
+        "smem_stages": ((0, 2, 3, 4), 0),
     },
     # Normalize, aggregate, select (kvgen/kernels/triton/select.py); none changes a result bit: the
     # summation order of the statistics is fixed by the reference (REDUCTION_LANES), not by these.
@@ -145,6 +149,11 @@ def f32_literal(value: float) -> str:
     return float(struct.unpack("<f", struct.pack("<f", value))[0]).hex() + "f"
 
 
+def _scale_literal(value: float | None) -> str | None:
+    """G or Q as a binary32 literal; None for per-layer scales (read by the kernels at run time)."""
+    return None if value is None else f32_literal(value)
+
+
 def copy_align(*sizes: int) -> int:
     """Largest power of two <= 16 dividing every size (the word a byte copy can use)."""
     align = 16
@@ -157,7 +166,7 @@ def codec_geometry(spec: FamilySpec, layout: FamilyLayout) -> dict[str, Any]:
     record = layout.record
     buffers = [
         {"name": b.name, "rows": b.rows, "row_dim": b.row_dim, "prefix": b.prefix, "q": b.q, "suffix": b.suffix,
-         "r": b.r, "residual_start": b.residual_start, "G": f32_literal(b.G), "Q": f32_literal(b.Q),
+         "r": b.r, "residual_start": b.residual_start, "G": _scale_literal(b.G), "Q": _scale_literal(b.Q),
          "hot_bytes": b.hot_bytes, "align": 16,
          "regions": {kind: _offset(record, b.name, kind)
                      for kind in ("data", "scales", "residual", "residual_scales", "lossless")}}

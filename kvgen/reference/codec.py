@@ -4,6 +4,10 @@ Plain PyTorch over the block arithmetic of ``kvgen.reference.nvfp4``. Every gene
 must produce exactly these bytes. Inputs are hot pages as written by the engine: one tensor per
 quantized buffer holding ``rows × row_dim`` elements in hot row order (HND or NHD, the codec does
 not care: it keeps the order), and one uint8 tensor per side buffer.
+
+A buffer whose global multipliers are per layer (``BufferSchema.per_layer_scales``) takes this
+layer's ``(G, Q)`` from ``scales``, a mapping from buffer name to the pair (binary32, like every G
+and Q); page-level functions take one such mapping per layer of the family.
 """
 
 from __future__ import annotations
@@ -18,6 +22,22 @@ from kvgen.reference.layout import BufferSchema, FamilyLayout, LayerRecord
 HOT_TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8_e4m3": torch.float8_e4m3fn}
 
 LayerInput = tuple[Mapping[str, torch.Tensor], Mapping[str, torch.Tensor]]
+# One layer's (G, Q) by per-layer buffer name.
+LayerScales = Mapping[str, tuple[float, float]]
+
+
+def buffer_scales(b: BufferSchema, scales: LayerScales | None) -> tuple[float, float]:
+    """(G, Q) of one buffer in one layer: the compiled pair, or the layer's pair of a per-layer buffer."""
+    given = scales or {}
+    if b.per_layer_scales:
+        if b.name not in given:
+            raise ValueError(f"buffer {b.name!r}: G and Q are per layer; pass this layer's scales "
+                             f"{{{b.name!r}: (G, Q)}}")
+        return given[b.name]
+    if b.name in given:
+        raise ValueError(f"buffer {b.name!r}: G and Q are compiled in (G={b.G}, Q={b.Q}); only per-layer "
+                         "buffers take scales")
+    return b.G, b.Q
 
 
 def _rows(hot: torch.Tensor, b: BufferSchema) -> torch.Tensor:
@@ -29,16 +49,16 @@ def _rows(hot: torch.Tensor, b: BufferSchema) -> torch.Tensor:
     return hot.contiguous().reshape(-1, b.rows, b.row_dim)
 
 
-def _encode_run(run: torch.Tensor, b: BufferSchema) -> dict[str, torch.Tensor]:
+def _encode_run(run: torch.Tensor, b: BufferSchema, G: float, Q: float) -> dict[str, torch.Tensor]:
     """Encode the quantized run [pages, rows, q] into the byte regions of one buffer."""
     pages = run.shape[0]
     blocks = run.reshape(pages, b.rows, b.q // 16, 16)
-    codes, scales = nvfp4.encode_blocks(blocks, b.G, b.Q)
+    codes, scales = nvfp4.encode_blocks(blocks, G, Q)
     out = {}
     if b.r:
         first = b.residual_start // 16
         last = first + b.r // 16
-        main_c, main_s, res_c, res_s = nvfp4.encode_blocks_2fp4(blocks[:, :, first:last], b.G, b.Q)
+        main_c, main_s, res_c, res_s = nvfp4.encode_blocks_2fp4(blocks[:, :, first:last], G, Q)
         codes[:, :, first:last] = main_c
         scales[:, :, first:last] = main_s
         out["residual"] = nvfp4.pack_nibbles(res_c.reshape(pages, b.rows * b.r))
@@ -57,20 +77,21 @@ def _lossless_bytes(hot: torch.Tensor, b: BufferSchema) -> torch.Tensor:
     return torch.cat([prefix, suffix], dim=2).reshape(pages, -1)
 
 
-def encode_buffer(hot: torch.Tensor, b: BufferSchema) -> dict[str, torch.Tensor]:
+def encode_buffer(hot: torch.Tensor, b: BufferSchema, scales: LayerScales | None = None) -> dict[str, torch.Tensor]:
     """Byte regions (``data``, ``scales``, ``residual``, ``residual_scales``, ``lossless``) of one buffer."""
     hot = _rows(hot, b)
     x = nvfp4.hot_to_f32(hot)
-    out = _encode_run(x[:, :, b.prefix : b.prefix + b.q], b)
+    out = _encode_run(x[:, :, b.prefix : b.prefix + b.q], b, *buffer_scales(b, scales))
     if b.lossless:
         out["lossless"] = _lossless_bytes(hot, b)
     return out
 
 
 def encode_records(record: LayerRecord, buffers: Mapping[str, torch.Tensor],
-                   side_buffers: Mapping[str, torch.Tensor] | None = None) -> torch.Tensor:
+                   side_buffers: Mapping[str, torch.Tensor] | None = None,
+                   scales: LayerScales | None = None) -> torch.Tensor:
     """Encode a batch of pages of one layer into zero-padded records: uint8 [pages, record.bytes]."""
-    parts = {b.name: encode_buffer(buffers[b.name], b) for b in record.buffers}
+    parts = {b.name: encode_buffer(buffers[b.name], b, scales) for b in record.buffers}
     pages, device = next(iter(parts.values()))["data"].shape[0], next(iter(buffers.values())).device
     for s in record.sides:
         if s.name not in (side_buffers or {}):
@@ -87,9 +108,10 @@ def encode_records(record: LayerRecord, buffers: Mapping[str, torch.Tensor],
 
 
 def encode_record(record: LayerRecord, buffers: Mapping[str, torch.Tensor],
-                  side_buffers: Mapping[str, torch.Tensor] | None = None) -> torch.Tensor:
+                  side_buffers: Mapping[str, torch.Tensor] | None = None,
+                  scales: LayerScales | None = None) -> torch.Tensor:
     """Encode one page of one layer into its zero-padded record of ``record.bytes`` bytes."""
-    out = encode_records(record, buffers, side_buffers)
+    out = encode_records(record, buffers, side_buffers, scales)
     if out.shape[0] != 1:
         raise ValueError(f"encode_record takes one page; got {out.shape[0]} (use encode_records)")
     return out[0]
@@ -101,19 +123,21 @@ def _region_bytes(recs: torch.Tensor, record: LayerRecord, buffer: str, kind: st
     return recs[:, region.offset : region.offset + region.size]
 
 
-def decode_buffer(recs: torch.Tensor, record: LayerRecord, b: BufferSchema, dtype: str) -> torch.Tensor:
+def decode_buffer(recs: torch.Tensor, record: LayerRecord, b: BufferSchema, dtype: str,
+                  scales: LayerScales | None = None) -> torch.Tensor:
     """Hot rows [pages, rows, row_dim] of one buffer, in the hot dtype."""
+    _, Q = buffer_scales(b, scales)
     pages = recs.shape[0]
     codes = nvfp4.unpack_nibbles(_region_bytes(recs, record, b.name, "data")).reshape(pages, b.rows, b.q // 16, 16)
-    scales = _region_bytes(recs, record, b.name, "scales").reshape(pages, b.rows, b.q // 16)
-    y = nvfp4.decode_blocks(codes, scales, b.Q)
+    block_scales = _region_bytes(recs, record, b.name, "scales").reshape(pages, b.rows, b.q // 16)
+    y = nvfp4.decode_blocks(codes, block_scales, Q)
     if b.r:
         first = b.residual_start // 16
         last = first + b.r // 16
         res_c = nvfp4.unpack_nibbles(_region_bytes(recs, record, b.name, "residual"))
         res_s = _region_bytes(recs, record, b.name, "residual_scales").reshape(pages, b.rows, b.r // 16)
-        y[:, :, first:last] = nvfp4.decode_blocks_2fp4(codes[:, :, first:last], scales[:, :, first:last],
-                                                       res_c.reshape(pages, b.rows, b.r // 16, 16), res_s, b.Q)
+        y[:, :, first:last] = nvfp4.decode_blocks_2fp4(codes[:, :, first:last], block_scales[:, :, first:last],
+                                                       res_c.reshape(pages, b.rows, b.r // 16, 16), res_s, Q)
     run = nvfp4.round_to_hot(y.reshape(pages, b.rows, b.q), dtype)
     hot = torch.empty(pages, b.rows, b.row_dim, dtype=run.dtype, device=recs.device)
     hot[:, :, b.prefix : b.prefix + b.q] = run
@@ -126,41 +150,56 @@ def decode_buffer(recs: torch.Tensor, record: LayerRecord, b: BufferSchema, dtyp
     return hot
 
 
-def decode_records(record: LayerRecord, recs: torch.Tensor, dtype: str
+def decode_records(record: LayerRecord, recs: torch.Tensor, dtype: str, scales: LayerScales | None = None
                    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Inverse of ``encode_records``: ({buffer: [pages, rows, row_dim]}, {side: [pages, bytes]})."""
     if recs.dim() != 2 or recs.shape[1] != record.bytes:
         raise ValueError(f"expected records of {record.bytes} bytes as [pages, bytes], got {tuple(recs.shape)}")
-    buffers = {b.name: decode_buffer(recs, record, b, dtype) for b in record.buffers}
+    buffers = {b.name: decode_buffer(recs, record, b, dtype, scales) for b in record.buffers}
     sides = {s.name: _region_bytes(recs, record, s.name, "side").clone() for s in record.sides}
     return buffers, sides
 
 
-def decode_record(record: LayerRecord, rec: torch.Tensor, dtype: str
+def decode_record(record: LayerRecord, rec: torch.Tensor, dtype: str, scales: LayerScales | None = None
                   ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Inverse of ``encode_record``: ({buffer: hot rows [rows, row_dim]}, {side: bytes})."""
     if rec.numel() != record.bytes:
         raise ValueError(f"expected a {record.bytes}-byte record, got {rec.numel()} bytes")
-    buffers, sides = decode_records(record, rec.reshape(1, -1), dtype)
+    buffers, sides = decode_records(record, rec.reshape(1, -1), dtype, scales)
     return {k: v[0] for k, v in buffers.items()}, {k: v[0] for k, v in sides.items()}
 
 
 # ---------------------------------------------------------------- pages
 
 
-def encode_page(layout: FamilyLayout, layers: Sequence[LayerInput], lifecycle: int = 0) -> torch.Tensor:
-    """One cold page: the layer records of every layer of the lifecycle, ascending."""
+def _lifecycle_scales(lc, scales: Sequence[LayerScales] | None) -> list[LayerScales | None]:
+    """Each lifecycle layer's scales, from ``scales`` indexed by family layer (None: none given)."""
+    if scales is None:
+        return [None] * len(lc.layers)
+    last = max(lc.layers)
+    if len(scales) <= last:
+        raise ValueError(f"scales: one mapping per layer of the family expected; got {len(scales)}, "
+                         f"the lifecycle reaches layer {last}")
+    return [scales[layer] for layer in lc.layers]
+
+
+def encode_page(layout: FamilyLayout, layers: Sequence[LayerInput], lifecycle: int = 0,
+                scales: Sequence[LayerScales] | None = None) -> torch.Tensor:
+    """One cold page: the layer records of every layer of the lifecycle, ascending. ``scales``: one
+    mapping per layer of the family (``scales[layer]``), for per-layer buffers."""
     lc = layout.lifecycles[lifecycle]
     if len(layers) != len(lc.layers):
         raise ValueError(f"lifecycle {lifecycle} has {len(lc.layers)} layers, got {len(layers)}")
-    return torch.cat([encode_record(layout.record, bufs, sides) for bufs, sides in layers])
+    per_layer = _lifecycle_scales(lc, scales)
+    return torch.cat([encode_record(layout.record, bufs, sides, s) for (bufs, sides), s in zip(layers, per_layer)])
 
 
-def decode_page(layout: FamilyLayout, page: torch.Tensor, dtype: str,
-                lifecycle: int = 0) -> list[tuple[dict, dict]]:
+def decode_page(layout: FamilyLayout, page: torch.Tensor, dtype: str, lifecycle: int = 0,
+                scales: Sequence[LayerScales] | None = None) -> list[tuple[dict, dict]]:
     """Inverse of ``encode_page``: per layer of the lifecycle, (buffers, sides) in ``dtype``."""
     lc = layout.lifecycles[lifecycle]
     if page.numel() != lc.cold_page_bytes:
         raise ValueError(f"expected a {lc.cold_page_bytes}-byte cold page, got {page.numel()} bytes")
     records = page.reshape(len(lc.layers), lc.record_bytes)
-    return [decode_record(layout.record, rec, dtype) for rec in records]
+    per_layer = _lifecycle_scales(lc, scales)
+    return [decode_record(layout.record, rec, dtype, s) for rec, s in zip(records, per_layer)]

@@ -24,6 +24,8 @@ class BufferSchema:
     """One quantized buffer of a layer: ``rows`` rows of ``prefix | q | suffix`` elements.
 
     The 2FP4 part (``r`` elements) sits inside the quantized run, at its start or its end.
+    ``G`` and ``Q`` are the buffer's global multipliers, or both None when they are per layer
+    (given at configure time, one pair per layer: ``per_layer_scales``).
     """
 
     name: str
@@ -35,8 +37,12 @@ class BufferSchema:
     suffix: int
     r: int
     residual_at: Literal["start", "end"]
-    G: float
-    Q: float
+    G: float | None
+    Q: float | None
+
+    @property
+    def per_layer_scales(self) -> bool:
+        return self.G is None
 
     @property
     def lossless(self) -> int:

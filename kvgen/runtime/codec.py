@@ -11,6 +11,10 @@ so no pair can make a kernel touch memory it was not given.
 through a device staging ring and the copy engine, or "zero-copy"; ``kvgen.runtime.offload``);
 ``describe_offload()`` says which one is in use and why.
 
+A family whose spec declares ``cold_page.scales.<buffer>: per_layer`` is configured with its
+per-layer scales (``scales=``, a ``kvgen.runtime.scales.LayerScales`` from ``load_layer_scales``);
+``set_layer_scales`` changes them later.
+
 The torch custom ops ``kvgen::cold_encode`` / ``cold_decode`` / ``cold_offload`` / ``cold_onboard``
 (``register_codec``, ``cold_encode``, ..., ``register_ops``) wrap a configured codec; they live here, beside it.
 """
@@ -40,6 +44,7 @@ from kvgen.runtime.offload import (
     cold_slots,
     default_strategy,
 )
+from kvgen.runtime.scales import LayerScales, per_layer_buffers
 
 if TYPE_CHECKING:  # only attributes are read: kvgen.lower.layout.FamilyLayout (build side) works too
     from kvgen.runtime.lookup import RegistryLayout
@@ -162,7 +167,7 @@ class ColdPageCodec:
     ``check_device_errors``) raises ``LibraryError`` saying what was skipped."""
 
     def __init__(self, library: FamilyLibrary, layout: "RegistryLayout", pools: Sequence[Sequence[torch.Tensor]],
-                 index_location: str = "host"):
+                 index_location: str = "host", scales: LayerScales | None = None):
         self._handle = None   # close() and __del__ work on a codec whose configuration failed
         if library.family != layout.family:
             raise LibraryError(f"{library.path}: built for {library.family!r}, layout is {layout.family!r}")
@@ -172,6 +177,12 @@ class ColdPageCodec:
         self.layout = layout
         self.index_location = index_location
         self.device = check_pools(pools, layout)
+        per_layer = per_layer_buffers(layout)
+        if per_layer and scales is None:
+            raise ValueError(f"scales: {layout.family} takes per-layer scales for {', '.join(per_layer)}; pass "
+                             "scales=kvgen.runtime.scales.load_layer_scales(file, layout)")
+        if not per_layer and scales is not None:
+            raise ValueError(f"scales: {layout.family} compiles its scales in (cold_page.scales); it takes none")
         self._pools = [list(p) for p in pools]  # keep the hot pools alive while configured
         descs = pool_descriptors(self._pools)
         array = (PoolExtent * len(descs))(*[PoolExtent(*desc) for desc in descs])
@@ -180,6 +191,28 @@ class ColdPageCodec:
         if not handle:
             raise LibraryError(f"{library.path}: configure failed: {library.last_error()}")
         self._handle = handle
+        if scales is not None:
+            self.set_layer_scales(scales)
+
+    def set_layer_scales(self, scales: LayerScales) -> None:
+        """Upload (G, Q) of every per-layer buffer in every layer (C ``kvgen_codec_set_layer_scales``).
+        Synchronous: call it when no encode or decode of this codec is in flight."""
+        if not isinstance(scales, LayerScales):
+            raise ValueError(f"scales: expected LayerScales (kvgen.runtime.scales.load_layer_scales), "
+                             f"got {type(scales).__name__}")
+        expected = per_layer_buffers(self.layout)
+        if scales.family != self.layout.family or scales.buffers != expected:
+            raise ValueError(f"scales: {scales.source or 'given'} are for {scales.family} {list(scales.buffers)}, "
+                             f"this codec is {self.layout.family} with per-layer buffers {list(expected)}")
+        if not getattr(self.library, "layer_scales", False):
+            raise LibraryError(f"{self.library.path}: no kvgen_codec_set_layer_scales (built by an older kvgen); "
+                               "rebuild it with kvgen build")
+        G, Q = scales.flat()
+        with torch.cuda.device(self.device):  # the scale tables live beside the descriptor tables
+            ok = self.library.kvgen_codec_set_layer_scales(self._live(), (ctypes.c_float * len(G))(*G),
+                                                           (ctypes.c_float * len(Q))(*Q), len(G))
+        if not ok:
+            raise LibraryError(f"{self.library.path}: set_layer_scales: {self.library.last_error()}")
 
     def close(self) -> None:
         if self._handle:

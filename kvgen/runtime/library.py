@@ -54,6 +54,14 @@ _STAGED_SIGNATURES = {
                                        _c.c_void_p]),
 }
 
+# Per-layer scales (extends ABI 2): exported by every library this kvgen builds; a library of an
+# older kvgen lacks them, and so cannot serve a family with per-layer scales.
+_LAYER_SCALE_SIGNATURES = {
+    "kvgen_codec_set_layer_scales": (_c.c_int, [_c.c_void_p, _c.POINTER(_c.c_float), _c.POINTER(_c.c_float),
+                                                _c.c_int64]),
+    "kvgen_codec_layer_scale_buffers": (_c.c_int, [_c.c_void_p]),
+}
+
 
 Signatures = dict[str, tuple[object, list]]
 
@@ -90,6 +98,12 @@ class FamilyLibrary:
                                "rebuild with kvgen build")
         if abi >= STAGED_ABI_VERSION:   # a version-1 library still loads, without the staged paths
             for name, (restype, argtypes) in _STAGED_SIGNATURES.items():
+                fn = getattr(self._lib, name)
+                fn.restype, fn.argtypes = restype, argtypes
+                setattr(self, name, fn)
+        self.layer_scales = all(hasattr(self._lib, name) for name in _LAYER_SCALE_SIGNATURES)
+        if self.layer_scales:
+            for name, (restype, argtypes) in _LAYER_SCALE_SIGNATURES.items():
                 fn = getattr(self._lib, name)
                 fn.restype, fn.argtypes = restype, argtypes
                 setattr(self, name, fn)

@@ -293,15 +293,19 @@ def require_cuda() -> None:
 
 
 def codec_from_registry(registry: RuntimeRegistry, family: str, pools: Sequence[Sequence[Any]],
-                        arch: str | None = None, index_location: str = "host", spec_path: Path | None = None):
+                        arch: str | None = None, index_location: str = "host", spec_path: Path | None = None,
+                        scales_file: str | Path | None = None):
     """``ColdPageCodec`` of ``family`` from the registry, its layout from the manifest (no spec).
+    ``scales_file``: the per-layer scales of a family that declares them (``kvgen.runtime.scales``).
 
     Stops with a clear error before any GPU call when there is no CUDA device.
     """
     from kvgen.runtime.codec import ColdPageCodec  # torch-heavy; imported when a codec is really made
+    from kvgen.runtime.scales import load_layer_scales
 
     resolved = registry.resolve(family, arch, spec_path)
     layout = resolved.layout()
+    scales = None if scales_file is None else load_layer_scales(scales_file, layout)
     library = _codec_library(resolved)
     require_cuda()
-    return ColdPageCodec(library, layout, pools, index_location=index_location)
+    return ColdPageCodec(library, layout, pools, index_location=index_location, scales=scales)

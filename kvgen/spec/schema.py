@@ -13,7 +13,16 @@ import math
 from pathlib import Path
 from typing import Annotated, Literal, Sequence, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    StringConstraints,
+    Tag,
+    ValidationError,
+    model_validator,
+)
 
 from kvgen.arch import DEFAULT_TARGETS
 from kvgen.reference.layout import row_spans
@@ -100,10 +109,25 @@ class RopeSpec(_Model):
 
 
 class GlobalScale(_Model):
-    """Encode multiplier ``G`` and decode multiplier ``Q`` (default ``1/G``)."""
+    """Encode multiplier ``G`` and decode multiplier ``Q`` (default ``1/G``), compiled into the kernels."""
 
     G: Scale = 1.0
     Q: Scale | None = None
+
+
+# ``cold_page.scales.<buffer>: per_layer``: G and Q of every layer come from a scales file at configure
+# time (kvgen.runtime.scales), not from the spec; the kernels read them at run time.
+PER_LAYER = "per_layer"
+
+
+def _scales_kind(value: object) -> str:
+    return "[per_layer]" if isinstance(value, str) else "[G, Q]"
+
+
+# A mapping is a GlobalScale, a string must be per_layer; each error names only its own kind (the
+# bracketed tags are dropped from error keys like pydantic's other internal location parts).
+BufferScales = Annotated[Union[Annotated[GlobalScale, Tag("[G, Q]")], Annotated[Literal["per_layer"], Tag("[per_layer]")]],
+                         Discriminator(_scales_kind)]
 
 
 class QuantizedRange(_Model):
@@ -115,7 +139,7 @@ class ColdPageSpec(_Model):
     rope: Literal["quantized", "lossless", "2fp4"] = "quantized"
     residual_width: Dim | None = None
     quantized_range: QuantizedRange | None = None
-    scales: dict[BufferName, GlobalScale] = Field(default_factory=dict)
+    scales: dict[BufferName, BufferScales] = Field(default_factory=dict)
 
 
 class SideBuffer(_Model):
@@ -228,9 +252,12 @@ class FamilySpec(_Model):
             return self.sliding_window.window
         return None
 
-    def scale_for(self, buffer: str) -> tuple[float, float]:
-        """(G, Q) of a quantized buffer; Q defaults to 1/G."""
+    def scale_for(self, buffer: str) -> tuple[float, float] | None:
+        """(G, Q) of a quantized buffer, Q defaulting to 1/G; None for a buffer whose scales are
+        per layer (given at configure time)."""
         scale = self.cold_page.scales.get(buffer, GlobalScale())
+        if scale == PER_LAYER:
+            return None
         return scale.G, scale.Q if scale.Q is not None else 1.0 / scale.G
 
 

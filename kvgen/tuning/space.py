@@ -68,6 +68,8 @@ def canonical(op: Op, params: Mapping[str, int], spec: FamilySpec) -> dict[str, 
         out["max_heads"] = min(m for m in TUNABLES["score"]["max_heads"][0] if math.ceil(group / m) == passes)
         chunks = row_chunks(g["rotary_start"], g["rotary_dim"], g["pairing"], spec.elem_bytes)
         out["lanes"] = effective_lanes(out["lanes"], chunks)
+        if out.get("smem_stages", 0) > 0:   # the shared-memory ring replaces the register prefetch
+            out["prefetch"] = 0
     return out
 
 

@@ -93,6 +93,12 @@ int kvgen_codec_check_device_errors(kvgen_codec* codec) {
   return kvgen_live(codec) && codec->impl->check_device_errors();
 }
 
+int kvgen_codec_layer_scale_buffers(const kvgen_codec*) { return kvgen::family::CodecT::layer_scale_buffers(); }
+
+int kvgen_codec_set_layer_scales(kvgen_codec* codec, const float* G, const float* Q, int64_t n) {
+  return kvgen_live(codec) && codec->impl->set_layer_scales(G, Q, n);
+}
+
 int kvgen_codec_set_staging(kvgen_codec* codec, void* staging, int64_t staging_bytes) {
   return codec->staged.set(*codec->impl, staging, staging_bytes);
 }

@@ -9,6 +9,7 @@
 
 #include <cuda_runtime.h>
 
+#include <cstdio>
 #include <string>
 #include <vector>
 
@@ -88,6 +89,59 @@ inline bool lifecycle_hot_pages(const FamilyTables& f, const int64_t* num_pages,
   return true;
 }
 
+inline bool positive_finite(float v) { return nvfp4::is_finite(v) && v > 0.0f; }
+
+// Per-layer scales (kvgen_codec_set_layer_scales), checked and laid out as the kernels read them:
+// rows[l * parts_per_layer + p] is part p of family layer l; the per-layer parts (part_layer_scales)
+// take G[l * k + j], Q[l * k + j] for the j-th of the k per-layer parts, the other entries stay
+// unused.  Q null: Q = fl(1 / G).  Every value must be finite and > 0.  Pure host code
+// (tests/csrc/codec_record_check.cu runs it without a GPU).
+inline bool layer_scale_rows(const FamilyTables& f, const bool* part_layer_scales, const float* G, const float* Q,
+                             int64_t n, std::vector<LayerScale>& rows) {
+  std::vector<int> parts;
+  for (int p = 0; p < f.parts_per_layer; ++p) {
+    if (part_layer_scales[p]) parts.push_back(p);
+  }
+  const int k = (int)parts.size();
+  if (k == 0) {
+    return fail(std::string(f.name) + ": no buffer takes per-layer scales (the spec compiles them in: "
+                                      "cold_page.scales)");
+  }
+  const int64_t expected = (int64_t)f.num_layers * k;
+  if (G == nullptr || n != expected) {
+    return fail(std::string(f.name) + ": expected " + std::to_string(expected) + " scales (" +
+                std::to_string(f.num_layers) + " layers x " + std::to_string(k) + " per-layer buffers), got " +
+                (G == nullptr ? std::string("a null G") : std::to_string(n)));
+  }
+  std::vector<LayerScale> out((size_t)f.num_layers * f.parts_per_layer, LayerScale{1.0f, 1.0f});
+  for (int64_t i = 0; i < n; ++i) {
+    const int layer = (int)(i / k);
+    const int part = parts[i % k];
+    const LayerScale s{G[i], Q != nullptr ? Q[i] : 1.0f / G[i]};
+    const char* bad = !positive_finite(s.G) ? "G" : !positive_finite(s.Q) ? (Q != nullptr ? "Q" : "1/G") : nullptr;
+    if (bad != nullptr) {
+      char value[32];
+      std::snprintf(value, sizeof value, "%g", bad[0] == 'G' ? s.G : s.Q);
+      return fail(std::string(f.name) + ": " + bad + "[" + std::to_string(i) + "] (layer " + std::to_string(layer) +
+                  ", buffer " + std::to_string(part) + ") is " + value + "; scales must be finite and > 0");
+    }
+    out[(size_t)layer * f.parts_per_layer + part] = s;
+  }
+  rows.swap(out);
+  return true;
+}
+
+// The scale table of one lifecycle: the rows of its layers, in the lifecycle's order.
+inline std::vector<LayerScale> lifecycle_scale_rows(const FamilyTables& f, const std::vector<LayerScale>& rows,
+                                                    int lifecycle) {
+  std::vector<LayerScale> out;
+  for (int i = f.lifecycle_begin[lifecycle]; i < f.lifecycle_begin[lifecycle + 1]; ++i) {
+    const LayerScale* row = rows.data() + (size_t)f.lifecycle_layers[i] * f.parts_per_layer;
+    out.insert(out.end(), row, row + f.parts_per_layer);
+  }
+  return out;
+}
+
 template <class L, int kThreads, int kInFlight>
 class Codec {
  public:
@@ -160,6 +214,27 @@ class Codec {
   // Device indices the kernels skipped since the last check (see device_errors.cuh).
   bool check_device_errors() { return take_device_errors(errors_); }
 
+  // Quantized buffers whose G and Q are per layer (0: all compiled in).
+  static int layer_scale_buffers() { return L::kLayerScaleParts; }
+
+  // G and Q of every (layer, per-layer buffer), layer-major; copied into each lifecycle's scale
+  // table (synchronous: no encode or decode of this codec may be in flight).  A refused call
+  // changes nothing.
+  bool set_layer_scales(const float* G, const float* Q, int64_t n) {
+    std::vector<LayerScale> rows;
+    if (!layer_scale_rows(f_, L::kPartLayerScales, G, Q, n, rows)) return false;
+    for (int lc = 0; lc < f_.num_lifecycles; ++lc) {
+      const std::vector<LayerScale> table = lifecycle_scale_rows(f_, rows, lc);
+      LayerScale* dst = reinterpret_cast<LayerScale*>(tables_[lc] + (size_t)layers_in(lc) * f_.parts_per_layer);
+      if (!cuda_ok(cudaMemcpy(dst, table.data(), table.size() * sizeof(LayerScale), cudaMemcpyHostToDevice),
+                   "upload layer scales")) {
+        return false;
+      }
+    }
+    scales_set_ = true;
+    return true;
+  }
+
  private:
   Codec(const FamilyTables& f, kvgen_index_location location) : f_(f), location_(location) {}
 
@@ -180,7 +255,8 @@ class Codec {
                                         cudaFuncAttributeMaxDynamicSharedMemorySize, bytes), "decode smem");
   }
 
-  // One device table per lifecycle: [layer position][part] descriptors.
+  // One device table per lifecycle: [layer position][part] descriptors, then (per-layer scales)
+  // [layer position][part] LayerScale, filled by set_layer_scales.
   bool upload(const kvgen_pool_desc* descs) {
     for (int lc = 0; lc < f_.num_lifecycles; ++lc) {
       std::vector<PoolDesc> host;
@@ -193,7 +269,8 @@ class Codec {
       }
       PoolDesc* table = nullptr;
       const size_t bytes = host.size() * sizeof(PoolDesc);
-      if (!cuda_ok(cudaMalloc(&table, bytes), "cudaMalloc descriptor table")) return false;
+      const size_t scale_bytes = L::kLayerScales ? host.size() * sizeof(LayerScale) : 0;
+      if (!cuda_ok(cudaMalloc(&table, bytes + scale_bytes), "cudaMalloc descriptor table")) return false;
       tables_.push_back(table);
       if (!cuda_ok(cudaMemcpy(table, host.data(), bytes, cudaMemcpyHostToDevice), "upload descriptors")) {
         return false;
@@ -208,6 +285,10 @@ class Codec {
     if (!take_device_errors(errors_)) return false;  // an earlier launch's device indices
     if (lifecycle < 0 || lifecycle >= f_.num_lifecycles) {
       return fail(std::string(f_.name) + ": no lifecycle " + std::to_string(lifecycle));
+    }
+    if (L::kLayerScales && !scales_set_) {
+      return fail(std::string(f_.name) + ": per-layer scales not set (call kvgen_codec_set_layer_scales after "
+                                         "configure)");
     }
     if (n < 0 || (n > 0 && (pairs == nullptr || cold == nullptr))) return fail("null cold base or pairs");
     if ((uintptr_t)cold % 16) return fail("cold base must be 16-byte aligned");
@@ -257,6 +338,7 @@ class Codec {
   std::vector<PoolDesc*> tables_;
   std::vector<int64_t> hot_pages_;     // per lifecycle
   DeviceErrors* errors_ = nullptr;     // mapped pinned: the kernels' record of skipped indices
+  bool scales_set_ = false;            // per-layer scales uploaded (families with L::kLayerScales)
 };
 
 }  // namespace codec

@@ -11,6 +11,10 @@
 //
 // Staging the record in shared memory turns the record's many small, unaligned regions (scales,
 // residuals, lossless bytes) into one linear, aligned stream to or from the cold slot.
+//
+// The record parts (Quantized, Side, Layer) are __host__ __device__: a kernel splits a record's
+// work items over its threads (Lanes), and tests/csrc/codec_record_check.cu runs the same code on
+// the CPU, one lane, against the oracle.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -18,6 +22,9 @@
 
 #include "device_errors.cuh"
 #include "nvfp4.cuh"
+
+// Local to this header (undefined at its end).
+#define KVGEN_CODEC_HD __host__ __device__ __forceinline__
 
 namespace kvgen {
 namespace codec {
@@ -66,6 +73,48 @@ __host__ __device__ __forceinline__ bool pair_in_range(const PagePair& pair, con
   return false;
 }
 
+// Which of a record's work items a caller does: first, first + step, ...  A kernel passes
+// (threadIdx.x, blockDim.x) (cta_lanes); a host test walks them all (0, 1).  Unsigned, as
+// threadIdx and blockDim are: the loops `for (int i = first; i < n; i += step)` then compile to
+// the same code as they did over threadIdx.x / blockDim.x.
+struct Lanes {
+  unsigned first;
+  unsigned step;
+};
+
+__device__ __forceinline__ Lanes cta_lanes() { return Lanes{threadIdx.x, blockDim.x}; }
+
+// ---------------------------------------------------------------------------------------------
+// Global multipliers G and Q of a quantized buffer (COLD_PAGE_FORMAT.md §3)
+// ---------------------------------------------------------------------------------------------
+// Scales::Spec: compile-time constants B::kG, B::kQdec of the generated struct (the spec's
+// cold_page.scales.<buffer>: {G, Q}, or the default 1).  Scales::PerLayer (cold_page.scales.<buffer>:
+// per_layer): entry B::kIndex of the layer's row of the codec's scale table, which
+// kvgen_codec_set_layer_scales fills at configure time; one load per record part.
+enum class Scales { Spec = 0, PerLayer = 1 };
+
+struct LayerScale {
+  float G;
+  float Q;
+};
+
+template <class B, Scales S>
+struct BufferScales;
+
+template <class B>
+struct BufferScales<B, Scales::Spec> {
+  static constexpr bool kLayerScales = false;
+  static constexpr bool kUnitQ = B::kQdec == 1.0f;
+  static KVGEN_CODEC_HD LayerScale of(const LayerScale*) { return LayerScale{B::kG, B::kQdec}; }
+};
+
+template <class B>
+struct BufferScales<B, Scales::PerLayer> {
+  static constexpr bool kLayerScales = true;
+  static constexpr bool kUnitQ = false;  // Q is known at run time only
+  static KVGEN_CODEC_HD LayerScale of(const LayerScale* row) { return row[B::kIndex]; }
+};
+
 // ---------------------------------------------------------------------------------------------
 // Hot dtypes: two elements at a time, with the packed hardware conversions where they are exact
 // ---------------------------------------------------------------------------------------------
@@ -76,28 +125,28 @@ __host__ __device__ __forceinline__ bool pair_in_range(const PagePair& pair, con
 
 struct HotBF16 {
   static constexpr int kBytes = 2;
-  static __device__ __forceinline__ float2 widen2(uint32_t bits) {
-    return make_float2(__uint_as_float(bits << 16), __uint_as_float(bits & 0xFFFF0000u));
+  static KVGEN_CODEC_HD float2 widen2(uint32_t bits) {
+    return make_float2(nvfp4::bits_f32(bits << 16), nvfp4::bits_f32(bits & 0xFFFF0000u));
   }
-  static __device__ __forceinline__ uint32_t narrow2(float a, float b) {
+  static KVGEN_CODEC_HD uint32_t narrow2(float a, float b) {
     const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
     return *reinterpret_cast<const uint32_t*>(&h);
   }
-  static __device__ __forceinline__ void decode_lut(const nvfp4::Block& b, uint32_t (&w)[8]) {
+  static KVGEN_CODEC_HD void decode_lut(const nvfp4::Block& b, uint32_t (&w)[8]) {
     nvfp4::decode_block_bf16_lut(b, w);
   }
 };
 
 struct HotFP16 {
   static constexpr int kBytes = 2;
-  static __device__ __forceinline__ float2 widen2(uint32_t bits) {
+  static KVGEN_CODEC_HD float2 widen2(uint32_t bits) {
     return __half22float2(*reinterpret_cast<const __half2*>(&bits));
   }
-  static __device__ __forceinline__ uint32_t narrow2(float a, float b) {
+  static KVGEN_CODEC_HD uint32_t narrow2(float a, float b) {
     const __half2 h = __floats2half2_rn(a, b);
     return *reinterpret_cast<const uint32_t*>(&h);
   }
-  static __device__ __forceinline__ void decode_lut(const nvfp4::Block& b, uint32_t (&w)[8]) {
+  static KVGEN_CODEC_HD void decode_lut(const nvfp4::Block& b, uint32_t (&w)[8]) {
     nvfp4::decode_block_f16_lut(b, w);
   }
 };
@@ -105,17 +154,17 @@ struct HotFP16 {
 struct HotFP8E4M3 {
   static constexpr int kBytes = 1;
   // E4M3 -> f16 is exact (every E4M3 value, subnormals included, is an f16), and one cvt does two.
-  static __device__ __forceinline__ float2 widen2(uint32_t bits) {
+  static KVGEN_CODEC_HD float2 widen2(uint32_t bits) {
     const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(bits & 0xFFFFu), __NV_E4M3);
     return __half22float2(*reinterpret_cast<const __half2*>(&h));
   }
   // cvt.rn.satfinite.e4m3x2.f32: nearest even, saturating at +-448, NaN -> 0x7F, two at a time.
   // Decoded values are finite (a valid record never holds a NaN scale), so nvfp4.cuh's Inf clamp
   // is not needed here.
-  static __device__ __forceinline__ uint32_t narrow2(float a, float b) {
+  static KVGEN_CODEC_HD uint32_t narrow2(float a, float b) {
     return __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
   }
-  static __device__ __forceinline__ void decode_lut(const nvfp4::Block& b, uint32_t (&w)[4]) {
+  static KVGEN_CODEC_HD void decode_lut(const nvfp4::Block& b, uint32_t (&w)[4]) {
     nvfp4::decode_block_fp8_lut(b, w);
   }
 };
@@ -127,23 +176,27 @@ struct HotBlock {
   static constexpr int kPairsPerWord = 2 / Hot::kBytes;  // bf16/fp16: one pair; fp8: two
   uint32_t w[kWords];
 
-  __device__ __forceinline__ void load(const uint8_t* __restrict__ p) {
+  KVGEN_CODEC_HD void load(const uint8_t* __restrict__ p) {
 #pragma unroll
     for (int i = 0; i < kWords / 4; ++i) {
+#if defined(__CUDA_ARCH__)
       const uint4 v = __ldg(reinterpret_cast<const uint4*>(p) + i);
+#else
+      const uint4 v = reinterpret_cast<const uint4*>(p)[i];
+#endif
       w[4 * i] = v.x;
       w[4 * i + 1] = v.y;
       w[4 * i + 2] = v.z;
       w[4 * i + 3] = v.w;
     }
   }
-  __device__ __forceinline__ void store(uint8_t* p) const {
+  KVGEN_CODEC_HD void store(uint8_t* p) const {
 #pragma unroll
     for (int i = 0; i < kWords / 4; ++i) {
       reinterpret_cast<uint4*>(p)[i] = make_uint4(w[4 * i], w[4 * i + 1], w[4 * i + 2], w[4 * i + 3]);
     }
   }
-  __device__ __forceinline__ void widen(float (&x)[16]) const {
+  KVGEN_CODEC_HD void widen(float (&x)[16]) const {
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
       const uint32_t word = w[i / kPairsPerWord];
@@ -153,8 +206,8 @@ struct HotBlock {
     }
   }
   // One NVFP4 block (Q == 1) straight to hot words, nvfp4::DecodeRoute::Lut.
-  __device__ __forceinline__ void decode_lut(const nvfp4::Block& b) { Hot::decode_lut(b, w); }
-  __device__ __forceinline__ void narrow(const float (&y)[16]) {
+  KVGEN_CODEC_HD void decode_lut(const nvfp4::Block& b) { Hot::decode_lut(b, w); }
+  KVGEN_CODEC_HD void narrow(const float (&y)[16]) {
 #pragma unroll
     for (int i = 0; i < kWords; ++i) w[i] = 0;
 #pragma unroll
@@ -181,19 +234,19 @@ template <> struct Word<4> { using T = uint32_t; };
 template <> struct Word<8> { using T = uint2; };
 template <> struct Word<16> { using T = uint4; };
 
-// Copy kBytes bytes, every thread of the CTA striding over kAlign-byte words.
+// Copy kBytes bytes, the lanes striding over kAlign-byte words.
 template <int kBytes, int kAlign>
-__device__ __forceinline__ void cta_copy(uint8_t* __restrict__ dst, const uint8_t* __restrict__ src) {
+KVGEN_CODEC_HD void cta_copy(uint8_t* __restrict__ dst, const uint8_t* __restrict__ src, Lanes lanes) {
   using T = typename Word<kAlign>::T;
   static_assert(kBytes % kAlign == 0, "copy size must be a multiple of its alignment");
-  for (int i = threadIdx.x; i < kBytes / kAlign; i += blockDim.x) {
+  for (int i = lanes.first; i < kBytes / kAlign; i += lanes.step) {
     reinterpret_cast<T*>(dst)[i] = reinterpret_cast<const T*>(src)[i];
   }
 }
 
 // 8 packed bytes of one block, to shared memory at an offset aligned to kAlign.
 template <int kAlign>
-__device__ __forceinline__ void put8(uint8_t* p, const nvfp4::Block& b) {
+KVGEN_CODEC_HD void put8(uint8_t* p, const nvfp4::Block& b) {
   if constexpr (kAlign >= 8) {
     *reinterpret_cast<uint2*>(p) = make_uint2(b.packed[0], b.packed[1]);
   } else if constexpr (kAlign >= 4) {
@@ -206,7 +259,7 @@ __device__ __forceinline__ void put8(uint8_t* p, const nvfp4::Block& b) {
 }
 
 template <int kAlign>
-__device__ __forceinline__ nvfp4::Block get8(const uint8_t* p, uint8_t scale) {
+KVGEN_CODEC_HD nvfp4::Block get8(const uint8_t* p, uint8_t scale) {
   nvfp4::Block b;
   if constexpr (kAlign >= 8) {
     const uint2 w = *reinterpret_cast<const uint2*>(p);
@@ -227,15 +280,21 @@ __device__ __forceinline__ nvfp4::Block get8(const uint8_t* p, uint8_t scale) {
 // ---------------------------------------------------------------------------------------------
 // Record parts.  B (generated) provides:
 //   kIndex, kRows, kRowDim, kPrefix, kQ, kSuffix, kR, kResStart,
-//   kData, kScales, kResidual, kResidualScales, kLossless (record offsets), kG, kQdec.
+//   kData, kScales, kResidual, kResidualScales, kLossless (record offsets), and kG, kQdec with
+//   Scales::Spec.
 // R is the software path's E2M1 rounding route and D the decode route of plain blocks (tunables:
-// every choice gives the contract's bytes).  DecodeRoute::Lut needs Q == 1 (every shipped spec);
-// with another Q the float route is compiled whatever D says.
+// every choice gives the contract's bytes).  DecodeRoute::Lut is exact only for Q == 1: with a
+// compiled Q != 1, or per-layer scales (Q known at run time), the float route is compiled whatever
+// D says (it is exact for every Q).
 // ---------------------------------------------------------------------------------------------
 
-template <class B, class Hot, nvfp4::Rounding R, nvfp4::DecodeRoute D = nvfp4::DecodeRoute::Float>
+template <class B, class Hot, nvfp4::Rounding R, nvfp4::DecodeRoute D = nvfp4::DecodeRoute::Float,
+          Scales S = Scales::Spec>
 struct Quantized {
+  using Scale = BufferScales<B, S>;
   static constexpr int kIndex = B::kIndex;
+  static constexpr bool kLayerScales = Scale::kLayerScales;
+  static constexpr int kPageBytes = B::kRows * B::kRowDim * Hot::kBytes;
   static constexpr int kBlocksPerRow = B::kQ / 16;
   static constexpr int kBlocks = B::kRows * kBlocksPerRow;
   static constexpr int kRowBytes = B::kRowDim * Hot::kBytes;
@@ -251,33 +310,36 @@ struct Quantized {
   // a warp then runs one path only (a 2FP4 block costs three plain ones), instead of diverging
   // whenever a row's RoPE blocks fall into it.
   static constexpr int kPlainPerRow = kBlocksPerRow - kResBlocksPerRow;
-  static constexpr bool kLutDecode = D == nvfp4::DecodeRoute::Lut && B::kQdec == 1.0f;
+  static constexpr bool kLutDecode = D == nvfp4::DecodeRoute::Lut && Scale::kUnitQ;
 
   // Row and block-in-row of the i-th plain block (the 2FP4 run is contiguous inside the row).
-  static __device__ __forceinline__ int2 plain_block(int i) {
+  static KVGEN_CODEC_HD int2 plain_block(int i) {
     const int row = i / kPlainPerRow;
     const int k = i % kPlainPerRow;
     return make_int2(row, k < kResFirst ? k : k + kResBlocksPerRow);
   }
 
-  static __device__ __forceinline__ const uint8_t* hot_block(const uint8_t* page, int row, int blk) {
+  static KVGEN_CODEC_HD const uint8_t* hot_block(const uint8_t* page, int row, int blk) {
     return page + row * kRowBytes + (B::kPrefix + blk * 16) * Hot::kBytes;
   }
 
-  static __device__ __forceinline__ void encode(uint8_t* rec, const uint8_t* __restrict__ page) {
-    for (int i = threadIdx.x; i < B::kRows * kPlainPerRow; i += blockDim.x) {
+  // scales: the layer's row of the scale table (null with Scales::Spec).
+  static KVGEN_CODEC_HD void encode(uint8_t* rec, const uint8_t* __restrict__ page, const LayerScale* scales,
+                                    Lanes lanes) {
+    const LayerScale gq = Scale::of(scales);
+    for (int i = lanes.first; i < B::kRows * kPlainPerRow; i += lanes.step) {
       const int2 at = plain_block(i);
       const int t = at.x * kBlocksPerRow + at.y;
       float x[16];
       HotBlock<Hot> hot;
       hot.load(hot_block(page, at.x, at.y));
       hot.widen(x);
-      const nvfp4::Block main = nvfp4::encode_block<R>(x, B::kG, B::kQdec);
+      const nvfp4::Block main = nvfp4::encode_block<R>(x, gq.G, gq.Q);
       put8<8>(rec + B::kData + t * 8, main);  // region offsets of packed data are multiples of 8
       rec[B::kScales + t] = main.scale;
     }
     if constexpr (kResBlocksPerRow > 0) {
-      for (int r = threadIdx.x; r < B::kRows * kResBlocksPerRow; r += blockDim.x) {
+      for (int r = lanes.first; r < B::kRows * kResBlocksPerRow; r += lanes.step) {
         const int row = r / kResBlocksPerRow;
         const int blk = kResFirst + r % kResBlocksPerRow;
         const int t = row * kBlocksPerRow + blk;
@@ -285,18 +347,20 @@ struct Quantized {
         HotBlock<Hot> hot;
         hot.load(hot_block(page, row, blk));
         hot.widen(x);
-        const nvfp4::Block2FP4 both = nvfp4::encode_block_2fp4<R>(x, B::kG, B::kQdec);
+        const nvfp4::Block2FP4 both = nvfp4::encode_block_2fp4<R>(x, gq.G, gq.Q);
         put8<8>(rec + B::kData + t * 8, both.main);
         rec[B::kScales + t] = both.main.scale;
         put8<align_of(B::kResidual)>(rec + B::kResidual + r * 8, both.residual);
         rec[B::kResidualScales + r] = both.residual.scale;
       }
     }
-    if constexpr (kLosslessRowBytes > 0) save_lossless(rec, page);
+    if constexpr (kLosslessRowBytes > 0) save_lossless(rec, page, lanes);
   }
 
-  static __device__ __forceinline__ void decode(const uint8_t* rec, uint8_t* __restrict__ page) {
-    for (int i = threadIdx.x; i < B::kRows * kPlainPerRow; i += blockDim.x) {
+  static KVGEN_CODEC_HD void decode(const uint8_t* rec, uint8_t* __restrict__ page, const LayerScale* scales,
+                                    Lanes lanes) {
+    const LayerScale gq = Scale::of(scales);
+    for (int i = lanes.first; i < B::kRows * kPlainPerRow; i += lanes.step) {
       const int2 at = plain_block(i);
       const int t = at.x * kBlocksPerRow + at.y;
       const nvfp4::Block blk = get8<8>(rec + B::kData + t * 8, rec[B::kScales + t]);
@@ -305,13 +369,13 @@ struct Quantized {
         hot.decode_lut(blk);
       } else {
         float y[16];
-        nvfp4::decode_block(blk, B::kQdec, y);
+        nvfp4::decode_block(blk, gq.Q, y);
         hot.narrow(y);
       }
       hot.store(const_cast<uint8_t*>(hot_block(page, at.x, at.y)));
     }
     if constexpr (kResBlocksPerRow > 0) {
-      for (int r = threadIdx.x; r < B::kRows * kResBlocksPerRow; r += blockDim.x) {
+      for (int r = lanes.first; r < B::kRows * kResBlocksPerRow; r += lanes.step) {
         const int row = r / kResBlocksPerRow;
         const int blk = kResFirst + r % kResBlocksPerRow;
         const int t = row * kBlocksPerRow + blk;
@@ -319,13 +383,13 @@ struct Quantized {
         both.main = get8<8>(rec + B::kData + t * 8, rec[B::kScales + t]);
         both.residual = get8<align_of(B::kResidual)>(rec + B::kResidual + r * 8, rec[B::kResidualScales + r]);
         float y[16];
-        nvfp4::decode_block_2fp4(both, B::kQdec, y);
+        nvfp4::decode_block_2fp4(both, gq.Q, y);
         HotBlock<Hot> hot;
         hot.narrow(y);
         hot.store(const_cast<uint8_t*>(hot_block(page, row, blk)));
       }
     }
-    if constexpr (kLosslessRowBytes > 0) restore_lossless(rec, page);
+    if constexpr (kLosslessRowBytes > 0) restore_lossless(rec, page, lanes);
   }
 
   // Lossless bytes of every row: prefix then suffix, in kLosslessAlign-byte words.  Rows and
@@ -334,23 +398,23 @@ struct Quantized {
   static constexpr int kLosslessWordsPerRow = kLosslessRowBytes / kLosslessAlign;
 
   // Byte offsets (in the record's lossless region, in the hot page) of lossless word i.
-  static __device__ __forceinline__ int2 lossless_word(int i) {
+  static KVGEN_CODEC_HD int2 lossless_word(int i) {
     const int row = i / kLosslessWordsPerRow;
     const int byte = (i % kLosslessWordsPerRow) * kLosslessAlign;
     const int hot_byte = byte < kPrefixBytes ? byte : kSuffixStart + (byte - kPrefixBytes);
     return make_int2(row * kLosslessRowBytes + byte, row * kRowBytes + hot_byte);
   }
 
-  static __device__ __forceinline__ void save_lossless(uint8_t* rec, const uint8_t* __restrict__ page) {
-    for (int i = threadIdx.x; i < B::kRows * kLosslessWordsPerRow; i += blockDim.x) {
+  static KVGEN_CODEC_HD void save_lossless(uint8_t* rec, const uint8_t* __restrict__ page, Lanes lanes) {
+    for (int i = lanes.first; i < B::kRows * kLosslessWordsPerRow; i += lanes.step) {
       const int2 at = lossless_word(i);
       *reinterpret_cast<LosslessWord*>(rec + B::kLossless + at.x) =
           *reinterpret_cast<const LosslessWord*>(page + at.y);
     }
   }
 
-  static __device__ __forceinline__ void restore_lossless(const uint8_t* rec, uint8_t* __restrict__ page) {
-    for (int i = threadIdx.x; i < B::kRows * kLosslessWordsPerRow; i += blockDim.x) {
+  static KVGEN_CODEC_HD void restore_lossless(const uint8_t* rec, uint8_t* __restrict__ page, Lanes lanes) {
+    for (int i = lanes.first; i < B::kRows * kLosslessWordsPerRow; i += lanes.step) {
       const int2 at = lossless_word(i);
       *reinterpret_cast<LosslessWord*>(page + at.y) =
           *reinterpret_cast<const LosslessWord*>(rec + B::kLossless + at.x);
@@ -362,13 +426,15 @@ struct Quantized {
 template <class S>
 struct Side {
   static constexpr int kIndex = S::kIndex;
+  static constexpr bool kLayerScales = false;
+  static constexpr int kPageBytes = S::kBytes;
   static constexpr int kAlign = min_align(align_of(S::kOffset), align_of(S::kBytes));
 
-  static __device__ __forceinline__ void encode(uint8_t* rec, const uint8_t* __restrict__ page) {
-    cta_copy<S::kBytes, kAlign>(rec + S::kOffset, page);
+  static KVGEN_CODEC_HD void encode(uint8_t* rec, const uint8_t* __restrict__ page, const LayerScale*, Lanes lanes) {
+    cta_copy<S::kBytes, kAlign>(rec + S::kOffset, page, lanes);
   }
-  static __device__ __forceinline__ void decode(const uint8_t* rec, uint8_t* __restrict__ page) {
-    cta_copy<S::kBytes, kAlign>(page, rec + S::kOffset);
+  static KVGEN_CODEC_HD void decode(const uint8_t* rec, uint8_t* __restrict__ page, const LayerScale*, Lanes lanes) {
+    cta_copy<S::kBytes, kAlign>(page, rec + S::kOffset, lanes);
   }
 };
 
@@ -378,14 +444,23 @@ struct Layer {
   static constexpr int kRecordBytes = kRecordBytes_;
   static constexpr int kUnpadded = kUnpadded_;
   static constexpr int kNumParts = sizeof...(Parts);
+  // Whether some buffer takes per-layer scales: the codec then keeps a scale table per lifecycle,
+  // one row of kNumParts LayerScale per layer (entries of other parts unused).
+  static constexpr int kLayerScaleParts = (0 + ... + int(Parts::kLayerScales));
+  static constexpr bool kLayerScales = kLayerScaleParts > 0;
+  static constexpr bool kPartLayerScales[kNumParts] = {Parts::kLayerScales...};
+  static constexpr int kPageBytes[kNumParts] = {Parts::kPageBytes...};  // one hot page of each part
   static_assert(kRecordBytes % 16 == 0, "records are padded to 16 bytes");
 
-  static __device__ __forceinline__ void encode(uint8_t* rec, const PoolDesc* pools, int64_t page) {
-    (Parts::encode(rec, pools[Parts::kIndex].base + page * pools[Parts::kIndex].page_stride), ...);
-    for (int i = kUnpadded + threadIdx.x; i < kRecordBytes; i += blockDim.x) rec[i] = 0;
+  // scales: the layer's row of the scale table (null without per-layer scales).
+  static KVGEN_CODEC_HD void encode(uint8_t* rec, const PoolDesc* pools, int64_t page, const LayerScale* scales,
+                                    Lanes lanes) {
+    (Parts::encode(rec, pools[Parts::kIndex].base + page * pools[Parts::kIndex].page_stride, scales, lanes), ...);
+    for (int i = kUnpadded + lanes.first; i < kRecordBytes; i += lanes.step) rec[i] = 0;
   }
-  static __device__ __forceinline__ void decode(const uint8_t* rec, const PoolDesc* pools, int64_t page) {
-    (Parts::decode(rec, pools[Parts::kIndex].base + page * pools[Parts::kIndex].page_stride), ...);
+  static KVGEN_CODEC_HD void decode(const uint8_t* rec, const PoolDesc* pools, int64_t page, const LayerScale* scales,
+                                    Lanes lanes) {
+    (Parts::decode(rec, pools[Parts::kIndex].base + page * pools[Parts::kIndex].page_stride, scales, lanes), ...);
   }
 };
 
@@ -425,6 +500,18 @@ struct LaunchBounds {
   static constexpr int kMinBlocks = 0;
 };
 
+// The row of the CTA's layer in the lifecycle's scale table, which follows the lifecycle's
+// descriptor table (gridDim.y layers x kNumParts descriptors) in the same allocation; null for a
+// family without per-layer scales.
+template <class L>
+__device__ __forceinline__ const LayerScale* layer_scales(const PoolDesc* table) {
+  if constexpr (L::kLayerScales) {
+    return reinterpret_cast<const LayerScale*>(table + gridDim.y * L::kNumParts) + blockIdx.y * L::kNumParts;
+  } else {
+    return nullptr;
+  }
+}
+
 template <bool kDevicePairs>
 __device__ __forceinline__ PagePair pair_at(const PairBatch& batch, const PagePair* pairs, int64_t i) {
   if constexpr (kDevicePairs) return pairs[i];
@@ -439,7 +526,7 @@ encode_kernel(const PoolDesc* __restrict__ pools, uint8_t* cold, int64_t cold_pa
   uint8_t* rec = reinterpret_cast<uint8_t*>(smem);
   const PagePair pair = pair_at<kDevicePairs>(batch, pairs, blockIdx.x);
   if (!pair_in_range<true>(pair, limits, threadIdx.x == 0 && blockIdx.y == 0)) return;
-  L::encode(rec, pools + blockIdx.y * L::kNumParts, pair.src);
+  L::encode(rec, pools + blockIdx.y * L::kNumParts, pair.src, layer_scales<L>(pools), cta_lanes());
   __syncthreads();
   uint8_t* slot = cold + pair.dst * cold_page_bytes + (int64_t)blockIdx.y * L::kRecordBytes;
   copy_record<L::kRecordBytes, kThreads, kInFlight>(slot, rec);
@@ -456,8 +543,10 @@ decode_kernel(const PoolDesc* __restrict__ pools, const uint8_t* cold, int64_t c
   const uint8_t* slot = cold + pair.src * cold_page_bytes + (int64_t)blockIdx.y * L::kRecordBytes;
   copy_record<L::kRecordBytes, kThreads, kInFlight>(rec, slot);
   __syncthreads();
-  L::decode(rec, pools + blockIdx.y * L::kNumParts, pair.dst);
+  L::decode(rec, pools + blockIdx.y * L::kNumParts, pair.dst, layer_scales<L>(pools), cta_lanes());
 }
 
 }  // namespace codec
 }  // namespace kvgen
+
+#undef KVGEN_CODEC_HD

@@ -25,9 +25,19 @@ Work decomposition (memory bound: every K row is read once per pass, see below):
 - bytes in flight (the kernel is latency-bound, PERFORMANCE.md): a thread issues the K loads of
   all ``tokens_per_thread`` tokens of a stage into registers before computing any, and with
   ``prefetch`` the next stage's before computing this one (stage 0's before the coefficient
-  prologue). Stages are unrolled at trace time, so this pipeline is program order; the loads are
-  branch-free (``RowSource.locate``) so nothing separates them. The accumulation order of a token
-  is the same in every variant: the scores are identical, bit for bit.
+  prologue); the loads are branch-free (``RowSource.locate``) so nothing separates them. These
+  pipelined forms keep the stage loop rolled (the loads of stage s + 1 stay in flight across the
+  computation of stage s) and read the coefficients with volatile shared loads, once per chunk for
+  all the stage's tokens (``CoefficientReader``): plain loads are hoisted out of the loop and
+  shared between the tokens, which held every coefficient of the row live at once (255 registers
+  and a 2-6 KB spill stack on sm_90a). The lean form (one token, no prefetch) keeps plain loads
+  under its branch, where nothing hoists them (36 registers). ptxas may still sink the register
+  prefetch's loads to the end of the stage (it does for qwen3-8b), which ``smem_stages`` avoids:
+  each thread copies its own pieces by ``cp.async`` into a ring of ``smem_stages`` stages in shared
+  memory (``[stage][token][piece][thread]``: conflict-free), issues stage ``s + smem_stages - 1``
+  before waiting for stage ``s`` (``cp.async.wait_group``) and reads its pieces back with volatile
+  loads; no thread reads another's pieces, so no barrier. The accumulation order of a token is the
+  same in every variant: the scores are identical, bit for bit.
 - page ids from the page table outside ``[0, num_pages)``, and positions outside the page table's
   row, are never dereferenced: the token is scored 0 and the value recorded in ``errors`` (the C
   shim fails the next call with it).
@@ -47,6 +57,8 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 from kvgen.kernels.cute.geometry import effective_lanes, pairs_per_chunk, vector_width
 
@@ -61,16 +73,68 @@ SKIPPED_PAGE = 1       # a page id from the page table outside [0, num_pages); e
 SKIPPED_POSITION = 2   # a position P + j outside the page table's row; errors[1] = the position
 
 
+@dsl_user_op
+def volatile_shared_load(address: Int32, count: int, dtype=Float32, *, loc=None, ip=None) -> list:
+    """``count`` (1, 2 or 4) consecutive 32-bit words (``Float32`` or ``Int32``) at a shared-memory
+    byte address, in one volatile vector load: the compiler neither merges it with another load nor
+    moves it out of its loop."""
+    suffix = {1: "", 2: ".v2", 4: ".v4"}[count]
+    kind, constraint, ir_type = (".f32", "=f", T.f32()) if dtype is Float32 else (".b32", "=r", T.i32())
+    outputs = ", ".join(f"${i}" for i in range(count))
+    outputs = outputs if count == 1 else "{" + outputs + "}"
+    result = llvm.inline_asm(
+        ir_type if count == 1 else llvm.StructType.get_literal([ir_type] * count),
+        [Int32(address).ir_value(loc=loc, ip=ip)],
+        f"ld.volatile.shared{suffix}{kind} {outputs}, [${count}];",
+        ",".join([constraint] * count + ["r"]),
+        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+    if count == 1:
+        return [dtype(result)]
+    return [dtype(llvm.extractvalue(ir_type, result, [i], loc=loc, ip=ip)) for i in range(count)]
+
+
+@dsl_user_op
+def volatile_shared_store(address: Int32, value: Int32, *, loc=None, ip=None) -> None:
+    """One 32-bit word into shared memory, volatile (kept in program order with the loads above)."""
+    llvm.inline_asm(None, [Int32(address).ir_value(loc=loc, ip=ip), Int32(value).ir_value(loc=loc, ip=ip)],
+                    "st.volatile.shared.b32 [$0], $1;", "r,r", has_side_effects=True, is_align_stack=False,
+                    asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def cp_async(shared: Int32, source: Int64, size: int, read: Int32, *, loc=None, ip=None) -> None:
+    """``cp.async`` of ``size`` (4, 8 or 16) bytes from global ``source`` into shared ``shared``;
+    ``read`` bytes are read (``size`` or 0: nothing is read, zeros are written). 16-byte copies
+    bypass L1 (``.cg``: K is read once)."""
+    cache = "cg" if size == 16 else "ca"
+    llvm.inline_asm(None, [Int32(shared).ir_value(loc=loc, ip=ip), Int64(source).ir_value(loc=loc, ip=ip),
+                           Int32(read).ir_value(loc=loc, ip=ip)],
+                    f"cp.async.{cache}.shared.global [$0], [$1], {size}, $2;", "r,l,r", has_side_effects=True,
+                    is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
 class RowSource:
     """Where the K rows of one thread's tokens are: the (layer, request, KV head) of its CTA and
     the pool's bounds. Traced inside the kernel (values are the kernel's)."""
 
     def __init__(self, k_ptrs, page_table, P, errors, page_stride, num_pages, layer, request, kv_head, lane,
-                 valid_width):
+                 valid_width, hoist: bool):
         self.k_ptrs, self.page_table, self.P, self.errors = k_ptrs, page_table, P, errors
         self.page_stride, self.num_pages = page_stride, num_pages
         self.layer, self.request, self.kv_head, self.lane = layer, request, kv_head, lane
         self.valid_width = valid_width
+        # hoist: read once, here, before any loop (the pipelined loops' volatile accesses would
+        # otherwise make the compiler reload both, a dependent global load, in every stage); the
+        # lean form reads them where it uses them (its code, and so its speed, as measured).
+        self.hoisted = (P[request], k_ptrs[layer]) if hoist else None
+
+    def first_position(self):
+        """``P`` of the request: the position of decode column 0."""
+        return self.P[self.request] if self.hoisted is None else self.hoisted[0]
+
+    def layer_base(self):
+        """The base address of the layer's K pool."""
+        return self.k_ptrs[self.layer] if self.hoisted is None else self.hoisted[1]
 
     def locate(self, kernel: "TriScoreKernel", j, live) -> tuple:
         """``(use, span)``: whether column ``j`` is a token of the request that can be read, and its
@@ -82,7 +146,7 @@ class RowSource:
         of page 0 instead (which exist: the shim requires ``max_pages, num_pages > 0``), and its
         score is written as 0."""
         valid = (j < self.valid_width) & live
-        position = self.P[self.request] + j
+        position = self.first_position() + j
         block = position // kernel.tokens_per_block
         slot = position - block * kernel.tokens_per_block
         in_table = (position >= 0) & (block < self.page_table.shape[1])
@@ -97,9 +161,52 @@ class RowSource:
         slot = cutlass.select_(use, slot, Int32(0))
         offset = (Int64(page) * self.page_stride + self.kv_head * kernel.head_stride + slot * kernel.slot_stride
                   + kernel.rotary_start)
-        span_ptr = cute.make_ptr(kernel.element, self.k_ptrs[self.layer] + offset * kernel.elem_bytes,
+        span_ptr = cute.make_ptr(kernel.element, self.layer_base() + offset * kernel.elem_bytes,
                                  cute.AddressSpace.gmem, assumed_align=kernel.vec * kernel.elem_bytes)
         return use, cute.make_tensor(span_ptr, cute.make_layout(kernel.rotary_dim))
+
+class PlainCoefficients:
+    """Coefficient reads of the lean form: plain shared loads, each issued where the arithmetic
+    uses it (``read(...)[h]`` loads ``coef[h, k, e, lane, step]``; the compiler merges a head's run
+    into vector loads)."""
+
+    def __init__(self, coef: cute.Tensor):
+        self.coef = coef
+
+    def read(self, k: int, e: int, lane, step: int) -> "_HeadsOf":
+        return _HeadsOf(self.coef, (k, e, lane, step))
+
+
+class _HeadsOf:
+    """``coef[h, *index]`` on subscript ``h`` (a load at the point of use)."""
+
+    def __init__(self, coef: cute.Tensor, index: tuple):
+        self.coef, self.index = coef, index
+
+    def __getitem__(self, h: int):
+        return self.coef[(h, *self.index)]
+
+
+class VolatileCoefficients:
+    """Coefficient reads of the pipelined forms: the heads' run of one (k, e, lane, step) is
+    contiguous in ``coefficient_layout``, read in volatile vector loads of up to 4 words (the run
+    starts on a multiple of 4 words when ``heads`` is, of 2 when it is even), so each is issued where
+    the program reads it (see the module docstring)."""
+
+    def __init__(self, kernel: "TriScoreKernel", coef: cute.Tensor):
+        self.kernel, self.coef = kernel, coef
+        heads = kernel.heads
+        self.width = 4 if heads % 4 == 0 else 2 if heads % 2 == 0 else 1
+        self.base = coef.iterator.toint()
+
+    def read(self, k: int, e: int, lane, step: int) -> list:
+        kernel = self.kernel
+        H = kernel.heads
+        offset = k * H + e * 3 * H + (lane + step * kernel.lanes) * kernel.lane_stride
+        values = []
+        for h in range(0, H, self.width):
+            values += volatile_shared_load(self.base + (offset + h) * 4, self.width)
+        return values
 
 
 class TriScoreKernel:
@@ -108,7 +215,7 @@ class TriScoreKernel:
     def __init__(self, *, dtype: str, layout: str, head_dim: int, query_heads: int, kv_heads: int,
                  rotary_start: int, rotary_dim: int, pairing: str, tokens_per_block: int,
                  threads: int = 128, max_heads: int = 16, lanes: int = 1, token_tiles: int = 1,
-                 tokens_per_thread: int = 1, prefetch: int = 0):
+                 tokens_per_thread: int = 1, prefetch: int = 0, smem_stages: int = 0):
         if dtype not in ELEMENT_TYPES:
             raise ValueError(f"score kernel: dtype {dtype!r}; accepted: {', '.join(ELEMENT_TYPES)}")
         if layout not in ("HND", "NHD") or pairing not in ("half", "interleaved"):
@@ -120,6 +227,9 @@ class TriScoreKernel:
                              f"/ token_tiles {token_tiles} / tokens_per_thread {tokens_per_thread} (>= 1)")
         if prefetch not in (0, 1):
             raise ValueError(f"score kernel: prefetch {prefetch} (0 or 1)")
+        if smem_stages not in (0, 2, 3, 4) or (smem_stages and prefetch):
+            raise ValueError(f"score kernel: smem_stages {smem_stages} (0, 2, 3 or 4; > 0 needs prefetch 0: the "
+                             "shared-memory ring replaces the register prefetch)")
         self.dtype = dtype
         self.element = ELEMENT_TYPES[dtype]
         self.elem_bytes = ELEMENT_BYTES[dtype]
@@ -149,6 +259,11 @@ class TriScoreKernel:
         self.token_tiles = token_tiles
         self.tokens_per_thread = tokens_per_thread
         self.prefetch = prefetch                            # 1: stage s + 1's loads before computing stage s
+        # smem_stages > 0: K pieces travel by cp.async into a ring of that many stages in shared
+        # memory; stages s + 1 .. s + smem_stages - 1 are in flight while stage s is computed.
+        self.smem_stages = smem_stages
+        # The pipelined forms: loads of several tokens in flight, coefficients read once per chunk.
+        self.pipelined = tokens_per_thread > 1 or prefetch == 1 or smem_stages > 0
         self.tokens_per_cta = self.tokens_per_tile * tokens_per_thread * token_tiles
         self.vectors_per_chunk = 2 if pairing == "half" else max(2 * self.pairs_per_chunk // self.vec, 1)
         self.row_elems = self.steps * self.vectors_per_chunk * self.vec   # K elements a lane holds per token
@@ -157,6 +272,13 @@ class TriScoreKernel:
         # token read different banks.
         block = 3 * self.heads * self.pairs_per_chunk
         self.lane_stride = block if lanes == 1 else block + (4 - block) % 8
+        # The ring: [stage][token][piece][thread] of piece_bytes each (consecutive threads on
+        # consecutive pieces: no bank conflicts), then one used flag per [stage][token][thread].
+        self.pieces = self.row_elems // self.vec
+        self.piece_bytes = self.vec * self.elem_bytes
+        if smem_stages and self.piece_bytes < 4:
+            raise ValueError(f"score kernel: smem_stages needs K loads of at least 4 bytes, not {self.piece_bytes}")
+        self.ring_words = smem_stages * tokens_per_thread * threads * (self.pieces * self.piece_bytes // 4 + 1)
         # Element offsets inside one page of the pool.
         if layout == "HND":   # [Hkv][tokens_per_block][head_dim]
             self.head_stride = tokens_per_block * head_dim
@@ -205,7 +327,7 @@ class TriScoreKernel:
         first = (head_pass - kv_head * self.passes) * self.heads   # first group member of this pass
         lane = tid % self.lanes
         token = RowSource(k_ptrs, page_table, P, errors, page_stride, num_pages, layer, request, kv_head, lane,
-                          S[request] - P[request])
+                          S[request] - P[request], hoist=self.pipelined)
         # Registers for one stage's K pieces (tokens_per_thread rows) and whether each is used.
         rows = cute.make_rmem_tensor(cute.make_layout(self.tokens_per_thread * self.row_elems), self.element)
         used = cute.make_rmem_tensor(cute.make_layout(self.tokens_per_thread), Int32)
@@ -217,14 +339,26 @@ class TriScoreKernel:
         # (a, b, m) of this pass's query heads for this (layer, request), in shared memory.
         smem = cutlass.memory.SmemAllocator()
         coef = smem.allocate_tensor(Float32, self.coefficient_layout(), 16)
+        ring = Int32(0)
+        if cutlass.const_expr(self.smem_stages > 0):
+            # the first smem_stages - 1 stages' copies go out before the coefficient prologue
+            ring = smem.allocate_tensor(Int32, cute.make_layout(self.ring_words), 16).iterator.toint()
+            for ahead in cutlass.range_constexpr(self.smem_stages - 1):
+                self.issue_stage(token, ring, tile, tid, Int32(ahead), ahead < self.token_tiles, ahead)
         self.load_coefficients(coef, c, d, qr, qi, mlr, freq_scale_sq, tid, layer, request, kv_head, first)
         cute.arch.sync_threads()
 
-        acc = cute.make_rmem_tensor(cute.make_layout(self.heads), Float32)
-        # A loop, not unrolled: unrolled, the compiler hoists every stage's loads to the top and
-        # spills (255 registers + stack measured for 4 stages of qwen3-8b, sm_90a; looped: 36).
-        for stage in cutlass.range(self.token_tiles):
-            self.run_stage(token, rows, used, acc, coef, scores, tile, tid, first, width, stage)
+        acc = cute.make_rmem_tensor(cute.make_layout(self.tokens_per_thread * self.heads), Float32)
+        # A loop, not unrolled at trace time: unrolled, the compiler hoists every stage's loads to
+        # the top and spills (255 registers + stack measured for 4 stages of qwen3-8b, sm_90a;
+        # looped: 36). The pipelined forms also keep the compiler from unrolling it (unroll=1).
+        for stage in cutlass.range(self.token_tiles, unroll=1 if self.pipelined else -1):
+            if cutlass.const_expr(self.smem_stages > 0):
+                self.run_ring_stage(token, ring, acc, coef, scores, tile, tid, first, width, stage)
+            else:
+                self.run_stage(token, rows, used, acc, coef, scores, tile, tid, first, width, stage)
+        if cutlass.const_expr(self.smem_stages > 0):
+            cute.arch.cp_async_wait_group(0)   # the zero-filled copies past the last stage land before exit
 
     def columns(self, tile, tid, stage) -> list:
         """Columns of this thread's tokens in ``stage``: one per token tile of the stage, the threads
@@ -250,19 +384,61 @@ class TriScoreKernel:
             current_used.store(used.load())
             if cutlass.const_expr(self.token_tiles > 1):
                 self.load_stage(token, rows, used, tile, tid, stage + 1, stage + 1 < self.token_tiles)
-            for t in cutlass.range_constexpr(self.tokens_per_thread):
-                self.score_token(acc, coef, current, t, scores, token, first, columns[t], current_used[t] != 0,
-                                 width)
+            self.score_stage(acc, coef, current, current_used, scores, token, first, columns, width)
         elif cutlass.const_expr(self.tokens_per_thread == 1):
             # acc stays 0 for a column that is not read, so the stores need no select.
             acc.fill(0.0)
             if columns[0] < token.valid_width:
                 self.accumulate_if_readable(acc, coef, token, columns[0])
-            self.finish_token(acc, scores, token, first, columns[0], cutlass.Boolean(True), width)
+            self.finish_token(acc, scores, token, first, 0, columns[0], cutlass.Boolean(True), width)
         else:
             self.load_stage(token, rows, used, tile, tid, stage, True)
-            for t in cutlass.range_constexpr(self.tokens_per_thread):
-                self.score_token(acc, coef, rows, t, scores, token, first, columns[t], used[t] != 0, width)
+            self.score_stage(acc, coef, rows, used, scores, token, first, columns, width)
+
+    def ring_piece(self, ring: Int32, slot, t: int, k: int, tid) -> Int32:
+        """Shared byte address of piece ``k`` of token ``t`` of this thread in ring ``slot``."""
+        return ring + (((slot * self.tokens_per_thread + t) * self.pieces + k) * self.threads + tid) * self.piece_bytes
+
+    def ring_flag(self, ring: Int32, slot, t: int, tid) -> Int32:
+        """Shared byte address of the used flag of token ``t`` of this thread in ring ``slot``."""
+        flags = self.smem_stages * self.tokens_per_thread * self.pieces * self.threads * self.piece_bytes
+        return ring + flags + ((slot * self.tokens_per_thread + t) * self.threads + tid) * 4
+
+    def issue_stage(self, token: "RowSource", ring: Int32, tile, tid, stage, live, slot) -> None:
+        """``stage``'s K pieces of this thread by cp.async into ring ``slot``, and their used flags,
+        as one commit group (every thread commits one per stage, empty or not, so the wait counts
+        agree). Unused tokens read nothing (zeros are written; ``live`` false: none is used)."""
+        for t, j in enumerate(self.columns(tile, tid, stage)):
+            use, span = token.locate(self, j, live)
+            volatile_shared_store(self.ring_flag(ring, slot, t, tid), cutlass.select_(use, Int32(1), Int32(0)))
+            read = cutlass.select_(use, Int32(self.piece_bytes), Int32(0))
+            base = span.iterator.toint()
+            for k, piece in enumerate(self.row_pieces(token.lane)):
+                cp_async(self.ring_piece(ring, slot, t, k, tid), base + piece * self.piece_bytes, self.piece_bytes,
+                         read)
+        cute.arch.cp_async_commit_group()
+
+    @cute.jit
+    def run_ring_stage(self, token: "RowSource", ring: Int32, acc: cute.Tensor, coef: cute.Tensor,
+                       scores: cute.Tensor, tile: Int32, tid: Int32, first: Int32, width: Int32, stage: Int32):
+        """One stage of the shared-memory ring: issue stage ``stage + smem_stages - 1`` into the
+        slot stage ``stage - 1`` used (this thread's own reads of it are done), wait for this
+        stage's group, read its pieces and flags back (volatile: each thread reads only what it
+        copied, so no barrier) and score them."""
+        ahead = stage + self.smem_stages - 1
+        self.issue_stage(token, ring, tile, tid, ahead, ahead < self.token_tiles, ahead % self.smem_stages)
+        cute.arch.cp_async_wait_group(self.smem_stages - 1)
+        slot = stage % self.smem_stages
+        words = self.piece_bytes // 4
+        raw = cute.make_rmem_tensor(cute.make_layout(self.tokens_per_thread * self.pieces * words), Int32)
+        used = cute.make_rmem_tensor(cute.make_layout(self.tokens_per_thread), Int32)
+        for t in cutlass.range_constexpr(self.tokens_per_thread):
+            used[t] = volatile_shared_load(self.ring_flag(ring, slot, t, tid), 1, Int32)[0]
+            for k in cutlass.range_constexpr(self.pieces):
+                for w, value in enumerate(volatile_shared_load(self.ring_piece(ring, slot, t, k, tid), words, Int32)):
+                    raw[(t * self.pieces + k) * words + w] = value
+        self.score_stage(acc, coef, cute.recast_tensor(raw, self.element), used, scores, token, first,
+                         self.columns(tile, tid, stage), width)
 
     @cute.jit
     def accumulate_if_readable(self, acc: cute.Tensor, coef: cute.Tensor, token: "RowSource", j: Int32):
@@ -273,7 +449,7 @@ class TriScoreKernel:
         if use:
             row = cute.make_rmem_tensor(cute.make_layout(self.row_elems), self.element)
             self.load_row(token, row, 0, span)
-            self.accumulate(acc, coef, row, 0, token.lane)
+            self.accumulate(acc, PlainCoefficients(coef), row, 1, token.lane)
 
     def load_stage(self, token: "RowSource", rows: cute.Tensor, used: cute.Tensor, tile, tid, stage, live) -> None:
         """Every token of ``stage`` into ``rows`` (``row_pieces`` order, token after token) and
@@ -303,27 +479,30 @@ class TriScoreKernel:
         return pieces
 
     @cute.jit
-    def score_token(self, acc: cute.Tensor, coef: cute.Tensor, rows: cute.Tensor, t: cutlass.Constexpr,
-                    scores: cute.Tensor, token: "RowSource", first: Int32, j: Int32, use: cutlass.Boolean,
-                    width: Int32):
-        """Decode token ``j`` (column) from token ``t``'s loaded pieces."""
+    def score_stage(self, acc: cute.Tensor, coef: cute.Tensor, rows: cute.Tensor, used: cute.Tensor,
+                    scores: cute.Tensor, token: "RowSource", first: Int32, columns: list, width: Int32):
+        """The stage's decode tokens (``columns``) from their loaded pieces, all accumulated in one
+        pass over the chunks (each coefficient read once for all of them)."""
         acc.fill(0.0)
-        self.accumulate(acc, coef, rows, t, token.lane)
-        self.finish_token(acc, scores, token, first, j, use, width)
+        self.accumulate(acc, VolatileCoefficients(self, coef), rows, self.tokens_per_thread, token.lane)
+        for t in cutlass.range_constexpr(self.tokens_per_thread):
+            self.finish_token(acc, scores, token, first, t, columns[t], used[t] != 0, width)
 
     @cute.jit
-    def finish_token(self, acc: cute.Tensor, scores: cute.Tensor, token: "RowSource", first: Int32, j: Int32,
-                     use: cutlass.Boolean, width: Int32):
-        """The lanes' sum and the stores: 0 for a column past the request's width or not read."""
+    def finish_token(self, acc: cute.Tensor, scores: cute.Tensor, token: "RowSource", first: Int32,
+                     t: cutlass.Constexpr, j: Int32, use: cutlass.Boolean, width: Int32):
+        """Token ``t``'s lanes' sum and stores (its accumulators ``acc[t·heads + h]``): 0 for a
+        column past the request's width or not read."""
+        base = t * self.heads
         if self.lanes > 1:
             # Every thread takes part (the shuffles need the whole warp); lanes of a token are
             # adjacent threads, so a butterfly over `lanes` sums the token's partial scores.
             for h in cutlass.range_constexpr(self.heads):
-                acc[h] = cute.arch.warp_reduction_sum(acc[h], threads_in_group=self.lanes)
+                acc[base + h] = cute.arch.warp_reduction_sum(acc[base + h], threads_in_group=self.lanes)
         if j < width:
             for h in cutlass.range_constexpr(self.heads):
-                self.store(scores, Float32(cutlass.select_(use, acc[h], Float32(0.0))), token.layer, token.request,
-                           token.kv_head, first, h, j, token.lane)
+                self.store(scores, Float32(cutlass.select_(use, acc[base + h], Float32(0.0))), token.layer,
+                           token.request, token.kv_head, first, h, j, token.lane)
 
     @cute.jit
     def record_skipped(self, errors: cute.Tensor, skipped: cutlass.Boolean, kind: cutlass.Constexpr, value: Int32):
@@ -375,20 +554,23 @@ class TriScoreKernel:
             coef[h, 1, e, lane, step] = Float32(cutlass.select_(live, s * (re * df + im * cf), zero))
             coef[h, 2, e, lane, step] = Float32(cutlass.select_(live, s * mlr[layer, head, f], zero))
 
-    @cute.jit
-    def accumulate(self, acc: cute.Tensor, coef: cute.Tensor, rows: cute.Tensor, t: cutlass.Constexpr, lane: Int32):
-        """``acc[h] += Σ a·re + b·im + m·|k|`` over this lane's chunks of one K row (chunk
-        ``step·lanes + lane``: the lanes of a token read adjacent 16-byte pieces), from token ``t``'s
-        pieces ``load_row`` left in registers (decoded to f32 here: fp8 and 16-bit alike)."""
+    def accumulate(self, acc: cute.Tensor, coefficients, rows: cute.Tensor, tokens: int, lane) -> None:
+        """``acc[t·heads + h] += Σ a·re + b·im + m·|k|`` over this lane's chunks of the K rows of
+        tokens ``t < tokens`` (chunk ``step·lanes + lane``: the lanes of a token read adjacent
+        16-byte pieces), from the pieces ``load_row`` left in registers (decoded to f32 here: fp8
+        and 16-bit alike). Chunk by chunk, each pair's coefficients read once for every token."""
         per_step = self.row_elems // self.steps
-        for step in cutlass.range_constexpr(self.steps):
-            values = self.load_f32(rows, (t * self.row_elems + step * per_step) // self.vec, per_step // self.vec)
-            if self.pairing == "half":
-                for e in cutlass.range_constexpr(self.pairs_per_chunk):
-                    self.accumulate_pair(acc, coef, e, lane, step, values[e], values[self.vec + e])
-            else:
-                for e in cutlass.range_constexpr(self.pairs_per_chunk):
-                    self.accumulate_pair(acc, coef, e, lane, step, values[2 * e], values[2 * e + 1])
+        for step in range(self.steps):   # plain Python: unrolled at trace time
+            values = [self.load_f32(rows, (t * self.row_elems + step * per_step) // self.vec, per_step // self.vec)
+                      for t in range(tokens)]
+            for e in range(self.pairs_per_chunk):
+                a, b, m = (coefficients.read(k, e, lane, step) for k in range(3))
+                for t in range(tokens):
+                    if self.pairing == "half":
+                        re, im = values[t][e], values[t][self.vec + e]
+                    else:
+                        re, im = values[t][2 * e], values[t][2 * e + 1]
+                    self.accumulate_pair(acc, t * self.heads, a, b, m, re, im)
 
     def load_f32(self, rows: cute.Tensor, first_vector: int, count: int) -> list:
         """``count`` consecutive ``vec``-wide pieces of the register copy from piece
@@ -399,13 +581,13 @@ class TriScoreKernel:
             values += [loaded[e] for e in range(self.vec)]
         return values
 
-    def accumulate_pair(self, acc: cute.Tensor, coef: cute.Tensor, e: int, lane, step: int, re, im) -> None:
+    def accumulate_pair(self, acc: cute.Tensor, base: int, a: list, b: list, m: list, re, im) -> None:
+        """One frequency of one token into ``acc[base + h]``, ``(a, b, m)[h]`` its coefficients."""
         # sqrt.approx (one MUFU op, a few ulp) instead of the IEEE sequence (~10 instructions):
         # F square roots per token would otherwise cost as much as a third of the FMAs.
         magnitude = cute.math.sqrt(re * re + im * im, approx=True)
         for h in range(self.heads):
-            acc[h] = (acc[h] + coef[h, 0, e, lane, step] * re + coef[h, 1, e, lane, step] * im
-                      + coef[h, 2, e, lane, step] * magnitude)
+            acc[base + h] = acc[base + h] + a[h] * re + b[h] * im + m[h] * magnitude
 
     # ------------------------------------------------------------------ ahead-of-time compile
 

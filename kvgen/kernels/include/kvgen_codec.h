@@ -15,8 +15,10 @@
  * (kvgen_last_error() then says why).  Host index arrays are read during the call only; device
  * index arrays must stay valid until the stream work completes.
  *
- * Version 2 adds the staged offload/onboard block at the end; every version-1 entry point keeps
- * its signature and meaning.
+ * Version 2 adds the staged offload/onboard block; every version-1 entry point keeps its signature
+ * and meaning.  The per-layer scales block at the end extends version 2 (no entry point changes):
+ * every library built by this kvgen exports it, and a family that declares per-layer scales (which
+ * no older kvgen could build) needs it.
  */
 #ifndef KVGEN_CODEC_H_
 #define KVGEN_CODEC_H_
@@ -131,6 +133,25 @@ int kvgen_codec_offload(kvgen_codec* codec, int lifecycle, void* host_cold, int6
                         const kvgen_page_pair* pairs, int64_t num_pairs, void* stream);
 int kvgen_codec_onboard(kvgen_codec* codec, int lifecycle, const void* host_cold, int64_t num_cold_slots,
                         const kvgen_page_pair* pairs, int64_t num_pairs, void* stream);
+
+/* ---- Per-layer second-level scales (extends ABI version 2) --------------------------------------
+ *
+ * A quantized buffer's global multipliers G (encode) and Q (decode) (COLD_PAGE_FORMAT.md §3) are
+ * compiled in when the spec gives them (cold_page.scales.<buffer>: {G, Q}, default 1).  A buffer
+ * declared `cold_page.scales.<buffer>: per_layer` takes one (G, Q) per layer at run time instead,
+ * e.g. a checkpoint's calibrated per-layer K/V scales; encode and decode of such a codec fail
+ * until kvgen_codec_set_layer_scales has succeeded.
+ *
+ * set_layer_scales: n = layers x kvgen_codec_layer_scale_buffers(codec) binary32 values each,
+ * layer-major: G[l * k + j] is the j-th per-layer buffer (descriptor order) of layer l.  Q NULL:
+ * Q = 1/G (correctly rounded).  Every value finite and > 0, else 0 and nothing changes.  The copy
+ * to the device is synchronous: call it after configure, when no encode/decode of this codec is in
+ * flight (it may be called again to change the scales).  A family without per-layer buffers refuses
+ * it.  Decode of a per-layer buffer always takes the binary32 route (decode_route 1, the packed
+ * table, is exact only for Q = 1, which is then not known at compile time). */
+int kvgen_codec_set_layer_scales(kvgen_codec* codec, const float* G, const float* Q, int64_t n);
+/* Quantized buffers per layer whose scales are per layer (0: all compiled in). */
+int kvgen_codec_layer_scale_buffers(const kvgen_codec* codec);
 
 #ifdef __cplusplus
 }
