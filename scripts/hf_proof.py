@@ -203,7 +203,11 @@ def triattention_section(registry: RuntimeRegistry, arch: str, family: str, prom
     agreement = oracle.agreement(checked)
     dynamic_bytes = sum(layer.keys.numel() * 2 + layer.values.numel() * 2 for layer in ref_cache.layers)
     return {"family": family, "prompt": prompt, "new_tokens": new, "budget": budget, "beta": beta,
-            "calibration": {**calibrated.describe(), "form_used": "flat"},
+            "calibration": {**calibrated.describe(), "form_used": "flat",
+                            "manager_holds_these_statistics": bool(
+                                torch.equal(checked.manager.calibration.E_q, calibrated.run.calibration.E_q)
+                                and torch.equal(checked.manager.calibration.E_q_norm,
+                                                calibrated.run.calibration.E_q_norm))},
             "tokens_per_s": {"dynamic": new / t_ref, "kvgen": new / t_mine},
             "rounds": len(cache.rounds), "round_ms": [1e3 * t for t in round_times],
             "round_ms_median": 1e3 * statistics.median(round_times) if round_times else None,
