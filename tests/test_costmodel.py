@@ -203,3 +203,57 @@ def test_tune_measurements_replace_the_models_pick_and_record_how_far_off_it_was
     for bucket, off in replaced["buckets"].items():
         assert off["model_pick_off"] >= 0 and off["model_pick_ms"] >= off["measured_best_ms"]
     assert replaced["buckets"]["small"]["model_pick_off"] > 0        # the bowl's optimum is elsewhere
+
+
+# ---------------------------------------------------------------- kvgen tune --model
+
+
+def _validation(tmp_path: Path, passes: bool) -> Path:
+    path = tmp_path / "validation.json"
+    path.write_text(json.dumps({"model_version": "1", "ops": {"compact": {"passes": passes,
+                                                                          "failed": [] if passes else ["x/b1"]}}}))
+    return path
+
+
+def test_tune_model_refuses_an_op_that_failed_validation(tmp_path: Path, capsys) -> None:
+    from kvgen.cli import main
+
+    rc = main(["tune", "--model", "--family", "qwen3-8b", "--op", "compact", "--arch", "sm_100a",
+               "--validation", str(_validation(tmp_path, False)), "--tuning", str(tmp_path / "tuning")])
+    assert rc == 1
+    assert "failed its H200 validation" in capsys.readouterr().out
+    assert not (tmp_path / "tuning").exists()
+
+
+def test_tune_model_writes_a_model_tuned_entry_the_build_uses(tmp_path: Path) -> None:
+    """A real sm_100a cubin (one candidate: the searched subspace fixed to one configuration): the
+    entry says model, its version, inputs and predicted times; load_tuned uses it as model-tuned."""
+    from kvgen.cli import main
+
+    tuning = tmp_path / "tuning"
+    rc = main(["tune", "--model", "--family", "qwen3-8b", "--op", "compact", "--arch", "sm_100a",
+               "--fix", "threads=256,tile_tokens=64", "--validation", str(_validation(tmp_path, True)),
+               "--tuning", str(tuning)])
+    assert rc == 0
+    entry = json.loads(tuning_path(tuning, "sm_100a", "qwen3-8b").read_text())["model_ops"]["compact"]
+    assert entry["method"] == "model" and entry["model_version"] == "1"
+    assert entry["params"] == {"threads": 256, "tile_tokens": 64}
+    assert entry["searched"] == {"fixed": {"threads": 256, "tile_tokens": 64}, "candidates": 1}
+    (inputs,) = entry["inputs"].values()
+    assert any("compact_kernel" in name and k["registers"] > 0 for name, k in inputs.items())
+    assert all(b["predicted_best_ms"] > 0 for b in entry["buckets"].values())
+    env = BuildEnvironment("0.1.0", {"nvcc": entry["environment"]["toolchain"]["nvcc"]})
+    tuned = load_tuned(tuning, {"sm_100a": env}, ["qwen3-8b"], environ={})
+    assert tuned.method("sm_100a", "qwen3-8b", "compact") == MODEL
+
+
+def test_the_manifest_and_show_config_say_how_params_were_chosen(tmp_path: Path) -> None:
+    from kvgen.artifacts.manifest import FamilyEntry, Manifest, OpEntry, manifest_path, parse_manifest, write_manifest
+    from kvgen.cli import _registry_tuning
+
+    op = OpEntry("codec", "libx.so", "codec.cu.j2", "k", {"threads": 256}, MODEL)
+    family = FamilyEntry(family="qwen3-8b", arch="sm_100a", symbol="s", spec_sha256="0", ops=(op,), artifacts=())
+    path = manifest_path(tmp_path, "sm_100a")
+    write_manifest(path, Manifest(arch="sm_100a", families=(family,)))
+    assert parse_manifest(path).families[0].ops[0].tuning == "model-tuned"
+    assert _registry_tuning(tmp_path) == {"sm_100a qwen3-8b codec": "model-tuned"}
