@@ -309,14 +309,22 @@ def _model_tune(args, sources, ops, console, toolchains) -> int:
     from kvgen.build.nvcc import toolchain_for
     from kvgen.tuning.costmodel.tune import CUDA_OPS, NotValidated, require_validated, tune
 
-    wanted = [op for op in (ops or CUDA_OPS) if op in CUDA_OPS]
+    unsupported = [op for op in ops or () if op not in CUDA_OPS]
+    if unsupported:
+        _error(console, f"--model: {', '.join(unsupported)} not model-tuned (the model compiles {', '.join(CUDA_OPS)})")
+        return 2
+    wanted = list(ops or CUDA_OPS)
     try:
         for op in wanted:
             require_validated(args.validation, op)
     except NotValidated as exc:
         _error(console, str(exc))
         return 1
-    fixed = parse_config(args.fix) if args.fix else {}
+    try:
+        fixed = parse_config(args.fix) if args.fix else {}
+    except ValueError:
+        _error(console, f"--fix {args.fix!r}: expected name=value,name=value (integers)")
+        return 2
     toolchain = toolchain_for(args.arch, toolchains)
     for source in sources:
         for op in [o for o in wanted if o in ops_for(source.spec)]:
