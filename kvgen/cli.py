@@ -412,7 +412,25 @@ def _config(args: argparse.Namespace) -> dict[str, Any]:
                   "specs": str(args.specs), "templates": str(TEMPLATES_DIR), "max jobs": default_jobs()},
         "versions": {"kvgen": __version__, "python": sys.version.split()[0],
                      **{d: _installed(d) for d in ("torch", "triton", "nvidia-cutlass-dsl", "nvidia-cuda-nvcc")}},
+        "tuning": _registry_tuning(args.registry),
     }
+
+
+def _registry_tuning(registry: Path) -> dict[str, str]:
+    """``"<arch> <family> <op>" -> how its built parameters were chosen`` (measured, model-tuned,
+    override, default), from the registry's manifests (a manifest that does not read is skipped:
+    ``kvgen verify`` reports it)."""
+    from kvgen.artifacts.manifest import RegistryError, parse_manifest
+
+    out = {}
+    for path in sorted(Path(registry).glob("*/manifest.json")):
+        try:
+            manifest = parse_manifest(path)
+        except RegistryError:
+            continue
+        for entry in manifest.families:
+            out.update({f"{manifest.arch} {entry.family} {op.op}": op.tuning for op in entry.ops})
+    return out
 
 
 def cmd_show_config(args: argparse.Namespace) -> int:
@@ -431,6 +449,8 @@ def cmd_show_config(args: argparse.Namespace) -> int:
         console.print(Text(f"{name:>10}: {value}"))
     for name, value in config["versions"].items():
         console.print(Text(f"{name:>18}: {value}"))
+    for name, value in config["tuning"].items():
+        console.print(Text(f"tuning {name}: {value}"))
     return EXIT_OK
 
 

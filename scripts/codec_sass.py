@@ -39,59 +39,17 @@ from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+# one reader of SASS: the cost model's (pipe classes, functions, loops, shortest path)
+from kvgen.tuning.costmodel.features import loop_bodies, pipe_class, shortest_path  # noqa: E402
+from kvgen.tuning.costmodel.features import parse_sass as parse_functions  # noqa: E402
+
 FAMILIES = ("qwen3-8b", "qwen3-8b-fp8", "mistral-7b")
 WORKTREE = "WORKTREE"
 
-CLASSES: dict[str, tuple[str, ...]] = {
-    "alu": ("IADD3", "LOP3", "SHF", "SHL", "SHR", "ISETP", "SEL", "PRMT", "IMNMX", "VIMNMX", "FSETP", "FSEL",
-            "FMNMX", "LEA", "IABS", "FLO", "POPC", "BMSK", "SGXT", "PLOP3", "P2R", "R2P", "MOV", "VIADD",
-            "IADD", "BREV", "HSETP2", "HMNMX2"),
-    "imad": ("IMAD", "IMUL"),
-    "fma": ("FFMA", "FMUL", "FADD", "HFMA2", "HMUL2", "HADD2", "FSWZADD"),
-    "conversion": ("F2F", "F2I", "I2F", "F2FP", "I2FP", "FRND", "F2IP"),
-    "mufu": ("MUFU",),
-    "memory": ("LDG", "STG", "LDS", "STS", "LD", "ST", "LDL", "STL", "LDC", "ATOM", "ATOMS", "RED"),
-    "control": ("BRA", "BSSY", "BSYNC", "EXIT", "CALL", "RET", "NOP", "BAR", "S2R", "CS2R", "S2UR", "WARPSYNC",
-                "DEPBAR", "YIELD"),
-}
-_CLASS_OF = {op: cls for cls, ops in CLASSES.items() for op in ops}
-
-_INSN = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)\s*([^;]*);")
-
-
-def pipe_class(opcode: str) -> str:
-    base = opcode.split(".")[0]
-    if base.startswith("U") and base not in _CLASS_OF:
-        return "uniform"
-    return _CLASS_OF.get(base, "other")
-
-
-def parse_functions(sass: str) -> dict[str, list[tuple[int, str, str, bool]]]:
-    """Function name -> [(address, opcode, operands, predicated)]."""
-    functions: dict[str, list[tuple[int, str, str]]] = {}
-    current = None
-    for line in sass.splitlines():
-        if "Function :" in line:
-            current = line.split("Function :", 1)[1].strip()
-            functions[current] = []
-        elif current is not None and (m := _INSN.search(line)):
-            functions[current].append((int(m.group(1), 16), m.group(3), m.group(4), bool(m.group(2))))
-    return functions
-
-
-def loops(insns):
-    """Bodies of the loops: a backward BRA closes [target, branch]."""
-    bodies = []
-    for addr, op, args, _ in insns:
-        if op == "BRA" and (m := re.search(r"0x([0-9a-f]+)", args)) and int(m.group(1), 16) < addr:
-            start = int(m.group(1), 16)
-            bodies.append([i for i in insns if start <= i[0] <= addr])
-    return bodies
-
-
 def block_loop(insns, direction: str):
     """The first plain-block loop of a kernel and the blocks one iteration handles."""
-    for body in loops(insns):
+    for body in loop_bodies(insns):
         ops = [insn[1] for insn in body]
         if direction == "encode" and any(o.startswith("LDG") for o in ops):
             blocks = sum(o == "STS.U8" for o in ops)
@@ -102,25 +60,6 @@ def block_loop(insns, direction: str):
         if blocks:
             return body, blocks
     raise SystemExit(f"no {direction} block loop found")
-
-
-def shortest_path(body: list[tuple[int, str, str, bool]]) -> list[tuple[int, str, str, bool]]:
-    """The instructions on the shortest way from the loop head to its backward branch (the body's
-    forward branches make it a DAG: dynamic programming from the end)."""
-    index = {insn[0]: i for i, insn in enumerate(body)}
-    best: list[list | None] = [None] * len(body)
-    best[-1] = [body[-1]]
-    for i in range(len(body) - 2, -1, -1):
-        addr, op, args, predicated = body[i]
-        nexts = []
-        target = re.search(r"0x([0-9a-f]+)", args) if op == "BRA" else None
-        if target and int(target.group(1), 16) in index and int(target.group(1), 16) > addr:
-            nexts.append(index[int(target.group(1), 16)])
-        if op != "BRA" or predicated or not target:
-            nexts.append(i + 1)  # falls through: not an unconditional branch
-        options = [best[j] for j in nexts if best[j] is not None]
-        best[i] = [body[i], *min(options, key=len)] if options else None
-    return best[0] or body
 
 
 def mix(insns, blocks: int) -> dict:
@@ -170,7 +109,6 @@ def source_tree(rev: str, tmp: Path) -> Path:
 
 def render_variant(params: dict[str, int], family: str, tmp: Path, label: str) -> Path:
     """The working tree's codec.cu of ``family`` rendered with ``params``, under tmp/<label>/generated."""
-    sys.path.insert(0, str(ROOT))
     from kvgen.render.source import render_family
     from kvgen.spec.schema import load_spec
 

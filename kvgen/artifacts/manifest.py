@@ -60,6 +60,7 @@ class OpEntry:
     template: str
     plan_key: str
     params: Mapping[str, int] = field(default_factory=dict)
+    tuning: str = "default"                       # how params were chosen: measured, model-tuned, override, default
 
 
 @dataclass(frozen=True)
@@ -121,7 +122,7 @@ def write_manifest(path: Path, manifest: Manifest) -> None:
 # (required fields, optional fields) of each JSON object, with the type each must have: a manifest
 # of the right shape but wrong types is refused here, not by whatever later trips over a value.
 _ARTIFACT = ({"file": str, "sha256": str, "backend": str, "cache_key": str}, {"toolchain": dict})
-_OP = ({"op": str, "artifact": str, "template": str, "plan_key": str}, {"params": dict})
+_OP = ({"op": str, "artifact": str, "template": str, "plan_key": str}, {"params": dict, "tuning": str})
 _FAMILY = ({"family": str, "arch": str, "symbol": str, "spec_sha256": str, "ops": list, "artifacts": list},
            {"layout": (dict, type(None)), "kvgen_version": str, "abi_version": int})
 _MANIFEST = ({"arch": str, "families": list}, {"format_version": int, "kvgen_version": str, "abi_version": int})
@@ -157,7 +158,8 @@ def _family(data: Any, where: str) -> FamilyEntry:
         params = op.get("params", {})
         if not all(isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) for k, v in params.items()):
             raise _Malformed(f"{where}.ops[{i}].params: expected names of integers")
-        ops.append(OpEntry(op["op"], op["artifact"], op["template"], op["plan_key"], dict(params)))
+        ops.append(OpEntry(op["op"], op["artifact"], op["template"], op["plan_key"], dict(params),
+                           op.get("tuning", "default")))
     artifacts = []
     for i, artifact in enumerate(data["artifacts"]):
         artifact = _checked(artifact, f"{where}.artifacts[{i}]", _ARTIFACT)

@@ -99,15 +99,17 @@ def check_generated(specs: Sequence[SpecSource | Path], out_generated: Path,
 # ---------------------------------------------------------------- registry
 
 
-def _family_entry(built: Sequence[tuple[BuildJob, BuildOutcome]]) -> FamilyEntry:
+def _family_entry(built: Sequence[tuple[BuildJob, BuildOutcome]], tuned: TunedParams | None = None) -> FamilyEntry:
     """The manifest entry of one family from its built artifacts (an op whose artifact failed is
-    not listed: the runtime then refuses that op with the rebuild command)."""
+    not listed: the runtime then refuses that op with the rebuild command); each op says how its
+    parameters were chosen (``tuned.method``: measured, model-tuned, override or default)."""
     source, arch = built[0][0].source, built[0][0].arch
     ops, artifacts = [], []
     for job, outcome in built:
         artifacts.append(ArtifactEntry(job.artifact, outcome.sha256, job.backend, outcome.key,
                                        dict(outcome.toolchain)))
-        ops += [OpEntry(p.op, job.artifact, p.template, p.key(), dict(p.params)) for p in job.plans]
+        ops += [OpEntry(p.op, job.artifact, p.template, p.key(), dict(p.params),
+                        tuned.method(arch, job.family, p.op) if tuned else "default") for p in job.plans]
     spec = source.spec
     return FamilyEntry(family=spec.name, arch=arch, symbol=built[0][0].symbol, spec_sha256=source.sha256,
                        ops=tuple(sorted(ops, key=lambda op: op.op)), artifacts=tuple(artifacts),
@@ -120,7 +122,8 @@ def registry_lock(registry_dir: Path, arch: str) -> Path:
     return Path(registry_dir) / f".{arch}.manifest.lock"
 
 
-def publish(registry_dir: Path, arch: str, results: Sequence[tuple[BuildJob, BuildOutcome]]) -> Path:
+def publish(registry_dir: Path, arch: str, results: Sequence[tuple[BuildJob, BuildOutcome]],
+            tuned: TunedParams | None = None) -> Path:
     """Copy this arch's built artifacts into the registry (each atomically), then rewrite its
     manifest (last, atomically): the families built now get new entries listing what built (a
     family nothing of which built is dropped), other families' entries are kept. All of it
@@ -128,11 +131,12 @@ def publish(registry_dir: Path, arch: str, results: Sequence[tuple[BuildJob, Bui
     never lists an artifact another build replaced after it was hashed."""
     path = manifest_path(registry_dir, arch)
     with file_lock(registry_lock(registry_dir, arch)):
-        _publish_locked(path, arch, results)
+        _publish_locked(path, arch, results, tuned)
     return path
 
 
-def _publish_locked(path: Path, arch: str, results: Sequence[tuple[BuildJob, BuildOutcome]]) -> None:
+def _publish_locked(path: Path, arch: str, results: Sequence[tuple[BuildJob, BuildOutcome]],
+                    tuned: TunedParams | None) -> None:
     try:
         kept = list(parse_manifest(path).families) if path.exists() else []
     except RegistryError:
@@ -145,7 +149,7 @@ def _publish_locked(path: Path, arch: str, results: Sequence[tuple[BuildJob, Bui
                               mode=0o644 if job.backend == "triton" else 0o755)
             by_family[job.family].append((job, outcome))
     entries = [entry for entry in kept if entry.family not in by_family]
-    entries += [_family_entry(built) for built in by_family.values() if built]
+    entries += [_family_entry(built, tuned) for built in by_family.values() if built]
     write_manifest(path, Manifest(arch=arch, families=tuple(sorted(entries, key=lambda e: e.family))))
 
 
@@ -228,7 +232,7 @@ def build(specs: Sequence[SpecSource | Path], archs: Sequence[str] | None, out_g
     published = []
     for arch in sorted({job.arch for job in todo}):
         results = [(job, outcome) for job, outcome in zip(todo, outcomes) if job.arch == arch]
-        path = publish(Path(registry_dir), arch, results)
+        path = publish(Path(registry_dir), arch, results, tuned)
         report.manifests.append(path)
         published += [(job, _registry_outcome(path, job, outcome)) for job, outcome in results]
     report.outcomes += [outcome for _, outcome in published]

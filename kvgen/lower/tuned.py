@@ -13,6 +13,12 @@ File (schema 1)::
 
 Each op carries its own environment: ops are tuned at different times, with different compilers.
 
+Model-tuned entries (``kvgen.tuning.costmodel``: picked by the static cost model for a target no GPU
+of which was measured) live beside them under ``"model_ops"`` with ``"method": "model"``, the model
+version, its inputs and predicted times. A measured entry of an op that applies to the build (same
+arch, kvgen and toolchain) always wins over the model's; a model entry is used only where no
+measured one applies, and is itself checked against the build's kvgen and toolchain.
+
 One library per (family, op, arch) serves every size, so ``params`` is the configuration with the
 best geometric-mean speed-up over the buckets (among those measured in all of them); each bucket
 also records its own winner and what the compromise costs there (``params_ms``).
@@ -37,6 +43,8 @@ from kvgen import paths
 from kvgen.lower.plan import TUNABLES, Op, check_params
 
 SCHEMA = 1
+# How the parameters the build compiles were chosen (the manifest and ``kvgen show-config`` say it).
+MEASURED, MODEL, OVERRIDE, DEFAULT = "measured", "model-tuned", "override", "default"
 OP_TOOLCHAIN = {"codec": "nvcc", "compact": "nvcc", "score": "cutlass_dsl", "pack": "triton"}
 
 
@@ -56,28 +64,60 @@ def read_file(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict) or data.get("schema") != SCHEMA:
         raise TuningFileError(f"{path}: schema {data.get('schema') if isinstance(data, dict) else None!r}, "
                               f"this kvgen reads {SCHEMA}")
-    for op, entry in data.get("ops", {}).items():
-        if op not in TUNABLES:
-            raise TuningFileError(f"{path}: unknown op {op!r}")
-        try:
-            check_params(op, entry["params"])
-        except (KeyError, ValueError, TypeError) as exc:
-            raise TuningFileError(f"{path}: ops.{op}.params: {exc}") from None
+    for section in ("ops", "model_ops"):
+        for op, entry in data.get(section, {}).items():
+            if op not in TUNABLES:
+                raise TuningFileError(f"{path}: {section}: unknown op {op!r}")
+            try:
+                check_params(op, entry["params"])
+            except (KeyError, ValueError, TypeError) as exc:
+                raise TuningFileError(f"{path}: {section}.{op}.params: {exc}") from None
+            if section == "model_ops" and entry.get("method") != "model":
+                raise TuningFileError(f"{path}: model_ops.{op}: \"method\" is {entry.get('method')!r}, not 'model'")
     return data
 
 
 def write_op(tuning_dir: Path, family: str, arch: str, op: Op, entry: Mapping[str, Any],
-             environment: Mapping[str, Any]) -> Path:
-    """Set one op's entry of ``tuning/<arch>/<family>.json`` (other ops kept), atomically."""
+             environment: Mapping[str, Any], section: str = "ops") -> Path:
+    """Set one op's entry of ``tuning/<arch>/<family>.json`` (other ops and sections kept),
+    atomically; ``section`` "model_ops" for the cost model's picks. A measured entry replaces the
+    model's entry of the op (the caller records how far the model was off, ``model_offset``)."""
     path = tuning_path(tuning_dir, arch, family)
     data = read_file(path) if path.exists() else {"schema": SCHEMA, "family": family, "arch": arch, "ops": {}}
-    data["ops"] = {**data.get("ops", {}), op: {**entry, "environment": dict(environment)}}
-    data["ops"] = dict(sorted(data["ops"].items()))
+    data.setdefault("ops", {})
+    data[section] = dict(sorted({**data.get(section, {}), op: {**entry, "environment": dict(environment)}}.items()))
+    if section == "ops" and op in data.get("model_ops", {}):
+        del data["model_ops"][op]
+        if not data["model_ops"]:
+            del data["model_ops"]
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n", encoding="utf-8")
     os.replace(tmp, path)
     return path
+
+
+def model_entry(tuning_dir: Path, family: str, arch: str, op: Op) -> dict[str, Any] | None:
+    """The model-tuned entry of an op, if the file has one."""
+    path = tuning_path(tuning_dir, arch, family)
+    return read_file(path).get("model_ops", {}).get(op) if path.is_file() else None
+
+
+def model_offset(model: Mapping[str, Any], measured: Mapping[str, Mapping[str, float]],
+                 choice: str, model_choice: str) -> dict[str, Any]:
+    """How far the model was off, from the measurements that replace its pick: per bucket, the
+    measured time of the model's bucket pick and of its build choice against the measured best."""
+    buckets = {}
+    for bucket, times in measured.items():
+        best = min(times.values())
+        pick = model.get("buckets", {}).get(bucket, {}).get("best")
+        buckets[bucket] = {"model_pick": pick, "model_pick_ms": times.get(pick, math.nan),
+                           "measured_best_ms": best,
+                           "model_pick_off": times[pick] / best - 1 if pick in times else math.nan,
+                           "model_choice_off": times[model_choice] / times[choice] - 1
+                           if model_choice in times and choice in times else math.nan}
+    return {"model_version": model.get("model_version"), "model_params": dict(model["params"]),
+            "buckets": buckets}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -118,21 +158,28 @@ class TunedParams:
 
     table: dict[str, dict[str, dict[Op, dict[str, int]]]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    methods: dict[tuple[str, str, str], str] = field(default_factory=dict)   # (arch, family, op) -> MEASURED...
 
     def for_family(self, arch: str, family: str) -> dict[Op, dict[str, int]]:
         return self.table.get(arch, {}).get(family, {})
 
-    def set(self, arch: str, family: str, op: Op, params: Mapping[str, int]) -> None:
+    def set(self, arch: str, family: str, op: Op, params: Mapping[str, int], method: str = MEASURED) -> None:
         self.table.setdefault(arch, {}).setdefault(family, {})[op] = dict(params)
+        self.methods[(arch, family, op)] = method
+
+    def method(self, arch: str, family: str, op: str) -> str:
+        """How the build's parameters of ``op`` were chosen (DEFAULT when no file or override applied)."""
+        return self.methods.get((arch, family, op), DEFAULT)
 
 
 def _minor(version: str) -> str:
     return ".".join(str(version).split(".")[:2])
 
 
-def mismatch(data: Mapping[str, Any], op: Op, env: BuildEnvironment) -> str:
-    """Why a file's op entry does not apply here ("" when it does)."""
-    recorded = data["ops"][op].get("environment", {})
+def mismatch(data: Mapping[str, Any], op: Op, env: BuildEnvironment, section: str = "ops") -> str:
+    """Why a file's op entry does not apply here ("" when it does). A model entry names no GPU
+    (nothing was measured): only its kvgen and toolchain are checked."""
+    recorded = data[section][op].get("environment", {})
     if _minor(recorded.get("kvgen", "")) != _minor(env.kvgen):
         return f"tuned with kvgen {recorded.get('kvgen')!r}, building with {env.kvgen}"
     tool = OP_TOOLCHAIN[op]
@@ -158,7 +205,7 @@ def load_tuned(tuning_dir: Path, envs: Mapping[str, BuildEnvironment], families:
                 _load_one(tuning_path(tuning_dir, arch, family), arch, family, env, tuned)
     for (family, op), params in parse_override(paths.tuned_params_override(environ)).items():
         for arch in envs:
-            tuned.set(arch, family, op, {**tuned.for_family(arch, family).get(op, {}), **params})
+            tuned.set(arch, family, op, {**tuned.for_family(arch, family).get(op, {}), **params}, OVERRIDE)
     tuned.notes += after
     return tuned
 
@@ -184,12 +231,20 @@ def _load_one(path: Path, arch: str, family: str, env: BuildEnvironment, tuned: 
     if data.get("arch") != arch or data.get("family") != family:
         tuned.notes.append(f"{path}: is for {data.get('family')} {data.get('arch')}; using the safe defaults")
         return
-    for op, entry in data["ops"].items():
-        why = mismatch(data, op, env)
-        if why:
-            tuned.notes.append(f"{path}: {op}: {why}; using the safe defaults")
-        else:
-            tuned.set(arch, family, op, entry["params"])
+    measured, model = data.get("ops", {}), data.get("model_ops", {})
+    for op in sorted(set(measured) | set(model)):
+        why = mismatch(data, op, env) if op in measured else ""
+        if op in measured and not why:
+            tuned.set(arch, family, op, measured[op]["params"], MEASURED)   # a measurement always wins
+            continue
+        model_why = mismatch(data, op, env, "model_ops") if op in model else ""
+        if op in model and not model_why:
+            tuned.set(arch, family, op, model[op]["params"], MODEL)
+            if why:
+                tuned.notes.append(f"{path}: {op}: measured entry not used ({why}); using the model-tuned one")
+            continue
+        reasons = "; ".join(r for r in (why, f"model-tuned entry: {model_why}" if model_why else "") if r)
+        tuned.notes.append(f"{path}: {op}: {reasons}; using the safe defaults")
 
 
 OVERRIDE_FORMAT = "format: family:op:name=value,name=value;..."

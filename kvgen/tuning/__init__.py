@@ -5,5 +5,6 @@
 ``measure`` (GPU side: correctness gate against the oracle, CUDA-event timing, JSON lines) ->
 ``study`` (optuna studies per family/op/arch/bucket over those measurements, or live) ->
 ``configs`` (``tuning/<arch>/<family>.json``: written here, read by ``kvgen build``).
-``run`` is the command; ``evidence`` compares the search with the exhaustive sweep.
+``run`` is the command; ``evidence`` compares the search with the exhaustive sweep; ``costmodel``
+predicts candidates' times from their SASS for targets that cannot be measured here.
 """

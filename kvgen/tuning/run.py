@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvgen.lower.plan import Op, default_params
-from kvgen.lower.tuned import build_choice, write_op
+from kvgen.lower.tuned import build_choice, model_entry, model_offset, write_op
 from kvgen.tuning.space import (
     BUCKETS,
     STRATEGIES,
@@ -62,6 +62,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="candidate bundle directory (default: build/tune/bundle; packed beside it as .tar.xz)")
     p.add_argument("--tuning", type=Path, default=Path("tuning"), help="tuned-config directory (default: tuning)")
     p.add_argument("--no-write", action="store_true", help="search and report, write nothing to --tuning")
+    p.add_argument("--model", action="store_true",
+                   help="no GPU: pick with the static cost model (kvgen.tuning.costmodel) and write model-tuned "
+                        "entries; refused for an op whose model failed its H200 validation (--validation)")
+    p.add_argument("--validation", type=Path, default=Path("docs/tuning-evidence/costmodel-validation.json"),
+                   help="the cost model's H200 validation (--model)")
+    p.add_argument("--fix", default="", help="--model: name=value,... held fixed (the searched subspace)")
 
 
 def default_storage(cache_dir: Path) -> str:
@@ -143,6 +149,8 @@ def run(args: argparse.Namespace, sources, console, cache_dir: Path, discover_to
         return 2
     if args.build_only:
         return _build_only(args, sources, ops, console, cache_dir, discover_toolchains())
+    if args.model:
+        return _model_tune(args, sources, ops, console, discover_toolchains())
     if args.measurements:
         try:
             evaluator = RecordedEvaluator(args.measurements)
@@ -246,6 +254,10 @@ def _write(args, spec, op: Op, per_bucket: list[BucketResult], evaluator) -> tup
                                "trials": r.trials, "failed": r.failed, "failures": r.failures,
                                "strategy": r.strategy, "study": r.study} for r in per_bucket},
     }
+    model = model_entry(args.tuning, spec.name, args.arch, op)
+    if model is not None:   # the measurement replaces the model's pick: record how far off it was
+        entry["replaced_model"] = model_offset(model, {r.bucket: r.measured for r in per_bucket}, choice,
+                                               config_id(op, canonical(op, model["params"], spec)))
     env = evaluator.environment(spec.name, op, args.arch)
     return choice, write_op(args.tuning, spec.name, args.arch, op, entry, env)
 
@@ -289,4 +301,33 @@ def _build_only(args, sources, ops, console, cache_dir: Path, toolchains) -> int
     console.print(f"{len(candidates)} candidates ({len(failed)} failed to build) in {args.bundle}; packed: {archive} "
                   f"({archive.stat().st_size / 2**20:.1f} MiB)")
     console.print(f"next, on the GPU machine: python -m kvgen.tuning.measure {archive} --out measurements.jsonl")
+    return 0
+
+
+def _model_tune(args, sources, ops, console, toolchains) -> int:
+    """``--model``: the cost model's pick per (family, op), written as a model-tuned entry."""
+    from kvgen.build.nvcc import toolchain_for
+    from kvgen.tuning.costmodel.tune import CUDA_OPS, NotValidated, require_validated, tune
+
+    unsupported = [op for op in ops or () if op not in CUDA_OPS]
+    if unsupported:
+        _error(console, f"--model: {', '.join(unsupported)} not model-tuned (the model compiles {', '.join(CUDA_OPS)})")
+        return 2
+    wanted = list(ops or CUDA_OPS)
+    try:
+        for op in wanted:
+            require_validated(args.validation, op)
+    except NotValidated as exc:
+        _error(console, str(exc))
+        return 1
+    try:
+        fixed = parse_config(args.fix) if args.fix else {}
+    except ValueError:
+        _error(console, f"--fix {args.fix!r}: expected name=value,name=value (integers)")
+        return 2
+    toolchain = toolchain_for(args.arch, toolchains)
+    for source in sources:
+        for op in [o for o in wanted if o in ops_for(source.spec)]:
+            path = tune(source.spec, op, args.arch, toolchain.nvcc, toolchain.version, fixed, args.tuning)
+            _line(f"{source.spec.name} {op} {args.arch}: model-tuned -> {path}")
     return 0

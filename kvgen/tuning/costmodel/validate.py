@@ -1,0 +1,186 @@
+"""Is the model right where it can be checked? Its ranking against the measured ranking, per
+(family, op, bucket), over recorded H200 measurements whose candidates' SASS was extracted.
+
+Goals (issue 17): Spearman rank correlation >= 0.8 over the study's candidates, and the model's
+top pick within 5 % of the measured best. A study whose measured times all lie within
+``NOISE`` of one another has no ranking to match (the measurement's own spread is that large):
+it is reported with its Spearman but judged on the top pick alone. An op passes when every one
+of its studies meets the goals that apply; only an op that passes may have model-tuned files.
+
+    python -m kvgen.tuning.costmodel.validate MEASUREMENTS.jsonl... --features F.json --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from kvgen.paths import spec_path
+from kvgen.spec.schema import load_spec
+from kvgen.tuning.costmodel.features import from_json
+from kvgen.tuning.costmodel.model import VERSION
+from kvgen.tuning.costmodel.predict import predict
+from kvgen.tuning.costmodel.targets import target
+
+SPEARMAN_GOAL = 0.8
+TOP_PICK_GOAL = 0.05
+NOISE = 0.03
+
+
+def ranks(values: list[float]) -> list[float]:
+    """Ranks from 1, ties sharing their mean rank."""
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    out = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            out[order[k]] = (i + j) / 2 + 1
+        i = j + 1
+    return out
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    """Pearson correlation of the ranks (nan when either side has a single rank)."""
+    ra, rb = ranks(a), ranks(b)
+    ma, mb = sum(ra) / len(ra), sum(rb) / len(rb)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
+    va, vb = sum((x - ma) ** 2 for x in ra), sum((y - mb) ** 2 for y in rb)
+    return cov / math.sqrt(va * vb) if va and vb else math.nan
+
+
+def study_verdict(measured: dict[str, float], predicted: dict[str, float]) -> dict[str, Any]:
+    configs = sorted(measured)
+    m = [measured[c] for c in configs]
+    p = [predicted[c] for c in configs]
+    best = min(m)
+    pick = min(configs, key=lambda c: (predicted[c], c))
+    rho = spearman(m, p)
+    spread = max(m) / best - 1
+    flat = spread <= NOISE
+    top_gap = measured[pick] / best - 1
+    meets_top = top_gap <= TOP_PICK_GOAL
+    meets_rank = flat or (not math.isnan(rho) and rho >= SPEARMAN_GOAL)
+    return {"candidates": len(configs), "spearman": rho, "measured_spread": spread, "flat": flat,
+            "model_pick": pick, "model_pick_ms": measured[pick], "measured_best": min(configs, key=measured.get),
+            "measured_best_ms": best, "top_pick_gap": top_gap, "passes": meets_top and meets_rank,
+            "measured_ms": measured, "predicted_ms": predicted}
+
+
+def measurements(paths: list[Path]) -> dict[tuple, dict[str, dict]]:
+    """(family, op, arch, bucket) -> config -> the measurement record (status ok only)."""
+    out: dict[tuple, dict[str, dict]] = defaultdict(dict)
+    for path in paths:
+        for line in Path(path).read_text().splitlines():
+            r = json.loads(line)
+            if r.get("status") == "ok":
+                out[(r["family"], r["op"], r["arch"], r["bucket"])][r["config"]] = r
+    return out
+
+
+def validate(paths: list[Path], features: dict[str, dict], arch: str = "sm_90a") -> list[dict[str, Any]]:
+    t = target(arch)
+    results = []
+    for (family, op, rec_arch, bucket), records in sorted(measurements(paths).items()):
+        keys = {c: f"{family}|{op}|{rec_arch}|{c}" for c in records}
+        if rec_arch != arch or not all(k in features for k in keys.values()):
+            continue
+        spec = load_spec(spec_path(family))
+        predicted = {c: predict(spec, op, r["params"], r["size"], from_json(features[keys[c]]), t).ms
+                     for c, r in records.items()}
+        verdict = study_verdict({c: r["median_ms"] for c, r in records.items()}, predicted)
+        results.append({"family": family, "op": op, "arch": arch, "bucket": bucket, **verdict})
+    return results
+
+
+def op_verdicts(results: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per op: passes when every study of at least 3 families passes."""
+    out: dict[str, dict[str, Any]] = {}
+    for op in sorted({r["op"] for r in results}):
+        rs = [r for r in results if r["op"] == op]
+        families = sorted({r["family"] for r in rs})
+        failed = [f"{r['family']}/{r['bucket']}" for r in rs if not r["passes"]]
+        out[op] = {"families": families, "studies": len(rs), "failed": failed,
+                   "passes": len(families) >= 3 and not failed}
+    return out
+
+
+def markdown(results: list[dict[str, Any]], verdicts: dict[str, dict[str, Any]]) -> str:
+    lines = [f"Cost model version {VERSION} against the H200 (sm_90a) measurements. Goals: Spearman >= "
+             f"{SPEARMAN_GOAL} (not judged where every measured time lies within {100 * NOISE:.0f} % of the best: "
+             f"'flat'), model's pick within {100 * TOP_PICK_GOAL:.0f} % of the measured best.", "",
+             "| op | family | bucket | candidates | measured spread | Spearman | model pick | its gap to best | passes |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        lines.append(f"| {r['op']} | {r['family']} | {r['bucket']} | {r['candidates']} | "
+                     f"{100 * r['measured_spread']:.1f} %{' (flat)' if r['flat'] else ''} | {r['spearman']:.2f} | "
+                     f"`{r['model_pick']}` | {100 * r['top_pick_gap']:.1f} % | {'yes' if r['passes'] else 'NO'} |")
+    lines += ["", "| op | families | studies | failed studies | validated |", "|---|---|---|---|---|"]
+    for op, v in verdicts.items():
+        lines.append(f"| {op} | {', '.join(v['families'])} | {v['studies']} | {', '.join(v['failed']) or '-'} | "
+                     f"{'yes' if v['passes'] else 'NO'} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: list[dict[str, Any]], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cols = 4
+    rows = math.ceil(len(results) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.4 * cols, 2.9 * rows), squeeze=False)
+    for ax, r in zip(axes.flat, results):
+        configs = sorted(r["measured_ms"])
+        m = [r["measured_ms"][c] for c in configs]
+        p = [r["predicted_ms"][c] for c in configs]
+        ax.scatter(p, m, s=10, color="tab:green" if r["passes"] else "tab:red")
+        ax.scatter([r["predicted_ms"][r["model_pick"]]], [r["model_pick_ms"]], s=40, facecolors="none",
+                   edgecolors="k", label="model pick")
+        ax.axhline(r["measured_best_ms"] * (1 + TOP_PICK_GOAL), color="grey", lw=0.6, ls=":")
+        ax.set_title(f"{r['family']} {r['op']} {r['bucket']}\nrho {r['spearman']:.2f}, pick +"
+                     f"{100 * r['top_pick_gap']:.1f} %", fontsize=7)
+        ax.set_xlabel("predicted ms", fontsize=7)
+        ax.set_ylabel("measured ms", fontsize=7)
+        ax.tick_params(labelsize=6)
+    for ax in list(axes.flat)[len(results):]:
+        ax.axis("off")
+    fig.suptitle(f"kvgen cost model v{VERSION}: predicted vs measured, H200 (green: meets the goals)", fontsize=9)
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.4 / fig.get_figheight()))   # room for the title
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("measurements", type=Path, nargs="+")
+    parser.add_argument("--features", type=Path, action="append", required=True,
+                        help="feature cache(s) (kvgen.tuning.costmodel.features.extract)")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    features: dict[str, dict] = {}
+    for path in args.features:
+        features.update(json.loads(path.read_text()))
+    results = validate(args.measurements, features)
+    verdicts = op_verdicts(results)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "costmodel-validation.json").write_text(json.dumps(
+        {"model_version": VERSION, "ops": verdicts, "studies": results}, indent=1) + "\n")
+    (args.out / "costmodel-validation.md").write_text(markdown(results, verdicts))
+    plot(results, args.out / "costmodel-validation.png")
+    print(markdown(results, verdicts))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

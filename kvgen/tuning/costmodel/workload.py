@@ -1,0 +1,94 @@
+"""What one measured call of each op launches: grids, threads and the phases of a CTA, from the
+family's geometry, the size bucket (``kvgen.tuning.space.BUCKETS``, as ``kvgen.tuning.measure``
+sizes it) and the candidate's parameters. Which loop of the SASS does which phase is picked by what
+it touches (global loads into shared stores: the codec's quantizer; ...), not by name.
+
+The ops' launch shapes (documented with their kernels):
+- codec: encode then decode, grid (page pairs x layers), one layer record per CTA, staged in shared
+  memory (``kvgen/kernels/cuda/codec_kernels.cuh``);
+- compact: grid (requests x KV heads x layers), each CTA walks its moves tile after tile, K and V
+  rows of 16-byte vectors, a tile's loads issued before the previous tile's stores;
+- score: grid (token tiles x KV heads x passes x layers x requests), each thread a token's chunks
+  of K (``kvgen/kernels/cute/score_kernel.py``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Mapping
+
+from kvgen.tuning.costmodel.features import KernelFeatures, Mix
+from kvgen.tuning.costmodel.model import Launch, Phase
+
+
+class WorkloadError(ValueError):
+    """A candidate whose SASS lacks a kernel or loop the op's workload needs."""
+
+
+def pick_kernel(features: Mapping[str, KernelFeatures], marker: str) -> KernelFeatures:
+    """The kernel whose name holds ``marker``; of several instantiations the device-pair one
+    (``Lb1E``, what the runtime launches for pairs on the GPU), else the first."""
+    named = [f for n, f in sorted(features.items()) if marker in n]
+    if not named:
+        raise WorkloadError(f"no kernel named *{marker}* among {sorted(features)}")
+    return next((f for f in named if "Lb1E" in f.name), named[0])
+
+
+def pick_loop(kernel: KernelFeatures, *kinds: str) -> Mix | None:
+    """The largest loop touching every memory kind of ``kinds`` (None when there is none)."""
+    loops = [m for m in kernel.loops if all(m.memory.get(k, 0) for k in kinds) and m.global_bytes]
+    return max(loops, key=lambda m: m.total) if loops else None
+
+
+def codec_launches(features: Mapping[str, KernelFeatures], params: Mapping[str, int], size: Mapping,
+                   record_bytes: int) -> list[Launch]:
+    """Encode + decode of ``size["pages"]`` pages (``size``: the measurement's hot/cold bytes)."""
+    hot, cold = float(size["hot_bytes"]), float(size["cold_bytes"])
+    where = "host" if size.get("cold") == "pinned" else "hbm"
+    ctas = max(1, round(cold / record_bytes))
+    threads, in_flight = params["threads"], params["in_flight"]
+    record_in_flight = min(16.0 * in_flight, record_bytes / threads)
+    encode, decode = pick_kernel(features, "encode_kernel"), pick_kernel(features, "decode_kernel")
+    quantize = pick_loop(encode, "global_load", "shared_store")
+    dequantize = pick_loop(decode, "shared_load", "global_store")
+    return [
+        Launch("encode", encode, ctas, threads, record_bytes, (
+            Phase("quantize", hot, "hbm", quantize, float(quantize.load_bytes) if quantize else 16.0),
+            Phase("store", cold, where, None, 0.0))),
+        Launch("decode", decode, ctas, threads, record_bytes, (
+            Phase("load", cold, where, None, record_in_flight,
+                  rounds=math.ceil(record_bytes / 16 / (threads * in_flight))),
+            Phase("dequantize", hot, "hbm", dequantize, 0.0))),
+    ]
+
+
+def compact_launches(features: Mapping[str, KernelFeatures], params: Mapping[str, int], geometry: Mapping,
+                     batch: int, moves: int) -> list[Launch]:
+    """One compaction of ``batch`` requests, ``moves`` kept tokens per (request, layer, KV head)."""
+    kernel = pick_kernel(features, "compact_kernel")
+    ctas = batch * geometry["kv_heads"] * geometry["layers"]
+    moved = 2.0 * ctas * moves * geometry["head_dim"] * geometry["elem_bytes"]   # K and V rows
+    walk = pick_loop(kernel, "global_load", "global_store")
+    in_flight = float(walk.load_bytes) if walk else 16.0
+    return [Launch("compact", kernel, ctas, params["threads"], 0,
+                   (Phase("move", 2 * moved, "hbm", walk, in_flight),))]
+
+
+def score_launches(features: Mapping[str, KernelFeatures], params: Mapping[str, int], geometry: Mapping,
+                   batch: int, width: int, lanes: int, passes: int) -> list[Launch]:
+    """One scoring call: ``batch`` requests of ``width`` tokens, every scored layer. One iteration
+    is one token per ``lanes`` threads: the token-tile loop when ``token_tiles`` > 1, else the
+    kernel's straight-line body; ``lanes`` adjacent threads read adjacent 16-byte chunks of a row,
+    so a warp uses ``16 * lanes`` bytes of each 32-byte sector it touches in a row."""
+    kernel = pick_kernel(features, "kernel")
+    tokens_per_cta = params["threads"] // lanes * params["token_tiles"]
+    layers = len(geometry["scored_layers"])
+    ctas = math.ceil(width / tokens_per_cta) * geometry["kv_heads"] * passes * layers * batch
+    elem = 1 if geometry["dtype"].startswith("fp8") else 2
+    k_bytes = float(batch) * width * geometry["kv_heads"] * passes * layers * geometry["head_dim"] * elem
+    tile_loop = pick_loop(kernel, "global_load")
+    per_token = tile_loop if params["token_tiles"] > 1 and tile_loop is not None and \
+        tile_loop.total > kernel.static.total / 2 else kernel.static
+    return [Launch("score", kernel, ctas, params["threads"], 0,
+                   (Phase("scores", k_bytes, "hbm", per_token, float(per_token.load_bytes),
+                          sector_efficiency=min(1.0, 16 * lanes / 32)),))]

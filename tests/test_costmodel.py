@@ -1,0 +1,259 @@
+"""The static cost model (kvgen.tuning.costmodel), on the CPU.
+
+- feature extraction: a committed cuobjdump listing of a tiny kernel (tests/data/costmodel/tiny.cu,
+  compiled for sm_90a and sm_100a): resources, the loop, its bytes per thread, the SM100 hardware
+  E2M1 cvt counted where it is and nowhere else;
+- the model: residency limits, what more bytes in flight or more registers do, a launch that does
+  not fit;
+- validation arithmetic (Spearman, the flat-study rule);
+- precedence at build time: a measured entry for the build's toolchain always wins over a
+  model-tuned one, which is used where no measured entry applies;
+- ``kvgen tune --measurements`` replacing a model-tuned pick and recording how far it was off.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from kvgen.lower.tuned import MEASURED, MODEL, BuildEnvironment, load_tuned, tuning_path
+from kvgen.tuning.costmodel.features import Mix, kernel_features, parse_resources, parse_sass
+from kvgen.tuning.costmodel.model import Launch, Phase, estimate, resident_ctas
+from kvgen.tuning.costmodel.targets import TARGETS, target
+from kvgen.tuning.costmodel.validate import spearman, study_verdict
+
+from .tuning_data import write_codec_measurements
+
+DATA = Path(__file__).parent / "data" / "costmodel"
+H200 = target("sm_90a")
+
+
+def tiny(arch: str):
+    sass = parse_sass((DATA / f"tiny.{arch}.sass").read_text())
+    resources = parse_resources((DATA / f"tiny.{arch}.resources").read_text())
+    (name,) = sass
+    return kernel_features(name, sass[name], resources[name])
+
+
+# ---------------------------------------------------------------- features
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_the_tiny_kernels_resources_and_loop_are_read(arch: str) -> None:
+    k = tiny(arch)
+    assert "tiny_kernel" in k.name
+    # cuobjdump's SHARED: the 128-byte stage plus the 1 KiB the driver reserves per CTA
+    assert 0 < k.registers <= 255 and k.shared_bytes == 128 + 1024 and k.local_bytes == 0
+    (loop,) = k.loops                                   # one grid-stride loop
+    assert loop.memory["global_load"] == 1 and loop.memory["global_store"] == 1
+    assert loop.memory["shared_store"] == 1 and loop.memory["shared_load"] == 1
+    assert loop.load_bytes == 8 and loop.global_bytes == 9      # a float2 in, a byte out
+    assert loop.per_pipe["control"] >= 3                        # the two barriers and the branch
+
+
+def test_the_sm100_hardware_fp4_cvt_is_visible_and_sm90_rounds_in_software() -> None:
+    hopper, blackwell = tiny("sm_90a"), tiny("sm_100a")
+    assert blackwell.loops[0].hardware_fp4 == 1 and blackwell.static.hardware_fp4 == 1
+    assert hopper.static.hardware_fp4 == 0
+    assert hopper.loops[0].per_pipe["conversion"] == 2          # F2I per code on sm_90a
+    assert blackwell.loops[0].per_pipe["conversion"] == 1       # one F2FP.E2M1 for both
+
+
+# ---------------------------------------------------------------- the model
+
+
+def _mix(load_bytes: int = 16, alu: int = 10) -> Mix:
+    per_pipe = {"alu": alu, "fma": 0, "imad": 0, "conversion": 0, "mufu": 0, "memory": 2, "uniform": 0,
+                "control": 1, "other": 0}
+    return Mix(sum(per_pipe.values()), per_pipe, {"global_load": 1, "global_store": 1}, 2 * load_bytes,
+               load_bytes, 0)
+
+
+def _launch(registers: int = 32, threads: int = 256, ctas: int = 10_000, in_flight: float = 16.0,
+            shared: int = 1024) -> Launch:
+    kernel = tiny("sm_90a")
+    kernel = type(kernel)(kernel.name, registers, shared, 0, 0, kernel.static, kernel.loops)
+    return Launch("k", kernel, ctas, threads, 0, (Phase("copy", 1e9, "hbm", _mix(int(in_flight)), in_flight),))
+
+
+def test_residency_takes_the_tightest_limit() -> None:
+    k = _launch().kernel
+    assert resident_ctas(k, 256, 0, H200) == 8                                    # 64 warps / 8
+    heavy = type(k)(k.name, 128, 0, 0, 0, k.static, k.loops)
+    assert resident_ctas(heavy, 256, 0, H200) == 2                                # 65536 / (128 * 256)
+    assert resident_ctas(k, 64, 100 * 1024, H200) == 2                             # 228 KiB of shared memory
+    assert resident_ctas(k, 32, 0, H200) == 32                                    # the CTA limit
+
+
+def test_more_bytes_in_flight_or_fewer_registers_is_never_slower() -> None:
+    few, many = estimate([_launch(in_flight=4)], H200), estimate([_launch(in_flight=64)], H200)
+    assert many.seconds <= few.seconds
+    assert estimate([_launch(registers=32)], H200).seconds <= estimate([_launch(registers=200)], H200).seconds
+
+
+def test_a_streaming_launch_is_bound_by_hbm_bandwidth() -> None:
+    e = estimate([_launch(in_flight=64)], H200)
+    floor = 1e9 / (H200.hbm_gbs * H200.hbm_efficiency * 1e9)
+    assert floor <= e.seconds <= 1.2 * floor + H200.launch_us * 1e-6
+
+
+def test_a_launch_that_does_not_fit_an_sm_is_infinitely_slow() -> None:
+    assert math.isinf(estimate([_launch(shared=300 * 1024)], H200).seconds)
+
+
+def test_every_target_has_a_table_and_sources_for_its_estimates() -> None:
+    assert set(TARGETS) == {"sm_90a", "sm_100a", "sm_103a", "sm_107a"}
+    with pytest.raises(ValueError, match="sm_120a"):
+        target("sm_120a")
+
+
+# ---------------------------------------------------------------- validation arithmetic
+
+
+def test_spearman_and_the_flat_study_rule() -> None:
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert math.isnan(spearman([1, 2, 3], [5, 5, 5]))
+    measured = {"a": 1.00, "b": 1.01, "c": 1.02}
+    flat = study_verdict(measured, {"a": 3.0, "b": 2.0, "c": 1.0})   # ranking reversed, within noise
+    assert flat["flat"] and flat["passes"] and flat["top_pick_gap"] == pytest.approx(0.02)
+    steep = study_verdict({"a": 1.0, "b": 2.0, "c": 3.0}, {"a": 3.0, "b": 2.0, "c": 1.0})
+    assert not steep["flat"] and not steep["passes"]
+
+
+# ---------------------------------------------------------------- precedence at build time
+
+
+def _file(tmp_path: Path, ops: dict | None, model_ops: dict | None) -> Path:
+    data = {"schema": 1, "family": "qwen3-8b", "arch": "sm_100a", "ops": ops or {}}
+    if model_ops is not None:
+        data["model_ops"] = model_ops
+    path = tuning_path(tmp_path, "sm_100a", "qwen3-8b")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data))
+    return path
+
+
+def _entry(threads: int, nvcc: str, method: str | None = None) -> dict:
+    entry = {"params": {"threads": threads, "in_flight": 2},
+             "environment": {"kvgen": "0.1.0", "toolchain": {"nvcc": nvcc}}}
+    return {**entry, "method": method} if method else entry
+
+
+ENV = {"sm_100a": BuildEnvironment("0.1.0", {"nvcc": "13.5.37"})}
+
+
+def test_a_measured_entry_for_the_builds_toolchain_wins_over_the_model(tmp_path: Path) -> None:
+    _file(tmp_path, {"codec": _entry(128, "13.5.37")}, {"codec": _entry(512, "13.5.37", "model")})
+    tuned = load_tuned(tmp_path, ENV, ["qwen3-8b"], environ={})
+    assert tuned.for_family("sm_100a", "qwen3-8b")["codec"]["threads"] == 128
+    assert tuned.method("sm_100a", "qwen3-8b", "codec") == MEASURED
+
+
+def test_the_model_entry_is_used_where_no_measured_one_applies(tmp_path: Path) -> None:
+    _file(tmp_path, {"codec": _entry(128, "13.0.88")}, {"codec": _entry(512, "13.5.37", "model")})
+    tuned = load_tuned(tmp_path, ENV, ["qwen3-8b"], environ={})
+    assert tuned.for_family("sm_100a", "qwen3-8b")["codec"]["threads"] == 512
+    assert tuned.method("sm_100a", "qwen3-8b", "codec") == MODEL == "model-tuned"
+    assert any("measured entry not used" in note and "13.0.88" in note for note in tuned.notes)
+
+
+def test_a_model_entry_for_another_toolchain_falls_back_to_the_defaults(tmp_path: Path) -> None:
+    _file(tmp_path, None, {"codec": _entry(512, "13.0.88", "model")})
+    tuned = load_tuned(tmp_path, ENV, ["qwen3-8b"], environ={})
+    assert tuned.for_family("sm_100a", "qwen3-8b") == {}
+    assert tuned.method("sm_100a", "qwen3-8b", "codec") == "default"
+    assert any("model-tuned entry" in note and "safe defaults" in note for note in tuned.notes)
+
+
+def test_a_model_entry_must_say_it_is_one(tmp_path: Path) -> None:
+    from kvgen.lower.tuned import TuningFileError, read_file
+
+    path = _file(tmp_path, None, {"codec": _entry(512, "13.5.37")})
+    with pytest.raises(TuningFileError, match="model_ops.codec"):
+        read_file(path)
+
+
+# ---------------------------------------------------------------- measurements replace the model
+
+
+def test_tune_measurements_replace_the_models_pick_and_record_how_far_off_it_was(tmp_path: Path) -> None:
+    from kvgen.cli import main
+
+    measurements = write_codec_measurements(tmp_path / "m.jsonl", arch="sm_100a")
+    tuning = tmp_path / "tuning"
+    model_pick = {"threads": 256, "in_flight": 2, "rounding": 1, "decode_route": 1, "min_blocks": 0}
+    model = {**_entry(256, "13.0.88", "model"), "params": model_pick, "model_version": "1",
+             "buckets": {b: {"best": "threads=256,in_flight=2,rounding=1,decode_route=1,min_blocks=0"}
+                         for b in ("small", "large", "offload")}}
+    path = tuning_path(tuning, "sm_100a", "qwen3-8b")
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"schema": 1, "family": "qwen3-8b", "arch": "sm_100a", "ops": {},
+                                "model_ops": {"codec": model}}))
+    rc = main(["tune", "--family", "qwen3-8b", "--op", "codec", "--arch", "sm_100a", "--strategy", "grid",
+               "--measurements", str(measurements), "--storage", "sqlite:///:memory:", "--tuning", str(tuning)])
+    assert rc == 0
+    data = json.loads(path.read_text())
+    assert "model_ops" not in data                                   # the measurement replaced it
+    replaced = data["ops"]["codec"]["replaced_model"]
+    assert replaced["model_params"] == model_pick and replaced["model_version"] == "1"
+    for bucket, off in replaced["buckets"].items():
+        assert off["model_pick_off"] >= 0 and off["model_pick_ms"] >= off["measured_best_ms"]
+    assert replaced["buckets"]["small"]["model_pick_off"] > 0        # the bowl's optimum is elsewhere
+
+
+# ---------------------------------------------------------------- kvgen tune --model
+
+
+def _validation(tmp_path: Path, passes: bool) -> Path:
+    path = tmp_path / "validation.json"
+    path.write_text(json.dumps({"model_version": "1", "ops": {"compact": {"passes": passes,
+                                                                          "failed": [] if passes else ["x/b1"]}}}))
+    return path
+
+
+def test_tune_model_refuses_an_op_that_failed_validation(tmp_path: Path, capsys) -> None:
+    from kvgen.cli import main
+
+    rc = main(["tune", "--model", "--family", "qwen3-8b", "--op", "compact", "--arch", "sm_100a",
+               "--validation", str(_validation(tmp_path, False)), "--tuning", str(tmp_path / "tuning")])
+    assert rc == 1
+    assert "failed its H200 validation" in capsys.readouterr().out
+    assert not (tmp_path / "tuning").exists()
+
+
+def test_tune_model_writes_a_model_tuned_entry_the_build_uses(tmp_path: Path) -> None:
+    """A real sm_100a cubin (one candidate: the searched subspace fixed to one configuration): the
+    entry says model, its version, inputs and predicted times; load_tuned uses it as model-tuned."""
+    from kvgen.cli import main
+
+    tuning = tmp_path / "tuning"
+    rc = main(["tune", "--model", "--family", "qwen3-8b", "--op", "compact", "--arch", "sm_100a",
+               "--fix", "threads=256,tile_tokens=64", "--validation", str(_validation(tmp_path, True)),
+               "--tuning", str(tuning)])
+    assert rc == 0
+    entry = json.loads(tuning_path(tuning, "sm_100a", "qwen3-8b").read_text())["model_ops"]["compact"]
+    assert entry["method"] == "model" and entry["model_version"] == "1"
+    assert entry["params"] == {"threads": 256, "tile_tokens": 64}
+    assert entry["searched"] == {"fixed": {"threads": 256, "tile_tokens": 64}, "candidates": 1}
+    (inputs,) = entry["inputs"].values()
+    assert any("compact_kernel" in name and k["registers"] > 0 for name, k in inputs.items())
+    assert all(b["predicted_best_ms"] > 0 for b in entry["buckets"].values())
+    env = BuildEnvironment("0.1.0", {"nvcc": entry["environment"]["toolchain"]["nvcc"]})
+    tuned = load_tuned(tuning, {"sm_100a": env}, ["qwen3-8b"], environ={})
+    assert tuned.method("sm_100a", "qwen3-8b", "compact") == MODEL
+
+
+def test_the_manifest_and_show_config_say_how_params_were_chosen(tmp_path: Path) -> None:
+    from kvgen.artifacts.manifest import FamilyEntry, Manifest, OpEntry, manifest_path, parse_manifest, write_manifest
+    from kvgen.cli import _registry_tuning
+
+    op = OpEntry("codec", "libx.so", "codec.cu.j2", "k", {"threads": 256}, MODEL)
+    family = FamilyEntry(family="qwen3-8b", arch="sm_100a", symbol="s", spec_sha256="0", ops=(op,), artifacts=())
+    path = manifest_path(tmp_path, "sm_100a")
+    write_manifest(path, Manifest(arch="sm_100a", families=(family,)))
+    assert parse_manifest(path).families[0].ops[0].tuning == "model-tuned"
+    assert _registry_tuning(tmp_path) == {"sm_100a qwen3-8b codec": "model-tuned"}
