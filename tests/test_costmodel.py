@@ -69,7 +69,7 @@ def _mix(load_bytes: int = 16, alu: int = 10) -> Mix:
     per_pipe = {"alu": alu, "fma": 0, "imad": 0, "conversion": 0, "mufu": 0, "memory": 2, "uniform": 0,
                 "control": 1, "other": 0}
     return Mix(sum(per_pipe.values()), per_pipe, {"global_load": 1, "global_store": 1}, 2 * load_bytes,
-               load_bytes, 0)
+               load_bytes, 0, 0)
 
 
 def _launch(registers: int = 32, threads: int = 256, ctas: int = 10_000, in_flight: float = 16.0,

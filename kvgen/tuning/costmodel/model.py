@@ -137,6 +137,10 @@ def phase_terms(phase: Phase, launch: Launch, resident: int, t: Target) -> dict[
         issue = {f"issue:{pipe}": warp_iterations * n / (busy_sms * t.issue[pipe] * clock)
                  for pipe, n in phase.loop.per_pipe.items() if n}
         issue["issue:total"] = warp_iterations * phase.loop.total / (busy_sms * t.issue["total"] * clock)
+        # model 2: shared-memory loads as their own pipe, every thread's bytes through the SM's 32 banks
+        # (128 B/clk, CUDA C++ Programming Guide, shared memory of compute capability 9.0 / 10.x)
+        issue["issue:shared"] = warp_iterations * 32 * phase.loop.shared_load_bytes / (
+            busy_sms * t.shared_bytes_per_clk * clock)
         terms.update(issue)
         terms["issue"] = max(issue.values())
         if phase.walk is not None:

@@ -32,6 +32,7 @@ class Target:
     ctas_per_sm: int
     # warp instructions per SM per clock, per pipe class (kvgen.tuning.costmodel.features.PIPES)
     issue: dict[str, float]
+    shared_bytes_per_clk: int        # shared-memory bandwidth per SM (32 banks x 4 bytes)
     dram_latency_ns: float           # load-to-use latency of an HBM access
     l2_latency_ns: float             # load-to-use latency of an L2 hit
     warp_inflight_bytes: float       # bytes one warp of a scattered row copy keeps in flight (model 2's walk)
@@ -54,25 +55,25 @@ TARGETS: dict[str, Target] = {
     "sm_90a": Target(
         arch="sm_90a", gpu="NVIDIA H200 SXM", sms=132, clock_ghz=1.98, hbm_gbs=4800, hbm_efficiency=0.85,
         host_link_gbs=64, l2_mib=50, registers_per_sm=65536, register_granule=8, max_registers_per_thread=255,
-        shared_per_sm=228 * 1024, warps_per_sm=64, ctas_per_sm=32, issue=_ISSUE_SM90_SM100,
+        shared_per_sm=228 * 1024, warps_per_sm=64, ctas_per_sm=32, issue=_ISSUE_SM90_SM100, shared_bytes_per_clk=128,
         dram_latency_ns=650, l2_latency_ns=200, warp_inflight_bytes=2600,
         dependent_issue_cycles=2.0, host_latency_ns=1500, launch_us=2.5),
     "sm_100a": Target(
         arch="sm_100a", gpu="NVIDIA B200", sms=148, clock_ghz=1.965, hbm_gbs=8000, hbm_efficiency=0.85,
         host_link_gbs=64, l2_mib=126, registers_per_sm=65536, register_granule=8, max_registers_per_thread=255,
-        shared_per_sm=228 * 1024, warps_per_sm=64, ctas_per_sm=32, issue=_ISSUE_SM90_SM100,
+        shared_per_sm=228 * 1024, warps_per_sm=64, ctas_per_sm=32, issue=_ISSUE_SM90_SM100, shared_bytes_per_clk=128,
         dram_latency_ns=700, l2_latency_ns=200, warp_inflight_bytes=2600,
         dependent_issue_cycles=2.0, host_latency_ns=1500, launch_us=2.5),
     "sm_103a": Target(
         arch="sm_103a", gpu="NVIDIA B300 (Blackwell Ultra)", sms=148, clock_ghz=1.965, hbm_gbs=8000,
         hbm_efficiency=0.85, host_link_gbs=128, l2_mib=126, registers_per_sm=65536, register_granule=8,
         max_registers_per_thread=255, shared_per_sm=228 * 1024, warps_per_sm=64, ctas_per_sm=32,
-        issue=_ISSUE_SM90_SM100, dram_latency_ns=700, l2_latency_ns=200, warp_inflight_bytes=2600,
+        issue=_ISSUE_SM90_SM100, shared_bytes_per_clk=128, dram_latency_ns=700, l2_latency_ns=200, warp_inflight_bytes=2600,
         dependent_issue_cycles=2.0, host_latency_ns=1500, launch_us=2.5),
     "sm_107a": Target(
         arch="sm_107a", gpu="NVIDIA Rubin", sms=224, clock_ghz=1.9, hbm_gbs=22000, hbm_efficiency=0.85,
         host_link_gbs=128, l2_mib=126, registers_per_sm=65536, register_granule=8, max_registers_per_thread=255,
-        shared_per_sm=228 * 1024, warps_per_sm=64, ctas_per_sm=32, issue=_ISSUE_SM90_SM100,
+        shared_per_sm=228 * 1024, warps_per_sm=64, ctas_per_sm=32, issue=_ISSUE_SM90_SM100, shared_bytes_per_clk=128,
         dram_latency_ns=700, l2_latency_ns=200, warp_inflight_bytes=2600,
         dependent_issue_cycles=2.0, host_latency_ns=1500, launch_us=2.5),
 }

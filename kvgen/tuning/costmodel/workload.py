@@ -15,6 +15,7 @@ The ops' launch shapes (documented with their kernels):
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Mapping
 
 from kvgen.tuning.costmodel.features import KernelFeatures, Mix
@@ -102,6 +103,10 @@ def score_launches(features: Mapping[str, KernelFeatures], params: Mapping[str, 
     tile_loop = pick_loop(kernel, "global_load")
     per_token = tile_loop if params["token_tiles"] > 1 and tile_loop is not None and \
         tile_loop.total > kernel.static.total / 2 else kernel.static
+    # model 2: an iteration's K bytes per thread are its share of one row (the page-table loads and
+    # score stores of the same SASS do not scale with the work); the loop's rates follow from them
+    k_share = geometry["head_dim"] * elem // lanes
+    per_token = replace(per_token, global_bytes=k_share, load_bytes=k_share)
     return [Launch("score", kernel, ctas, params["threads"], 0,
                    (Phase("scores", k_bytes, "hbm", per_token, float(per_token.load_bytes),
                           sector_efficiency=min(1.0, 16 * lanes / 32)),))]
