@@ -9,7 +9,8 @@ built from three terms, each a plain bound:
 - **memory**: the bytes over the bandwidth of where they live (HBM or the host link), divided by
   the share of each 32-byte sector the access pattern uses;
 - **issue**, per pipe: the warp instructions of every iteration over the SMs that hold CTAs, at the
-  pipe's rate (``targets.Target.issue``), and the same over the schedulers' total rate;
+  pipe's rate (``targets.Target.issue``), and the same over the schedulers' total rate; model 2
+  adds shared-memory loads as a pipe of their own (every thread's bytes at ``shared_bytes_per_clk``);
 - **latency**, for phases whose loads are waited on: in a loop, each warp's iteration is a round
   trip (the load latency, then its instructions a dependency step apart) and the SM's resident warps
   take turns (Hong & Kim's memory-warp parallelism), plus one latency per wave of CTAs (the loop's
