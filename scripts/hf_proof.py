@@ -81,7 +81,7 @@ def offload_section(registry: RuntimeRegistry, arch: str, family: str, batch: in
 
     def kvgen_cache() -> KvgenOffloadedCache:
         return KvgenOffloadedCache(model.config, family, registry=registry, arch=arch,
-                                   max_cache_len=prompt + new + 64)
+                                   max_cache_len=prompt + new + 128)   # the continued turn: 64 + 16 more
 
     generate(model, ids, kvgen_cache(), 8), generate(model, ids, DynamicCache(), 8)   # warm up both
     runs = {"dynamic": [], "kvgen": []}
@@ -140,7 +140,7 @@ def shared_pool_section(registry: RuntimeRegistry, arch: str, family: str, batch
     model = tiny_model(config, "cuda", **SIZES)
     gen = torch.Generator("cuda").manual_seed(3)
     ids = [torch.randint(0, SIZES["vocab"], (batch, prompt), device="cuda", generator=gen) for _ in range(2)]
-    tokens = prompt + new + 64
+    tokens = prompt + new + 128   # the continued turn: 64 + 16 more
     pool = PagePool.for_family(family, batch * -(-tokens // config.geometry.tokens_per_block), registry=registry, device="cuda",
                                arch=arch, host_pages=2 * batch * -(-tokens // config.geometry.tokens_per_block))
     a, b = (KvgenOffloadedCache(model.config, family, registry=registry, arch=arch, max_cache_len=tokens, pool=pool)
@@ -265,8 +265,8 @@ def main(argv: list[str] | None = None) -> int:
             registry, args.arch, "qwen3.5-397b-a17b-lossless-rope", 4, 1024, 96),
         "shared-pool/qwen3-8b": lambda: shared_pool_section(registry, args.arch, "qwen3-8b", 4, 1024, 96),
     }
-    sections["triattention/qwen3-8b"] = lambda: triattention_section(registry, args.arch, "qwen3-8b", 512, 1024,
-                                                                     512, 128, args.out / "calibration")
+    sections["triattention/qwen3-8b"] = lambda: triattention_section(registry, args.arch, "qwen3-8b", 256, 512,
+                                                                     256, 128, args.out / "calibration")
     for name, run in sections.items():
         start = time.perf_counter()
         try:

@@ -160,7 +160,8 @@ class PagePool:
                  host_pages: int | None = None):
         if not isinstance(num_pages, int) or num_pages <= 0:
             raise ValueError(f"num_pages: expected a positive int, got {num_pages!r}")
-        self.geometry, self.num_pages, self.dtype, self.device = geometry, num_pages, dtype, torch.device(device)
+        self.geometry, self.num_pages, self.dtype = geometry, num_pages, dtype
+        self.device = torch.zeros(0, device=device).device   # "cuda" -> "cuda:0", as the model's tensors say
         self.k = [torch.zeros((num_pages, *geometry.page_shape), dtype=dtype, device=self.device)
                   for _ in range(geometry.num_layers)]
         self.v = [torch.zeros_like(pool) for pool in self.k]
