@@ -212,7 +212,7 @@ def test_tune_writes_a_config_the_build_compiles(tmp_path: Path, measurements: P
     entry = data["ops"]["codec"]
     assert {b: v["best"] for b, v in entry["buckets"].items()} == OPTIMUM
     assert entry["params"] == {"threads": 512, "in_flight": 4, "rounding": 1, "decode_route": 1,  # best geometric mean
-                               "min_blocks": 1}                                           # over the three bowls
+                               "min_blocks": 1, "hot_batch": 1, "decode_split": 1}        # over the three bowls
     env = entry["environment"]
     assert env["gpu"] == "NVIDIA H200" and env["toolchain"]["nvcc"] == "13.0.88"
     tuned = load_tuned(tuning, {"sm_90a": _env()}, ["qwen3-8b"], environ={})

@@ -86,6 +86,9 @@ struct HotBF16 {
   static __device__ __forceinline__ void decode_lut(const nvfp4::Block& b, uint32_t (&w)[8]) {
     nvfp4::decode_block_bf16_lut(b, w);
   }
+  static __device__ __forceinline__ void decode_word_lut(uint32_t packed, uint8_t scale, uint32_t (&w)[4]) {
+    nvfp4::decode_word_bf16_lut(packed, scale, w);
+  }
 };
 
 struct HotFP16 {
@@ -99,6 +102,9 @@ struct HotFP16 {
   }
   static __device__ __forceinline__ void decode_lut(const nvfp4::Block& b, uint32_t (&w)[8]) {
     nvfp4::decode_block_f16_lut(b, w);
+  }
+  static __device__ __forceinline__ void decode_word_lut(uint32_t packed, uint8_t scale, uint32_t (&w)[4]) {
+    nvfp4::decode_word_f16_lut(packed, scale, w);
   }
 };
 
@@ -229,11 +235,15 @@ __device__ __forceinline__ nvfp4::Block get8(const uint8_t* p, uint8_t scale) {
 //   kIndex, kRows, kRowDim, kPrefix, kQ, kSuffix, kR, kResStart,
 //   kData, kScales, kResidual, kResidualScales, kLossless (record offsets), kG, kQdec.
 // R is the software path's E2M1 rounding route and D the decode route of plain blocks (tunables:
-// every choice gives the contract's bytes).  DecodeRoute::Lut needs Q == 1 (every shipped spec);
+// every choice gives the contract's bytes), kBatch the plain blocks a thread loads before encoding
+// them and kSplit the threads sharing one plain block in decode (tunables, same bytes; kSplit 2
+// applies to the Lut route of 16-bit hot dtypes, where half a block is one 16-byte store).
+// DecodeRoute::Lut needs Q == 1 (every shipped spec);
 // with another Q the float route is compiled whatever D says.
 // ---------------------------------------------------------------------------------------------
 
-template <class B, class Hot, nvfp4::Rounding R, nvfp4::DecodeRoute D = nvfp4::DecodeRoute::Float>
+template <class B, class Hot, nvfp4::Rounding R, nvfp4::DecodeRoute D = nvfp4::DecodeRoute::Float,
+          int kBatch = 1, int kSplit = 1>
 struct Quantized {
   static constexpr int kIndex = B::kIndex;
   static constexpr int kBlocksPerRow = B::kQ / 16;
@@ -246,6 +256,8 @@ struct Quantized {
   static constexpr int kSuffixStart = (B::kRowDim - B::kSuffix) * Hot::kBytes;
   static constexpr int kLosslessAlign = align_of(B::kLossless);
   static_assert(B::kQ % 16 == 0 && B::kR % 16 == 0 && B::kPrefix % 16 == 0, "spans are multiples of 16");
+  static_assert(kBatch >= 1, "at least one block per batch");
+  static_assert(kSplit == 1 || kSplit == 2, "a plain block is decoded by one or two threads");
 
   // Work is split in two index spaces, plain blocks and 2FP4 blocks, each walked by the whole CTA:
   // a warp then runs one path only (a 2FP4 block costs three plain ones), instead of diverging
@@ -264,17 +276,37 @@ struct Quantized {
     return page + row * kRowBytes + (B::kPrefix + blk * 16) * Hot::kBytes;
   }
 
+  // One plain block: hot words (already loaded) -> packed codes and scale in the record.
+  static __device__ __forceinline__ void encode_plain(uint8_t* rec, int i, const HotBlock<Hot>& hot) {
+    const int2 at = plain_block(i);
+    const int t = at.x * kBlocksPerRow + at.y;
+    float x[16];
+    hot.widen(x);
+    const nvfp4::Block main = nvfp4::encode_block<R>(x, B::kG, B::kQdec);
+    put8<8>(rec + B::kData + t * 8, main);  // region offsets of packed data are multiples of 8
+    rec[B::kScales + t] = main.scale;
+  }
+
+  // Plain blocks kBatch at a time per thread: every hot load of the batch is issued before the
+  // first block is quantized, so a thread keeps kBatch * 16 elements in flight instead of one
+  // block's (the loop is otherwise latency-bound between a block's load and its arithmetic).
   static __device__ __forceinline__ void encode(uint8_t* rec, const uint8_t* __restrict__ page) {
-    for (int i = threadIdx.x; i < B::kRows * kPlainPerRow; i += blockDim.x) {
-      const int2 at = plain_block(i);
-      const int t = at.x * kBlocksPerRow + at.y;
-      float x[16];
-      HotBlock<Hot> hot;
-      hot.load(hot_block(page, at.x, at.y));
-      hot.widen(x);
-      const nvfp4::Block main = nvfp4::encode_block<R>(x, B::kG, B::kQdec);
-      put8<8>(rec + B::kData + t * 8, main);  // region offsets of packed data are multiples of 8
-      rec[B::kScales + t] = main.scale;
+    constexpr int kPlain = B::kRows * kPlainPerRow;
+    for (int i0 = threadIdx.x; i0 < kPlain; i0 += blockDim.x * kBatch) {
+      HotBlock<Hot> hot[kBatch];
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        const int i = i0 + j * blockDim.x;
+        if (j == 0 || i < kPlain) {  // block 0 of a batch is in range by the loop condition
+          const int2 at = plain_block(i);
+          hot[j].load(hot_block(page, at.x, at.y));
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        const int i = i0 + j * blockDim.x;
+        if (j == 0 || i < kPlain) encode_plain(rec, i, hot[j]);
+      }
     }
     if constexpr (kResBlocksPerRow > 0) {
       for (int r = threadIdx.x; r < B::kRows * kResBlocksPerRow; r += blockDim.x) {
@@ -295,7 +327,29 @@ struct Quantized {
     if constexpr (kLosslessRowBytes > 0) save_lossless(rec, page);
   }
 
-  static __device__ __forceinline__ void decode(const uint8_t* rec, uint8_t* __restrict__ page) {
+  // kSplit 2: a thread decodes half a plain block (one packed word, 8 elements = 16 hot bytes),
+  // so consecutive threads store consecutive 16-byte pieces and one warp store covers 512
+  // contiguous bytes; with whole blocks each of a thread's two stores half-fills 32 sectors.
+  static constexpr bool kHalfBlocks = kSplit == 2 && kLutDecode && Hot::kBytes == 2;
+
+  static __device__ __forceinline__ void decode_half_blocks(const uint8_t* rec, uint8_t* __restrict__ page) {
+    for (int h = threadIdx.x; h < 2 * B::kRows * kPlainPerRow; h += blockDim.x) {
+      const int2 at = plain_block(h >> 1);
+      const int t = at.x * kBlocksPerRow + at.y;
+      const int half = h & 1;
+      uint32_t w[4];
+      Hot::decode_word_lut(*reinterpret_cast<const uint32_t*>(rec + B::kData + t * 8 + 4 * half),
+                           rec[B::kScales + t], w);
+      *reinterpret_cast<uint4*>(const_cast<uint8_t*>(hot_block(page, at.x, at.y)) + 16 * half) =
+          make_uint4(w[0], w[1], w[2], w[3]);
+    }
+  }
+
+  static __device__ __forceinline__ void decode_plain(const uint8_t* rec, uint8_t* __restrict__ page) {
+    if constexpr (kHalfBlocks) {
+      decode_half_blocks(rec, page);
+      return;
+    }
     for (int i = threadIdx.x; i < B::kRows * kPlainPerRow; i += blockDim.x) {
       const int2 at = plain_block(i);
       const int t = at.x * kBlocksPerRow + at.y;
@@ -310,6 +364,10 @@ struct Quantized {
       }
       hot.store(const_cast<uint8_t*>(hot_block(page, at.x, at.y)));
     }
+  }
+
+  static __device__ __forceinline__ void decode(const uint8_t* rec, uint8_t* __restrict__ page) {
+    decode_plain(rec, page);
     if constexpr (kResBlocksPerRow > 0) {
       for (int r = threadIdx.x; r < B::kRows * kResBlocksPerRow; r += blockDim.x) {
         const int row = r / kResBlocksPerRow;
