@@ -153,8 +153,10 @@ def measure_codec(bundle: Path, family: str, ceilings: dict, hot_gib: float) -> 
     moved = pages * (lc.hot_page_bytes + lc.cold_page_bytes)
     cold = torch.empty(pages, lc.cold_page_bytes, dtype=torch.uint8, device="cuda")
     copy = ceilings["device_copy"]["gbps_read_plus_write"]
-    case = {"workload": workload, "layout": layout, "pools": pools, "enc": enc, "dec": dec, "cold": cold,
-            "moved": moved, "copy": copy, "first": None}
+    # decode writes other pools, so every variant encodes the same hot pages
+    decoded = [[torch.empty_like(p) for p in layer] for layer in pools]
+    case = {"workload": workload, "layout": layout, "pools": pools, "decoded": decoded, "enc": enc, "dec": dec,
+            "cold": cold, "moved": moved, "copy": copy, "first": None}
     out = {"family": family, "pages": pages, "moved_bytes": moved, "variants": []}
     for c in [c for c in read_bundle(bundle)["candidates"] if c["family"] == family and c["op"] == "codec"]:
         rec = {"config": c["config"], "params": c["params"], "status": c["status"]}
@@ -165,7 +167,7 @@ def measure_codec(bundle: Path, family: str, ceilings: dict, hot_gib: float) -> 
         print(family, rec, flush=True)
         out["variants"].append(rec)
     case.clear()
-    del pools, cold
+    del pools, decoded, cold
     torch.cuda.empty_cache()
     return out
 
@@ -180,6 +182,7 @@ def codec_variant(path: Path, case: dict) -> dict:
     library = case["workload"].load(path)
     case["workload"].check(library, 1)  # the oracle's bytes, or Failure
     codec = ColdPageCodec(library, case["layout"], case["pools"])
+    decoder = ColdPageCodec(library, case["layout"], case["decoded"])
     cold, enc, dec, moved, copy = case["cold"], case["enc"], case["dec"], case["moved"], case["copy"]
     try:
         codec.encode(cold, enc)
@@ -190,10 +193,11 @@ def codec_variant(path: Path, case: dict) -> dict:
         else:
             same = bool(torch.equal(case["first"], cold))
         runs = {"encode_device": (lambda: codec.encode(cold, enc), moved, copy),
-                "decode_device": (lambda: codec.decode(cold, dec), moved, copy)}
+                "decode_device": (lambda: decoder.decode(cold, dec), moved, copy)}
         return {"oracle_check": "ok", "cold_equal_to_first_variant": same, **time_runs(runs)}
     finally:
         codec.close()
+        decoder.close()
 
 
 def measure_compact(root: Path, ceilings: dict, batches=(1, 32), rounds: int = 2) -> dict:
@@ -275,7 +279,8 @@ def profile(root: Path, results: Path, family: str, hot_mib: int = 256) -> int:
     codec = ColdPageCodec(workload.load(bundle / c["artifact"]), layout, pools)
     cold = torch.empty(pages, lc.cold_page_bytes, dtype=torch.uint8, device="cuda")
     slots = torch.arange(pages, dtype=torch.int32)
-    pairs = torch.stack([slots, slots[torch.randperm(pages)]], dim=1).contiguous()  # scattered sources
+    # scattered sources; device pairs: one launch per direction
+    pairs = torch.stack([slots, slots[torch.randperm(pages)]], dim=1).contiguous().cuda()
     codec.encode(cold, pairs)
     codec.decode(cold, pairs.flip(1).contiguous())
     torch.cuda.synchronize()

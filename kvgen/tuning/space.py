@@ -68,6 +68,8 @@ def canonical(op: Op, params: Mapping[str, int], spec: FamilySpec) -> dict[str, 
         out["max_heads"] = min(m for m in TUNABLES["score"]["max_heads"][0] if math.ceil(group / m) == passes)
         chunks = row_chunks(g["rotary_start"], g["rotary_dim"], g["pairing"], spec.elem_bytes)
         out["lanes"] = effective_lanes(out["lanes"], chunks)
+    if op == "codec" and (out["decode_route"] == 0 or spec.elem_bytes != 2):
+        out["decode_split"] = 1  # half blocks exist only on the Lut route of 16-bit hot dtypes
     return out
 
 
