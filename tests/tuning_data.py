@@ -19,7 +19,7 @@ from .conftest import SPECS_DIR
 OPTIMUM = {"small": {"threads": 128, "in_flight": 2, "rounding": 1, "decode_route": 1, "min_blocks": 1,
                      "hot_batch": 1, "decode_split": 1},
            "large": {"threads": 512, "in_flight": 4, "rounding": 1, "decode_route": 1, "min_blocks": 1,
-                     "hot_batch": 2, "decode_split": 2},
+                     "hot_batch": 1, "decode_split": 1},
            "offload": {"threads": 512, "in_flight": 8, "rounding": 0, "decode_route": 0, "min_blocks": 2,
                        "hot_batch": 1, "decode_split": 1}}
 WRONG = {"threads": 64, "in_flight": 1, "rounding": 1, "decode_route": 1, "min_blocks": 1, "hot_batch": 1,
