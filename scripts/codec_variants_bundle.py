@@ -8,8 +8,11 @@ every candidate's bytes against the oracle before timing it per bucket:
     python scripts/codec_variants_bundle.py --out build/tune/codec-variants     # here
     python -m kvgen.tuning.measure build/tune/codec-variants.tar.xz --out m.jsonl  # on the H200
 
-Variants: the defaults; ``decode_route`` 0; ``rounding`` 0; ``min_blocks`` 0..4 at 512 threads and
-1..4 at 256 (0 at 256 is the default).
+Variant sets (``--set``): ``launch``: the defaults; ``decode_route`` 0; ``rounding`` 0;
+``min_blocks`` 0..4 at 512 threads and 1..4 at 256 (0 at 256 is the default). ``routes``: the
+defaults; ``hot_batch`` 2 and 4 (plain blocks loaded per thread before encoding them); ``rounding``
+2 (fused FMA-pipe rounding); ``decode_split`` 2 (half blocks per thread in decode); the last three
+together: the set scripts/codec_device_check.py times against the copy ceiling.
 """
 
 from __future__ import annotations
@@ -22,14 +25,18 @@ ROOT = Path(__file__).resolve().parent.parent
 FAMILIES = ("qwen3-8b", "deepseek-v3", "deepseek-v4-csa", "qwen3-8b-fp8")
 
 
-def variants() -> list[dict[str, int]]:
+def variants(which: str = "launch") -> list[dict[str, int]]:
     sys.path.insert(0, str(ROOT))
     from kvgen.lower.plan import default_params
 
     base = default_params("codec")
-    changes = [{}, {"decode_route": 0}, {"rounding": 0}]
-    changes += [{"threads": 512, "min_blocks": m} for m in (0, 1, 2, 3, 4)]
-    changes += [{"threads": 256, "min_blocks": m} for m in (1, 2, 3, 4)]
+    if which == "routes":
+        changes = [{}, {"hot_batch": 2}, {"hot_batch": 4}, {"rounding": 2}, {"decode_split": 2},
+                   {"rounding": 2, "hot_batch": 2, "decode_split": 2}]
+    else:
+        changes = [{}, {"decode_route": 0}, {"rounding": 0}]
+        changes += [{"threads": 512, "min_blocks": m} for m in (0, 1, 2, 3, 4)]
+        changes += [{"threads": 256, "min_blocks": m} for m in (1, 2, 3, 4)]
     return [{**base, **c} for c in changes]
 
 
@@ -39,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--family", action="append", choices=FAMILIES, help="default: all four")
     parser.add_argument("--arch", default="sm_90a")
     parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--set", dest="which", choices=("launch", "routes"), default="launch")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     from kvgen import paths
@@ -47,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     from kvgen.tuning.candidates import Request, build_candidates, pack_bundle
 
     requests = [Request(load_spec_source(ROOT / "specs" / f"{family}.yaml"), "codec", params)
-                for family in args.family or FAMILIES for params in variants()]
+                for family in args.family or FAMILIES for params in variants(args.which)]
     built = build_candidates(requests, args.arch, args.out, paths.cache_dir(), toolchains=discover_toolchains(),
                              jobs=args.jobs)
     for c in built:

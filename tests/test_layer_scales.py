@@ -65,8 +65,9 @@ def test_the_spec_declares_per_layer_buffers_and_the_plan_has_no_constants_for_t
     assert [(b["G"], b["Q"]) for b in codec.geometry["buffers"]] == [(None, None), ("0x1.0000000000000p-1f",
                                                                                     "0x1.0000000000000p+1f")]
     source = render_family(spec)["per-layer-scales-mixed/codec.cu"]
-    assert "codec::Quantized<Buffer_k, Hot, kRounding, kDecodeRoute, codec::Scales::PerLayer>" in source
-    assert "codec::Quantized<Buffer_v, Hot, kRounding, kDecodeRoute>" in source
+    assert ("codec::Quantized<Buffer_k, Hot, kRounding, kDecodeRoute, kHotBatch, kDecodeSplit, codec::Scales::PerLayer>"
+            in source)
+    assert "codec::Quantized<Buffer_v, Hot, kRounding, kDecodeRoute, kHotBatch, kDecodeSplit>" in source
     assert source.count("static constexpr float kG") == 1
 
 

@@ -28,8 +28,10 @@ TUNABLES: dict[str, dict[str, tuple[tuple[int, ...], int]]] = {
         "in_flight": ((1, 2, 4, 8), 4),        # 16-byte record loads in flight per thread
         # E2M1 rounding of the software path (sm_90a; the SM100-family hardware path has its cvt):
         # 0 = integer bit arithmetic, 1 = FMA-pipe magic-add rounding (NaN-free blocks; others fall
-        # back to 0). Same bytes; 1 issues about half the integer-pipe instructions per block.
-        "rounding": ((0, 1), 1),
+        # back to 0), 2 = route 1 with two of its three sums fused (fma.rn: 257 instead of 287 SASS
+        # instructions per qwen3-8b encode block, but 47 registers instead of 40: 5 CTAs per SM
+        # instead of 6 at 256 threads). Same bytes; 1 issues about half route 0's integer-pipe work.
+        "rounding": ((0, 1, 2), 1),
         # Decode of plain blocks: 0 = binary32 multiply then per-pair rounding cvt, 1 = PRMT table
         # lookup of the codes as fp16/bf16 pairs times the scale in one packed FMA (exact: Q = 1
         # products are representable; another compiled Q, or per-layer scales, compile route 0). Same bytes.
@@ -39,6 +41,13 @@ TUNABLES: dict[str, dict[str, tuple[tuple[int, ...], int]]] = {
         # 54). scripts/codec_sass.py --variant reports registers and spills: threads 512 with 4 spills
         # 40-48 bytes in encode (results/2026-12-01-h200/2026-12-01-codec-sass-v2.json).
         "min_blocks": ((0, 1, 2, 3, 4), 0),
+        # Plain blocks one thread loads before quantizing them in encode (all loads of the batch
+        # first): more hot bytes in flight per thread for more registers. Same bytes.
+        "hot_batch": ((1, 2, 4), 1),
+        # Threads per plain block in decode: 2 = half a block each (decode_route 1, 16-bit hot
+        # dtypes; fp8 and decode_route 0 compile 1), so a warp's hot store is 512 contiguous bytes
+        # instead of two stores that each half-fill 32 sectors. Same bytes.
+        "decode_split": ((1, 2), 1),
     },
     "compact": {
         # 512 threads and 128-move tiles raise the bytes in flight per CTA (batch 1 has few CTAs);
