@@ -2,7 +2,7 @@
 // family:   qwen3.5-397b-a17b-lossless-rope
 // op:       codec
 // template: codec.cu.j2
-// plan key: c5386bf8b6f9e3b5185080c8bb173cfdcd3af4978f17326aa61305ab57dd6543
+// plan key: 709db48422f5ac5e9a8e64919bb3e137fe5b44bb9336029cb5ff29c049a6e11a
 //
 // Cold-page codec of family qwen3.5-397b-a17b-lossless-rope (COLD_PAGE_FORMAT.md, version 1).
 // This file only describes the family; the kernels are kvgen/kernels/cuda/codec_kernels.cuh.
@@ -10,18 +10,18 @@
 // Layer record: 24320 bytes (24320 before padding), hot dtype bf16, layout HND.
 // Launch: 256 threads per CTA (min_blocks 0), one CTA per (page pair, layer), the record staged in shared memory;
 // 4 16-byte loads in flight per thread when the record crosses the bus;
-// E2M1 rounding route 1 of the software path (nvfp4::Rounding), decode route 1 of plain blocks (nvfp4::DecodeRoute);
-// encode loads 1 plain block(s) per thread before quantizing them; decode splits a plain block over 1 thread(s).
+// E2M1 rounding route 2 of the software path (nvfp4::Rounding), decode route 1 of plain blocks (nvfp4::DecodeRoute);
+// encode loads 1 plain block(s) per thread before quantizing them; decode splits a plain block over 2 thread(s).
 #include "codec_host.cuh"
 
 namespace kvgen {
 namespace family {
 
 using Hot = codec::HotBF16;
-constexpr auto kRounding = static_cast<nvfp4::Rounding>(1);
+constexpr auto kRounding = static_cast<nvfp4::Rounding>(2);
 constexpr auto kDecodeRoute = static_cast<nvfp4::DecodeRoute>(1);
 constexpr int kHotBatch = 1;  // plain blocks a thread loads before encoding them
-constexpr int kDecodeSplit = 1;  // threads per plain block in decode (2: half blocks)
+constexpr int kDecodeSplit = 2;  // threads per plain block in decode (2: half blocks)
 
 // Quantized buffer "k": 64 rows of 256 elements per page
 // = [lossless 64][quantized 192][lossless 0].
