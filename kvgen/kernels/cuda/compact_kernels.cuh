@@ -67,14 +67,18 @@ struct LayerPools {
   int64_t v_page_stride;
 };
 
-// A move with its tokens resolved to (page, row in page).  src_page < 0: nothing to copy (the
-// packer's -1 fill, an identity move, which would copy a row onto itself, or a move out of range).
+// A move with its tokens resolved to (page, row in page).  The source is always an address inside
+// the pools (clamped, see resolve_move), so a tile's loads need no per-move branch; dst_page < 0:
+// nothing to store (the packer's -1 fill, an identity move, which would copy a row onto itself, a
+// move out of range, or a slot past the request's last move).
 struct ResolvedMove {
   int32_t src_page;
   int32_t src_row;
   int32_t dst_page;
   int32_t dst_row;
 };
+
+constexpr ResolvedMove kNoMove{0, 0, -1, 0};  // loads page 0, row 0 (inside any non-empty pool), stores nothing
 
 // What one CTA may touch: tokens [0, tokens) of its page table row (the row's width times
 // tokens_per_block) and pages [0, pages) of its pools.  A move outside is skipped, noted in the
@@ -118,26 +122,33 @@ struct SkippedMoves {
 
 constexpr int32_t kMoveFill = -1;  // the packer's fill slot (src and dst), which moves nothing
 
+// Every index is clamped into its range before it is used (a token outside the page table row
+// to token 0, a page outside the pools to page 0), so the page table and pool reads are
+// unconditional and stay inside what the kernel was given; only the store is predicated
+// (dst_page < 0).  With a branch per move instead, the compiler could not batch a tile's loads
+// ahead of its stores, and batch-1 compaction (latency-bound) ran at 0.66 of copy against 0.74
+// with the checks compiled out (results/2026-12-02-h200/codec_device_check.json).
+// An empty page table row (limits.tokens 0) reads no page id; empty pools (limits.pages 0) are
+// not read at all (Walk::load): both tests are uniform over the CTA.
 __host__ __device__ inline ResolvedMove resolve_move(const Geometry& g, const int32_t* table_row, int head,
                                                      int32_t src, int32_t dst, const MoveLimits& limits,
                                                      SkippedMoves& skipped) {
-  const ResolvedMove none{-1, 0, -1, 0};
-  if (src == kMoveFill) return none;
   const bool src_ok = in_range32(src, limits.tokens);
-  if (!src_ok || !in_range32(dst, limits.tokens)) {
-    skipped.note_position(src_ok ? dst : src);
-    return none;
-  }
-  if (src == dst) return none;
+  const bool dst_ok = in_range32(dst, limits.tokens);
+  const bool copies = src != kMoveFill && src != dst;  // fill and identity moves copy nothing
+  if (src != kMoveFill && !(src_ok && dst_ok)) skipped.note_position(src_ok ? dst : src);
   const int tpb = g.tokens_per_block;
-  const int32_t src_page = table_row[src / tpb];
-  const int32_t dst_page = table_row[dst / tpb];
+  const int32_t s = src_ok ? src : 0;
+  const int32_t d = dst_ok ? dst : 0;
+  const int32_t src_page = limits.tokens > 0 ? table_row[s / tpb] : -1;
+  const int32_t dst_page = limits.tokens > 0 ? table_row[d / tpb] : -1;
   const bool src_page_ok = in_range32(src_page, limits.pages);
-  if (!src_page_ok || !in_range32(dst_page, limits.pages)) {
-    skipped.note_page(src_page_ok ? dst_page : src_page);
-    return none;
-  }
-  return ResolvedMove{src_page, g.row_in_page(head, src % tpb), dst_page, g.row_in_page(head, dst % tpb)};
+  const bool dst_page_ok = in_range32(dst_page, limits.pages);
+  const bool tokens_ok = copies && src_ok && dst_ok;
+  if (tokens_ok && !(src_page_ok && dst_page_ok)) skipped.note_page(src_page_ok ? dst_page : src_page);
+  const bool stores = tokens_ok && src_page_ok && dst_page_ok;
+  return ResolvedMove{src_page_ok ? src_page : 0, g.row_in_page(head, s % tpb), stores ? dst_page : -1,
+                      g.row_in_page(head, d % tpb)};
 }
 
 // Byte offset of (page, row) from a pool's base.  64-bit: pools exceed 2 GiB.
@@ -265,7 +276,7 @@ struct Walk {
   __host__ __device__ void resolve(int t, int k) const {
     if (t >= tile) return;
     const int m = k * tile + t;
-    ResolvedMove rm{-1, 0, -1, 0};
+    ResolvedMove rm = kNoMove;
     if (m < task.count) {
       rm = resolve_move(g, task.table_row, task.head, task.src[m], task.dst[m], task.limits, ex.regs(t).skipped);
     }
@@ -275,13 +286,14 @@ struct Walk {
 #pragma nv_exec_check_disable
   __host__ __device__ void report(int t) const { ex.regs(t).skipped.report(task.limits.errors); }
 
-  // Address of vector i of tile k, or nullptr when the vector's move copies nothing.
+  // Address of vector i of tile k, or nullptr past the tile or, for a store, when the vector's move
+  // copies nothing.  A source address is always inside the pools (resolve_move clamps it).
 #pragma nv_exec_check_disable
   __host__ __device__ uint8_t* address(int i, int k, bool source) const {
     if (i >= tile * 2 * g.row_vectors()) return nullptr;
     const TileVector tv = tile_vector(i, g.row_vectors());
     const ResolvedMove rm = ex.moves(k % 3)[tv.move];
-    if (rm.src_page < 0) return nullptr;  // fill, identity, out of range, or past the request's last move
+    if (!source && rm.dst_page < 0) return nullptr;  // fill, identity, out of range, or past the last move
     uint8_t* base = tv.pool == 0 ? task.pools.k : task.pools.v;
     const int64_t stride = tv.pool == 0 ? task.pools.k_page_stride : task.pools.v_page_stride;
     const int64_t offset = source ? row_offset(g, stride, rm.src_page, rm.src_row)
@@ -291,6 +303,7 @@ struct Walk {
 
 #pragma nv_exec_check_disable
   __host__ __device__ void load(int t, int k) const {
+    if (task.limits.pages == 0) return;  // nothing to read (uniform); every move is skipped
 #pragma unroll
     for (int j = 0; j < kPer; ++j) {
       const uint8_t* p = address(t + j * kThreads, k, true);
