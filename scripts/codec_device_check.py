@@ -7,15 +7,17 @@ Two halves:
     python scripts/codec_device_check.py measure build/device/codec --out $OUT   # on the H200
 
 ``build`` makes, under DIR, xz archives of bundles (unpacked by ``measure``): ``codec-variants``
-(scripts/codec_variants_bundle.py --set routes: the default codec, hot_batch 2 and 4, rounding 2,
-decode_split 2 and the three together, four families) and one compaction bundle per way of
-checking device indices, each built from its own copy of the kernels:
+(scripts/codec_variants_bundle.py ``--codec-set``, default ``defaults``: the previous codec defaults
+and today's, for ``--codec-family`` (default qwen3-8b and deepseek-v3); ``routes`` with all four
+families was the set of results/2026-12-02-h200/codec_device_check.json) and one compaction bundle
+per way of checking device indices, each built from its own copy of the kernels:
   ``compact-on``   the kernels of ``--base`` (default: main, the checks as shipped),
   ``compact-off``  this tree with in_range/in_range32 forced true (checks compiled out: the
                    reference of what the checks cost; never shipped),
-  ``compact-new``  this tree (checks noted in registers, reported once after the walk).
+  ``compact-new``  this tree (indices clamped into range, loads unconditional, stores predicated,
+                   skipped moves noted in registers and reported once after the walk).
 
-``measure`` measures the ceilings once, then per codec family every variant's device encode and
+``measure`` measures the ceilings once, then per codec family of the bundle every variant's device encode and
 decode over >= 1 GiB of scattered hot pages ((hot + cold bytes) / time / device copy), each variant
 checked against the oracle (the tuner's gate) and its cold bytes compared with the first variant's;
 then qwen3-8b compaction at batch 1 and 32 (kvgen.bench.compact's workload) for on / off / new,
@@ -88,12 +90,13 @@ def checks_off(tree: Path) -> None:
     header.write_text(text)
 
 
-def build(out: Path, base: str, codec: bool) -> int:
+def build(out: Path, base: str, codec: bool, codec_set: str, codec_families: list[str]) -> int:
     out.mkdir(parents=True, exist_ok=True)
     status = 0
     if codec:
+        families = [arg for family in codec_families for arg in ("--family", family)]
         status = subprocess.call([sys.executable, str(ROOT / "scripts" / "codec_variants_bundle.py"), "--set",
-                                  "routes", "--out", str(out / "codec-variants")])
+                                  codec_set, *families, "--out", str(out / "codec-variants")])
     with tempfile.TemporaryDirectory() as tmp:
         for way in CHECKS:
             tree = tree_copy(Path(tmp) / way, base if way == "on" else None)
@@ -232,7 +235,7 @@ def measure_compact(root: Path, ceilings: dict, batches=(1, 32), rounds: int = 2
 def measure(root: Path, out: Path, hot_gib: float) -> int:
     from kvgen.measure.environment import environment
     from kvgen.measure.timing import measure_ceilings, require_cuda
-    from kvgen.tuning.candidates import unpack_bundle
+    from kvgen.tuning.candidates import read_bundle, unpack_bundle
 
     require_cuda("codec_device_check")
     out.mkdir(parents=True, exist_ok=True)
@@ -243,7 +246,8 @@ def measure(root: Path, out: Path, hot_gib: float) -> int:
     ceilings = measure_ceilings(pinned=False)
     print("ceilings", ceilings, flush=True)
     report = {"environment": environment(), "ceilings": ceilings, "codec": [], "compact": None}
-    for family in CODEC_FAMILIES:
+    families = {c["family"]: None for c in read_bundle(root / "codec-variants")["candidates"]}
+    for family in families:
         report["codec"].append(guarded(measure_codec, root / "codec-variants", family, ceilings, hot_gib))
         (out / "codec_device_check.json").write_text(json.dumps(report, indent=1, default=str))
     report["compact"] = guarded(measure_compact, root, ceilings)
@@ -296,12 +300,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--base", default="main", help="revision of the shipped checks (compact-on)")
     parser.add_argument("--hot-gib", type=float, default=1.2)
     parser.add_argument("--no-codec", action="store_true", help="build: the compaction bundles only")
+    parser.add_argument("--codec-set", default="defaults", help="build: scripts/codec_variants_bundle.py --set")
+    parser.add_argument("--codec-family", action="append", choices=CODEC_FAMILIES,
+                        help="build: a codec family (repeatable; default qwen3-8b and deepseek-v3)")
     parser.add_argument("--results", type=Path, help="profile: measure's codec_device_check.json")
     parser.add_argument("--family", default="deepseek-v3", help="profile: the family")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     if args.what == "build":
-        return build(args.dir, args.base, not args.no_codec)
+        return build(args.dir, args.base, not args.no_codec, args.codec_set,
+                     args.codec_family or ["qwen3-8b", "deepseek-v3"])
     if args.what == "profile":
         return profile(args.dir, args.results, args.family)
     return measure(args.dir, args.out, args.hot_gib)

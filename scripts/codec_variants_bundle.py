@@ -10,9 +10,11 @@ every candidate's bytes against the oracle before timing it per bucket:
 
 Variant sets (``--set``): ``launch``: the defaults; ``decode_route`` 0; ``rounding`` 0;
 ``min_blocks`` 0..4 at 512 threads and 1..4 at 256 (0 at 256 is the default). ``routes``: the
-defaults; ``hot_batch`` 2 and 4 (plain blocks loaded per thread before encoding them); ``rounding``
-2 (fused FMA-pipe rounding); ``decode_split`` 2 (half blocks per thread in decode); the last three
-together: the set scripts/codec_device_check.py times against the copy ceiling.
+previous defaults (``rounding`` 1, ``decode_split`` 1); ``hot_batch`` 2 and 4 (plain blocks loaded per
+thread before encoding them); ``rounding`` 2 (fused FMA-pipe rounding); ``decode_split`` 2 (half
+blocks per thread in decode); the last three together (the set of
+results/2026-12-02-h200/codec_device_check.json). ``defaults``: the previous defaults, then today's
+(``rounding`` 2, ``decode_split`` 2, chosen from that measurement), to confirm them.
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 FAMILIES = ("qwen3-8b", "deepseek-v3", "deepseek-v4-csa", "qwen3-8b-fp8")
+SETS = ("launch", "routes", "defaults")
+# The codec defaults before results/2026-12-02-h200/codec_device_check.json chose rounding 2, decode_split 2.
+PREVIOUS_DEFAULTS = {"rounding": 1, "decode_split": 1}
 
 
 def variants(which: str = "launch") -> list[dict[str, int]]:
@@ -30,7 +35,10 @@ def variants(which: str = "launch") -> list[dict[str, int]]:
     from kvgen.lower.plan import default_params
 
     base = default_params("codec")
+    if which == "defaults":
+        return [{**base, **PREVIOUS_DEFAULTS}, base]
     if which == "routes":
+        base = {**base, **PREVIOUS_DEFAULTS}
         changes = [{}, {"hot_batch": 2}, {"hot_batch": 4}, {"rounding": 2}, {"decode_split": 2},
                    {"rounding": 2, "hot_batch": 2, "decode_split": 2}]
     else:
@@ -46,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--family", action="append", choices=FAMILIES, help="default: all four")
     parser.add_argument("--arch", default="sm_90a")
     parser.add_argument("--jobs", type=int, default=2)
-    parser.add_argument("--set", dest="which", choices=("launch", "routes"), default="launch")
+    parser.add_argument("--set", dest="which", choices=SETS, default="launch")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     from kvgen import paths
