@@ -129,7 +129,10 @@ constexpr int32_t kMoveFill = -1;  // the packer's fill slot (src and dst), whic
 // ahead of its stores, and batch-1 compaction (latency-bound) ran at 0.66 of copy against 0.74
 // with the checks compiled out (results/2026-12-02-h200/codec_device_check.json).
 // An empty page table row (limits.tokens 0) reads no page id; empty pools (limits.pages 0) are
-// not read at all (Walk::load): both tests are uniform over the CTA.
+// not read at all (Walk::load): both tests are uniform over the CTA.  The load of a move that
+// stores nothing is discarded, so it may read a row that the concurrent stores of the previous
+// tile write (a fill clamped to token 0, say): only loads that are stored carry the ordering
+// argument (a)-(c) above, and tests/csrc/compact_host_check.cu counts every overlap (0 in its cases).
 __host__ __device__ inline ResolvedMove resolve_move(const Geometry& g, const int32_t* table_row, int head,
                                                      int32_t src, int32_t dst, const MoveLimits& limits,
                                                      SkippedMoves& skipped) {
