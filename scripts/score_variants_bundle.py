@@ -7,6 +7,9 @@ thread), built here (CuTe DSL, no GPU), measured there by ``scripts/score_varian
     python scripts/score_variants_bundle.py --out build/device/scorer        # here
     python scripts/score_variants.py build/device/scorer --out $OUT/score    # on the H200
 
+``--changes FILE`` replaces ``CHANGES`` with per-family lists (JSON ``{family: [change, ...]}``; the
+shipped configuration is always measured, first), e.g. ``scripts/score_variants_coef_reuse.json``.
+
 The bundle directory holds ``score-variants.tar.xz`` only (the libraries share their static CUDA
 runtime, which the archive stores once; unpacked, they would be ~1 MiB each), and
 ``variants.json``: which candidate is each family's shipped configuration.
@@ -48,12 +51,27 @@ def shipped_params(family: str, arch: str) -> dict[str, int]:
     return {**default_params("score"), **tuned}
 
 
+def load_changes(path: Path) -> dict[str, list[dict[str, int]]]:
+    """Per-family change lists from ``path``: ``{family: [{param: value}, ...]}``."""
+    try:
+        changes = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise SystemExit(f"--changes {path}: {exc}") from exc
+    unknown = sorted(set(changes) - set(FAMILIES)) if isinstance(changes, dict) else []
+    if not isinstance(changes, dict) or unknown:
+        raise SystemExit(f"--changes {path}: a JSON object keyed by family ({', '.join(FAMILIES)}); "
+                         f"unknown: {', '.join(unknown)}")
+    return changes
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=ROOT / "build" / "device" / "scorer")
     parser.add_argument("--family", action="append", choices=FAMILIES, help="default: all four")
     parser.add_argument("--arch", default="sm_90a")
+    parser.add_argument("--changes", type=Path, help="JSON {family: [change, ...]} instead of CHANGES")
     args = parser.parse_args(argv)
+    changes = load_changes(args.changes) if args.changes else {}
     sys.path.insert(0, str(ROOT))
     from kvgen import paths
     from kvgen.build.job import load_spec_source
@@ -61,11 +79,11 @@ def main(argv: list[str] | None = None) -> int:
     from kvgen.tuning.space import canonical, config_id
 
     requests, shipped = [], {}
-    for family in args.family or FAMILIES:
+    for family in args.family or (list(changes) if changes else FAMILIES):
         source = load_spec_source(ROOT / "specs" / f"{family}.yaml")
         base = shipped_params(family, args.arch)
         seen = set()
-        for change in CHANGES:
+        for change in ({}, *changes.get(family, ())) if changes else CHANGES:
             params = canonical("score", {**base, **change}, source.spec)
             if config_id("score", params) in seen:
                 continue

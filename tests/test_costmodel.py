@@ -21,9 +21,9 @@ import pytest
 
 from kvgen.lower.tuned import MEASURED, MODEL, BuildEnvironment, load_tuned, tuning_path
 from kvgen.tuning.costmodel.features import Mix, kernel_features, parse_resources, parse_sass
-from kvgen.tuning.costmodel.model import Launch, Phase, estimate, resident_ctas
+from kvgen.tuning.costmodel.model import VERSION, Launch, Phase, Walk, estimate, resident_ctas
 from kvgen.tuning.costmodel.targets import TARGETS, target
-from kvgen.tuning.costmodel.validate import spearman, study_verdict
+from kvgen.tuning.costmodel.validate import noise_band, spearman, spearman_ceiling, study_verdict
 
 from .tuning_data import write_codec_measurements
 
@@ -69,7 +69,7 @@ def _mix(load_bytes: int = 16, alu: int = 10) -> Mix:
     per_pipe = {"alu": alu, "fma": 0, "imad": 0, "conversion": 0, "mufu": 0, "memory": 2, "uniform": 0,
                 "control": 1, "other": 0}
     return Mix(sum(per_pipe.values()), per_pipe, {"global_load": 1, "global_store": 1}, 2 * load_bytes,
-               load_bytes, 0)
+               load_bytes, 0, 0)
 
 
 def _launch(registers: int = 32, threads: int = 256, ctas: int = 10_000, in_flight: float = 16.0,
@@ -100,6 +100,26 @@ def test_a_streaming_launch_is_bound_by_hbm_bandwidth() -> None:
     assert floor <= e.seconds <= 1.2 * floor + H200.launch_us * 1e-6
 
 
+def _walk(threads: int, tile: int, ctas: int = 288, moves: int = 2048, row: int = 256) -> Launch:
+    kernel = _launch().kernel
+    walk = Walk(math.ceil(moves / tile), 2.0 * tile * 2 * row, ("hbm", "l2"), prologue=3)
+    return Launch("compact", kernel, ctas, threads, 0,
+                  (Phase("move", 4.0 * ctas * moves * row, "hbm", _mix(16), 16.0, walk=walk),))
+
+
+def test_a_dependent_chain_walk_pays_its_latency_per_tile_and_little_per_warp() -> None:
+    """Model 2's walk: few CTAs are chain-bound, four times the tiles take over twice as long (each
+    tile a chain, less to move per tile); the same tile over fewer warps (less in flight) is slower;
+    many CTAs per SM make it bandwidth-bound."""
+    small, large = estimate([_walk(256, 8, ctas=32)], H200).seconds, estimate([_walk(256, 32, ctas=32)], H200).seconds
+    chain = (H200.dram_latency_ns + H200.l2_latency_ns) * 1e-9
+    assert small >= 2048 / 8 * chain and small > 2 * large
+    assert estimate([_walk(64, 32, ctas=32)], H200).seconds > large
+    crowded = estimate([_walk(256, 32, ctas=9216)], H200).seconds
+    floor = 4.0 * 9216 * 2048 * 256 / (H200.hbm_gbs * H200.hbm_efficiency * 1e9)
+    assert floor <= crowded <= 1.6 * floor
+
+
 def test_a_launch_that_does_not_fit_an_sm_is_infinitely_slow() -> None:
     assert math.isinf(estimate([_launch(shared=300 * 1024)], H200).seconds)
 
@@ -122,6 +142,27 @@ def test_spearman_and_the_flat_study_rule() -> None:
     assert flat["flat"] and flat["passes"] and flat["top_pick_gap"] == pytest.approx(0.02)
     steep = study_verdict({"a": 1.0, "b": 2.0, "c": 3.0}, {"a": 3.0, "b": 2.0, "c": 1.0})
     assert not steep["flat"] and not steep["passes"]
+
+
+def _record(ms: float, band: float = 0.01) -> dict:
+    return {"median_ms": ms, "p20_ms": ms * (1 - band / 2), "p80_ms": ms * (1 + band / 2)}
+
+
+def test_the_noise_band_takes_the_rerun_and_limits_what_a_ranking_can_show() -> None:
+    """A study whose candidates differ by less than their noise has a Spearman ceiling under the
+    goal: the noise-aware verdict judges its pick (within 5 % plus the band) only; the plain verdict
+    still fails it."""
+    times = {f"c{i}": 1.0 + 0.002 * i for i in range(10)} | {"slow": 1.5}
+    records = {c: _record(ms) for c, ms in times.items()}
+    rerun = {c: _record(ms * (1.03 if i % 2 else 0.97)) for i, (c, ms) in enumerate(times.items())}
+    noise = noise_band(records, rerun)
+    assert noise["within_run"] == pytest.approx(0.01) and noise["band"] == pytest.approx(0.03)
+    assert noise["rerun_candidates"] == 11 and noise["rerun_spearman"] < 0.8
+    assert spearman_ceiling(list(times.values()), 0.0) == pytest.approx(1.0)
+    reversed_model = {c: -ms for c, ms in times.items()} | {"slow": 9.0, "c9": -2.0}
+    v = study_verdict(times, reversed_model, noise)
+    assert not v["passes"] and v["top_pick_gap"] == pytest.approx(0.018)
+    assert not v["noise"]["rank_judged"] and v["passes_noise_aware"]
 
 
 # ---------------------------------------------------------------- precedence at build time
@@ -236,7 +277,7 @@ def test_tune_model_writes_a_model_tuned_entry_the_build_uses(tmp_path: Path) ->
                "--tuning", str(tuning)])
     assert rc == 0
     entry = json.loads(tuning_path(tuning, "sm_100a", "qwen3-8b").read_text())["model_ops"]["compact"]
-    assert entry["method"] == "model" and entry["model_version"] == "1"
+    assert entry["method"] == "model" and entry["model_version"] == VERSION
     assert entry["params"] == {"threads": 256, "tile_tokens": 64}
     assert entry["searched"] == {"fixed": {"threads": 256, "tile_tokens": 64}, "candidates": 1}
     (inputs,) = entry["inputs"].values()

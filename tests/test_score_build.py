@@ -393,7 +393,8 @@ def test_pipelined_variants_do_not_spill(tmp_path: Path, toolchain) -> None:
     with plain loads they held every coefficient of the row live and spilled (2-6 KB of stack)."""
     params = [{"threads": 256, "max_heads": 4, "token_tiles": 4, "prefetch": 1},
               {"threads": 128, "token_tiles": 2, "tokens_per_thread": 2},
-              {"threads": 128, "token_tiles": 4, "smem_stages": 3}]
+              {"threads": 128, "token_tiles": 4, "smem_stages": 3},
+              {"threads": 256, "token_tiles": 2, "tokens_per_thread": 2, "unpack": 1}]   # bf16 shift / mask
     for variant in params:
         (build,) = compile_scores([ALL_SPECS[PROBE_FAMILY]], "sm_90a", tmp_path / "cache", toolchain, variant)
         assert build.status == "built", build.error

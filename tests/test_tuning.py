@@ -47,9 +47,13 @@ def test_space_folds_configurations_that_compile_to_the_same_kernel() -> None:
             for m in (4, 8, 16)} == {4, 8, 16}
     configs = configurations("score", QWEN)
     # threads x lanes x token_tiles x tokens_per_thread x (prefetch 0/1 without the shared-memory ring, or
-    # a ring of 2, 3 or 4 stages, which folds prefetch to 0): 3 x 3 x 3 x 3 x 5; max_heads folds to one
-    assert len(configs) == 405 and len({config_id("score", c) for c in configs}) == 405
+    # a ring of 2, 3 or 4 stages, which folds prefetch to 0) x unpack 0/1: 3 x 3 x 3 x 3 x 5 x 2; max_heads
+    # folds to one
+    assert len(configs) == 810 and len({config_id("score", c) for c in configs}) == 810
     assert canonical("score", {**default_params("score"), "smem_stages": 2, "prefetch": 1}, QWEN)["prefetch"] == 0
+    # bf16's shift / mask widening: one kernel for fp8 K whatever unpack says
+    fp8 = load_spec(SPECS_DIR / "qwen3-8b-fp8.yaml")
+    assert canonical("score", {**default_params("score"), "unpack": 1}, fp8)["unpack"] == 0
     assert configs[0] == canonical("score", default_params("score"), QWEN)   # the default is first
     # every other codec tunable changes the kernel (min_blocks 1 is not min_blocks 0: ptxas then
     # allocates registers differently even where the cap is above 255); decode_split 2 folds into 1

@@ -2,7 +2,7 @@
 # family:   mistral-7b
 # op:       score
 # template: score.py.j2
-# plan key: 93149bc05d760319f0be541a3607486b4d8f29c3167893b48c4317ca2bf101b1
+# plan key: bdf93509efe46b906b109a708ad479460ba25c3e1fa4ee6218a0fd740c324e04
 """TriAttention scorer of family mistral-7b (TRIATTENTION.md §3), CuTe DSL, compiled ahead of time.
 
 This file only fixes the family's constants; the kernel is ``kvgen.kernels.cute.score_kernel.TriScoreKernel``.
@@ -31,7 +31,8 @@ GEOMETRY = {
 
 # Tunable launch parameters: threads per CTA, query heads accumulated per pass over K, threads
 # per token, stages per CTA, tokens per thread and stage, next stage's loads issued ahead (0/1),
-# stages of the cp.async ring in shared memory (0: K loads into registers).
+# stages of the cp.async ring in shared memory (0: K loads into registers), bf16 widened from
+# 32-bit words by shift/mask (0/1).
 PARAMS = {
     "threads": 128,
     "max_heads": 16,
@@ -40,6 +41,7 @@ PARAMS = {
     "tokens_per_thread": 1,
     "prefetch": 0,
     "smem_stages": 0,
+    "unpack": 0,
 }
 
 # Cache layers the kernel is launched for, in the order of its layer grid dimension.

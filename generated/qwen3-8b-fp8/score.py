@@ -2,7 +2,7 @@
 # family:   qwen3-8b-fp8
 # op:       score
 # template: score.py.j2
-# plan key: ac990124465b63255cad2e16e5fed722e04313bd72266e19b60922ca3f03bff7
+# plan key: b2ccfb6eef1f98ef94404f1a71ccf0f7218fb12b40f099b4423db9dfec137a14
 """TriAttention scorer of family qwen3-8b-fp8 (TRIATTENTION.md §3), CuTe DSL, compiled ahead of time.
 
 This file only fixes the family's constants; the kernel is ``kvgen.kernels.cute.score_kernel.TriScoreKernel``.
@@ -31,7 +31,8 @@ GEOMETRY = {
 
 # Tunable launch parameters: threads per CTA, query heads accumulated per pass over K, threads
 # per token, stages per CTA, tokens per thread and stage, next stage's loads issued ahead (0/1),
-# stages of the cp.async ring in shared memory (0: K loads into registers).
+# stages of the cp.async ring in shared memory (0: K loads into registers), bf16 widened from
+# 32-bit words by shift/mask (0/1).
 PARAMS = {
     "threads": 128,
     "max_heads": 16,
@@ -40,6 +41,7 @@ PARAMS = {
     "tokens_per_thread": 1,
     "prefetch": 0,
     "smem_stages": 0,
+    "unpack": 0,
 }
 
 # Cache layers the kernel is launched for, in the order of its layer grid dimension.

@@ -2,7 +2,7 @@
 # family:   qwen3-8b
 # op:       score
 # template: score.py.j2
-# plan key: a2a28b7529b8344338437d46ed1dc2b84a65c5d0e34d177e4f33437cc4e03a0c
+# plan key: 4b20cc16ccbff882382be40da5c2281d136698b5e3203ae36d69a0f8732cca89
 """TriAttention scorer of family qwen3-8b (TRIATTENTION.md §3), CuTe DSL, compiled ahead of time.
 
 This file only fixes the family's constants; the kernel is ``kvgen.kernels.cute.score_kernel.TriScoreKernel``.
@@ -31,7 +31,8 @@ GEOMETRY = {
 
 # Tunable launch parameters: threads per CTA, query heads accumulated per pass over K, threads
 # per token, stages per CTA, tokens per thread and stage, next stage's loads issued ahead (0/1),
-# stages of the cp.async ring in shared memory (0: K loads into registers).
+# stages of the cp.async ring in shared memory (0: K loads into registers), bf16 widened from
+# 32-bit words by shift/mask (0/1).
 PARAMS = {
     "threads": 128,
     "max_heads": 16,
@@ -40,6 +41,7 @@ PARAMS = {
     "tokens_per_thread": 1,
     "prefetch": 0,
     "smem_stages": 0,
+    "unpack": 0,
 }
 
 # Cache layers the kernel is launched for, in the order of its layer grid dimension.

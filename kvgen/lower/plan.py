@@ -82,6 +82,11 @@ TUNABLES: dict[str, dict[str, tuple[tuple[int, ...], int]]] = {
         # (smem_stages - 1 stages in flight while one is computed; no registers hold them in flight);
         # replaces prefetch (folded to 0 by the tuner). Unmeasured: 0 until the H200 says otherwise.
         "smem_stages": ((0, 2, 3, 4), 0),
+        # 1: bf16 K widened to f32 from its 32-bit words (shift / mask: one instruction per element
+        # instead of PRMT + SHF for the high half; the scorer is issue- and shared-load-bound for
+        # heads >= 8, scripts/score_variants_coef_reuse.json). Same values, same scores; folded
+        # to 0 for other dtypes by the tuner. Unmeasured: 0 until the H200 says otherwise.
+        "unpack": ((0, 1), 0),
     },
     # Normalize, aggregate, select (kvgen/kernels/triton/select.py); none changes a result bit: the
     # summation order of the statistics is fixed by the reference (REDUCTION_LANES), not by these.

@@ -81,6 +81,8 @@ def canonical(op: Op, params: Mapping[str, int], spec: FamilySpec) -> dict[str, 
         out["lanes"] = effective_lanes(out["lanes"], chunks)
         if out.get("smem_stages", 0) > 0:   # the shared-memory ring replaces the register prefetch
             out["prefetch"] = 0
+        if spec.dtype != "bf16":             # shift / mask widening is bf16's only
+            out["unpack"] = 0
     if op == "codec" and out["decode_split"] != 1 and (out["decode_route"] == 0 or not lut_decode_buffers(spec)):
         out["decode_split"] = 1  # half blocks exist only on the Lut route of 16-bit hot dtypes
     return out

@@ -42,7 +42,8 @@ Work decomposition (memory bound: every K row is read once per pass, see below):
   row, are never dereferenced: the token is scored 0 and the value recorded in ``errors`` (the C
   shim fails the next call with it).
 - columns ``[S − P, W)`` of a request are written as zeros, so the output needs no memset.
-- K dtypes: bf16, fp16, fp8 E4M3 (16 elements per 16-byte load), widened exactly to f32.
+- K dtypes: bf16, fp16, fp8 E4M3 (16 elements per 16-byte load), widened exactly to f32 (bf16 with
+  ``unpack``: from its 32-bit words by shift / mask, one instruction per element instead of 1.5).
 
 Inputs are raw device pointers wrapped in CuTe tensors with symbolic sizes (``compile_aot``): the
 AOT export turns each into a ``{data, dynamic_shapes, dynamic_strides}`` struct that the C shim
@@ -91,6 +92,12 @@ def volatile_shared_load(address: Int32, count: int, dtype=Float32, *, loc=None,
     if count == 1:
         return [dtype(result)]
     return [dtype(llvm.extractvalue(ir_type, result, [i], loc=loc, ip=ip)) for i in range(count)]
+
+
+@dsl_user_op
+def word_as_f32(word: Int32, *, loc=None, ip=None) -> Float32:
+    """The 32 bits of ``word`` read as an f32 (a bit cast: no instruction)."""
+    return Float32(llvm.bitcast(T.f32(), Int32(word).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
 
 
 @dsl_user_op
@@ -215,7 +222,7 @@ class TriScoreKernel:
     def __init__(self, *, dtype: str, layout: str, head_dim: int, query_heads: int, kv_heads: int,
                  rotary_start: int, rotary_dim: int, pairing: str, tokens_per_block: int,
                  threads: int = 128, max_heads: int = 16, lanes: int = 1, token_tiles: int = 1,
-                 tokens_per_thread: int = 1, prefetch: int = 0, smem_stages: int = 0):
+                 tokens_per_thread: int = 1, prefetch: int = 0, smem_stages: int = 0, unpack: int = 0):
         if dtype not in ELEMENT_TYPES:
             raise ValueError(f"score kernel: dtype {dtype!r}; accepted: {', '.join(ELEMENT_TYPES)}")
         if layout not in ("HND", "NHD") or pairing not in ("half", "interleaved"):
@@ -230,8 +237,14 @@ class TriScoreKernel:
         if smem_stages not in (0, 2, 3, 4) or (smem_stages and prefetch):
             raise ValueError(f"score kernel: smem_stages {smem_stages} (0, 2, 3 or 4; > 0 needs prefetch 0: the "
                              "shared-memory ring replaces the register prefetch)")
+        if unpack not in (0, 1) or (unpack and dtype != "bf16"):
+            raise ValueError(f"score kernel: unpack {unpack} (0 or 1; 1 needs bf16 K, not {dtype})")
         self.dtype = dtype
         self.element = ELEMENT_TYPES[dtype]
+        # 1: bf16 pairs widened from their 32-bit word, low = word << 16, high = word & 0xffff0000
+        # (one instruction per element; the element conversion spends PRMT + SHF on the high
+        # half). Exact either way: the same f32 values, so the same scores.
+        self.unpack = unpack
         self.elem_bytes = ELEMENT_BYTES[dtype]
         self.layout = layout
         self.head_dim = head_dim
@@ -576,6 +589,15 @@ class TriScoreKernel:
         """``count`` consecutive ``vec``-wide pieces of the register copy from piece
         ``first_vector``, as f32 scalars (the exact widening of bf16, fp16 or fp8 E4M3)."""
         values = []
+        if self.unpack:
+            words = cute.recast_tensor(rows, Int32)   # bf16 element 2i is the low half of word i
+            half = self.vec // 2
+            for k in range(count):
+                loaded = cute.local_tile(words, (half,), (first_vector + k,)).load()
+                for i in range(half):
+                    word = Int32(loaded[i])
+                    values += [word_as_f32(word << 16), word_as_f32(word & Int32(-65536))]
+            return values
         for k in range(count):
             loaded = cute.local_tile(rows, (self.vec,), (first_vector + k,)).load().to(Float32)
             values += [loaded[e] for e in range(self.vec)]

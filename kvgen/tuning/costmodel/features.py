@@ -145,6 +145,7 @@ class Mix:
     global_bytes: int          # bytes per thread its global loads and stores move
     load_bytes: int            # of which loaded (what a thread waits for)
     hardware_fp4: int
+    shared_load_bytes: int     # bytes per thread its shared-memory loads read (model 2's shared pipe)
 
     @classmethod
     def of(cls, insns: Sequence[Insn]) -> "Mix":
@@ -152,8 +153,9 @@ class Mix:
         kinds = Counter(k for i in insns if (k := memory_kind(i[1])))
         loaded = sum(access_bytes(i[1]) for i in insns if memory_kind(i[1]) == "global_load")
         stored = sum(access_bytes(i[1]) for i in insns if memory_kind(i[1]) == "global_store")
+        shared = sum(access_bytes(i[1]) for i in insns if memory_kind(i[1]) == "shared_load")
         return cls(len(insns), {p: pipes.get(p, 0) for p in PIPES}, {k: kinds.get(k, 0) for k in MEMORY_KINDS},
-                   loaded + stored, loaded, sum(hardware_fp4(i[1]) for i in insns))
+                   loaded + stored, loaded, sum(hardware_fp4(i[1]) for i in insns), shared)
 
 
 @dataclass(frozen=True)
@@ -174,7 +176,8 @@ def loop_mix(body: Sequence[Insn]) -> Mix:
     path, whole = Mix.of(shortest_path(body)), Mix.of(body)
     per_pipe = {**path.per_pipe, "memory": whole.per_pipe["memory"]}
     total = path.total - path.per_pipe["memory"] + whole.per_pipe["memory"]
-    return Mix(total, per_pipe, whole.memory, whole.global_bytes, whole.load_bytes, path.hardware_fp4)
+    return Mix(total, per_pipe, whole.memory, whole.global_bytes, whole.load_bytes, path.hardware_fp4,
+               whole.shared_load_bytes)
 
 
 def kernel_features(name: str, insns: Sequence[Insn], resources: dict[str, int]) -> KernelFeatures:
@@ -229,7 +232,8 @@ def to_json(features: dict[str, KernelFeatures]) -> dict:
 
 def from_json(data: dict) -> dict[str, KernelFeatures]:
     def mix(d: dict) -> Mix:
-        return Mix(d["total"], d["per_pipe"], d["memory"], d["global_bytes"], d["load_bytes"], d["hardware_fp4"])
+        return Mix(d["total"], d["per_pipe"], d["memory"], d["global_bytes"], d["load_bytes"], d["hardware_fp4"],
+                   d["shared_load_bytes"])
 
     return {name: KernelFeatures(**{**f, "static": mix(f["static"]), "loops": [mix(m) for m in f["loops"]]})
             for name, f in data.items()}

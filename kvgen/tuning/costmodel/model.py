@@ -9,13 +9,21 @@ built from three terms, each a plain bound:
 - **memory**: the bytes over the bandwidth of where they live (HBM or the host link), divided by
   the share of each 32-byte sector the access pattern uses;
 - **issue**, per pipe: the warp instructions of every iteration over the SMs that hold CTAs, at the
-  pipe's rate (``targets.Target.issue``), and the same over the schedulers' total rate;
+  pipe's rate (``targets.Target.issue``), and the same over the schedulers' total rate; model 2
+  adds shared-memory loads as a pipe of their own (every thread's bytes at ``shared_bytes_per_clk``);
 - **latency**, for phases whose loads are waited on: in a loop, each warp's iteration is a round
   trip (the load latency, then its instructions a dependency step apart) and the SM's resident warps
   take turns (Hong & Kim's memory-warp parallelism), plus one latency per wave of CTAs (the loop's
   fill); a loopless copy is Little's law (bytes / (bytes in flight x latency)), at least one latency
   per round trip a CTA makes, wave after wave. Residency comes from the registers, shared memory,
   warps and CTA limits of the target.
+- **walk** (model 2), for a loop whose every step waits a chain of dependent loads before its
+  addresses are known (compaction: move index -> page-table entry -> row address -> K/V load ->
+  store): per step the chain's latencies plus the step's own dependent issue plus the time the
+  CTA's warps take to move the tile with the bytes each keeps in flight (Little's law per warp),
+  or the wave's bytes of one step over HBM bandwidth where that is longer (the two combined as a
+  2-norm: they overlap only partly); steps x waves (the ``tail`` below makes a partial last wave
+  cost a whole one).
 
 A phase takes the larger of its memory time and its issue + latency time; the phases of a launch
 add up (each CTA runs them in order), shrinking towards each resource's total as more CTAs share
@@ -32,7 +40,17 @@ from typing import Literal, Sequence
 from kvgen.tuning.costmodel.features import KernelFeatures, Mix
 from kvgen.tuning.costmodel.targets import Target
 
-VERSION = "1"
+VERSION = "2"   # 2: the walk term (dependent chain, per-warp bytes in flight), noise-aware validation
+
+
+@dataclass(frozen=True)
+class Walk:
+    """A CTA's loop over tiles where every step first waits a chain of dependent loads."""
+
+    steps: int                      # tiles one CTA walks
+    step_bytes: float               # bytes one CTA reads and writes per step
+    chain: tuple[str, ...]          # where each dependent load of a step is served, in order: "hbm" or "l2"
+    prologue: int = 0               # dependent HBM round trips before the first step
 
 
 @dataclass(frozen=True)
@@ -46,6 +64,7 @@ class Phase:
     inflight_per_thread: float         # bytes one thread has outstanding when it waits (0: never waits)
     rounds: int = 0                    # loopless copies: round trips one CTA waits for, one after another
     sector_efficiency: float = 1.0     # useful share of the 32-byte DRAM sectors a warp's accesses touch
+    walk: Walk | None = None           # a dependent-chain loop: its latency term is ``walk_time``
 
 
 @dataclass(frozen=True)
@@ -79,6 +98,31 @@ def resident_ctas(kernel: KernelFeatures, threads: int, dynamic_shared: int, t: 
     return max(0, min(t.ctas_per_sm, t.warps_per_sm // warps, by_regs, by_shared))
 
 
+def walk_time(walk: Walk, step: Mix, launch: Launch, resident: int, t: Target) -> float:
+    """Seconds of a dependent-chain walk, all CTAs together (model 2).
+
+    One step of one CTA: the chain (each dependent load's latency: HBM, Luo et al.'s ~650 ns on
+    Hopper, or an L2 hit), then the step's instructions one dependency apart, then the tile's bytes
+    at the rate the CTA's warps sustain (Little's law: each warp keeps ``warp_inflight_bytes`` in
+    flight across one HBM latency). The SMs' HBM share bounds the same step from the other side: a
+    full wave's CTAs move ``step_bytes`` each. Chain-bound and bandwidth-bound only partly overlap
+    (the next tile's loads are issued after the barrier that ends the chain), so the step takes the
+    2-norm of the two. Whole waves run one after another (``estimate``'s tail charges a partial
+    last wave as a whole one), so the walk is ``steps`` steps per wave, CTAs / (SMs x resident)
+    waves, plus the prologue's round trips per wave."""
+    latency = {"hbm": t.dram_latency_ns, "l2": t.l2_latency_ns}
+    dram = t.dram_latency_ns * 1e-9
+    chain = sum(latency[where] for where in walk.chain) * 1e-9 + step.total * t.dependent_issue_cycles / (
+        t.clock_ghz * 1e9)
+    warps = math.ceil(launch.threads / 32)
+    moved = walk.step_bytes * dram / (warps * t.warp_inflight_bytes)       # Little's law, per CTA
+    wave_ctas = min(launch.ctas, t.sms * resident)
+    streamed = wave_ctas * walk.step_bytes / (t.hbm_gbs * t.hbm_efficiency * 1e9)
+    step_time = math.hypot(chain + moved, streamed)
+    waves = max(1.0, launch.ctas / (t.sms * resident))   # a single partial wave still walks every step
+    return waves * (walk.steps * step_time + walk.prologue * dram)
+
+
 def phase_terms(phase: Phase, launch: Launch, resident: int, t: Target) -> dict[str, float]:
     """The phase's memory, issue (per pipe, and their maximum) and latency times, all CTAs together."""
     busy_sms = min(t.sms, launch.ctas)
@@ -94,9 +138,15 @@ def phase_terms(phase: Phase, launch: Launch, resident: int, t: Target) -> dict[
         issue = {f"issue:{pipe}": warp_iterations * n / (busy_sms * t.issue[pipe] * clock)
                  for pipe, n in phase.loop.per_pipe.items() if n}
         issue["issue:total"] = warp_iterations * phase.loop.total / (busy_sms * t.issue["total"] * clock)
+        # model 2: shared-memory loads as their own pipe, every thread's bytes through the SM's 32 banks
+        # (128 B/clk, CUDA C++ Programming Guide, shared memory of compute capability 9.0 / 10.x)
+        issue["issue:shared"] = warp_iterations * 32 * phase.loop.shared_load_bytes / (
+            busy_sms * t.shared_bytes_per_clk * clock)
         terms.update(issue)
         terms["issue"] = max(issue.values())
-        if phase.inflight_per_thread:
+        if phase.walk is not None:
+            terms["latency"] = walk_time(phase.walk, phase.loop, launch, resident, t)
+        elif phase.inflight_per_thread:
             # a warp's iteration: wait for its loads, then issue its instructions one dependency
             # step apart; the SM's resident warps take turns (Hong & Kim's memory/compute warps);
             # each wave of CTAs also waits once for its first loads (the loop's pipeline fill)

@@ -70,7 +70,7 @@ def inputs_of(features: Mapping[str, KernelFeatures]) -> dict[str, Any]:
     return {name: {"registers": f.registers, "shared_bytes": f.shared_bytes, "local_bytes": f.local_bytes,
                    "hardware_fp4": f.static.hardware_fp4, "static_per_pipe": f.static.per_pipe,
                    "loops": [{"per_pipe": m.per_pipe, "global_bytes": m.global_bytes, "load_bytes": m.load_bytes,
-                              "hardware_fp4": m.hardware_fp4} for m in f.loops]}
+                              "shared_load_bytes": m.shared_load_bytes, "hardware_fp4": m.hardware_fp4} for m in f.loops]}
             for name, f in features.items()}
 
 

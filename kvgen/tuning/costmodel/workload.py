@@ -15,10 +15,11 @@ The ops' launch shapes (documented with their kernels):
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Mapping
 
 from kvgen.tuning.costmodel.features import KernelFeatures, Mix
-from kvgen.tuning.costmodel.model import Launch, Phase
+from kvgen.tuning.costmodel.model import Launch, Phase, Walk
 
 
 class WorkloadError(ValueError):
@@ -64,14 +65,27 @@ def codec_launches(features: Mapping[str, KernelFeatures], params: Mapping[str, 
 
 def compact_launches(features: Mapping[str, KernelFeatures], params: Mapping[str, int], geometry: Mapping,
                      batch: int, moves: int) -> list[Launch]:
-    """One compaction of ``batch`` requests, ``moves`` kept tokens per (request, layer, KV head)."""
+    """One compaction of ``batch`` requests, ``moves`` kept tokens per (request, layer, KV head).
+
+    The CTA walks its moves a tile at a time (``compact_kernels.cuh``, ``walk_moves``): per tile a
+    thread copies the 16-byte vectors it holds (the loop's vector stores: the SASS says how many,
+    after the kernel's cap on registers), and resolving a later tile chains two dependent loads, the
+    move's index (HBM) then its page-table entry (shared by every head and layer of the request, an
+    L2 hit). Before the first tile: the request's range, then two tiles' resolves and the first
+    tile's loads, three HBM round trips."""
     kernel = pick_kernel(features, "compact_kernel")
     ctas = batch * geometry["kv_heads"] * geometry["layers"]
-    moved = 2.0 * ctas * moves * geometry["head_dim"] * geometry["elem_bytes"]   # K and V rows
+    row = geometry["head_dim"] * geometry["elem_bytes"]
+    moved = 2.0 * ctas * moves * row   # K and V rows
     walk = pick_loop(kernel, "global_load", "global_store")
-    in_flight = float(walk.load_bytes) if walk else 16.0
+    if walk is None:
+        raise WorkloadError(f"{kernel.name}: no loop that loads and stores global memory (the tile walk)")
+    vectors = walk.memory["global_store"]                     # per thread per tile
+    tile = max(1, vectors * params["threads"] // (2 * row // 16))
+    steps = math.ceil(moves / tile)
     return [Launch("compact", kernel, ctas, params["threads"], 0,
-                   (Phase("move", 2 * moved, "hbm", walk, in_flight),))]
+                   (Phase("move", 2 * moved, "hbm", walk, float(walk.load_bytes),
+                          walk=Walk(steps, 2.0 * tile * 2 * row, ("hbm", "l2"), prologue=3)),))]
 
 
 def score_launches(features: Mapping[str, KernelFeatures], params: Mapping[str, int], geometry: Mapping,
@@ -89,6 +103,10 @@ def score_launches(features: Mapping[str, KernelFeatures], params: Mapping[str, 
     tile_loop = pick_loop(kernel, "global_load")
     per_token = tile_loop if params["token_tiles"] > 1 and tile_loop is not None and \
         tile_loop.total > kernel.static.total / 2 else kernel.static
+    # model 2: an iteration's K bytes per thread are its share of one row (the page-table loads and
+    # score stores of the same SASS do not scale with the work); the loop's rates follow from them
+    k_share = geometry["head_dim"] * elem // lanes
+    per_token = replace(per_token, global_bytes=k_share, load_bytes=k_share)
     return [Launch("score", kernel, ctas, params["threads"], 0,
                    (Phase("scores", k_bytes, "hbm", per_token, float(per_token.load_bytes),
                           sector_efficiency=min(1.0, 16 * lanes / 32)),))]
