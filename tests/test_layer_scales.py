@@ -7,8 +7,9 @@
 (c) The kernels' own record code (Layer/Quantized/Side, __host__ __device__), compiled for the host
     from the generated codec.cu with the per-layer scale tables of codec_host.cuh, against the
     oracle: multi-layer cold pages of two lifecycles with a distinct (G, Q) per layer and buffer,
-    encoded and decoded bit for bit (tests/csrc/codec_record_check.cu); and the exact messages of
-    refused scale arrays.
+    encoded and decoded bit for bit (tests/csrc/codec_record_check.cu); the exact messages of
+    refused scale arrays; and the same record code with compiled-in unit scales under the codec
+    defaults (decode_split 2's half blocks, rounding 2) and hot_batch 2/4.
 (d) The scales file loader (kvgen.runtime.scales): safetensors and torch weights-only files, shapes
     checked against the layout, clear errors naming the file and what is wrong.
 (e) The built library without a GPU: it exports the per-layer scales entry points, and a bad scales
@@ -27,13 +28,14 @@ import torch
 
 from kvgen.kernels import INCLUDE_DIRS
 from kvgen.lower.layout import family_layout, to_json
-from kvgen.lower.plan import plans_for
+from kvgen.lower.plan import default_params, plans_for
 from kvgen.reference.codec import decode_page, encode_page, encode_records
 from kvgen.render.source import render_family
 from kvgen.runtime.library import FamilyLibrary
 from kvgen.runtime.lookup import RegistryLayout, RuntimeRegistry, codec_from_registry
 from kvgen.runtime.scales import LayerScales, ScalesFileError, load_layer_scales
 from kvgen.spec.schema import SpecError, parse_spec
+from kvgen.tuning.space import lut_decode_buffers
 
 from .conftest import ROOT
 from .layer_scales_cases import (
@@ -65,8 +67,9 @@ def test_the_spec_declares_per_layer_buffers_and_the_plan_has_no_constants_for_t
     assert [(b["G"], b["Q"]) for b in codec.geometry["buffers"]] == [(None, None), ("0x1.0000000000000p-1f",
                                                                                     "0x1.0000000000000p+1f")]
     source = render_family(spec)["per-layer-scales-mixed/codec.cu"]
-    assert "codec::Quantized<Buffer_k, Hot, kRounding, kDecodeRoute, codec::Scales::PerLayer>" in source
-    assert "codec::Quantized<Buffer_v, Hot, kRounding, kDecodeRoute>" in source
+    assert ("codec::Quantized<Buffer_k, Hot, kRounding, kDecodeRoute, kHotBatch, kDecodeSplit, codec::Scales::PerLayer>"
+            in source)
+    assert "codec::Quantized<Buffer_v, Hot, kRounding, kDecodeRoute, kHotBatch, kDecodeSplit>" in source
     assert source.count("static constexpr float kG") == 1
 
 
@@ -127,22 +130,27 @@ def test_the_oracle_refuses_missing_and_misplaced_scales() -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", params=["per-layer-scales", "per-layer-scales-mixed", "per-layer-scales-fp8"])
-def driver(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+def compile_driver(spec, tmp: Path, codec_params: dict[str, int] | None = None) -> Path:
+    """tests/csrc/codec_record_check.cu built for the host around ``spec``'s generated codec.cu."""
     if not SYSTEM_NVCC.is_file():
         pytest.skip("nvcc 13.0 not found at /usr/local/bin/nvcc")
-    spec = {"per-layer-scales": per_layer_spec, "per-layer-scales-mixed": mixed_spec,
-            "per-layer-scales-fp8": fp8_spec}[request.param]()
-    tmp = tmp_path_factory.mktemp(request.param)
     source = tmp / "codec.cu"
-    source.write_text(render_family(spec)[f"{spec.name}/codec.cu"], encoding="utf-8")
+    params = {"codec": codec_params} if codec_params else None
+    source.write_text(render_family(spec, params=params)[f"{spec.name}/codec.cu"], encoding="utf-8")
     exe = tmp / "codec_record_check"
     # -arch: the device pass of the kernels the generated file instantiates needs sm_80+ PTX
     cmd = [str(SYSTEM_NVCC), "-x", "cu", "-std=c++17", "--fmad=false", "-arch=sm_90a",
            *[f"-I{d}" for d in INCLUDE_DIRS], f"-DKVGEN_FAMILY_SOURCE=\"{source}\"", str(DRIVER), "-o", str(exe)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    return spec, exe
+    return exe
+
+
+@pytest.fixture(scope="module", params=["per-layer-scales", "per-layer-scales-mixed", "per-layer-scales-fp8"])
+def driver(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    spec = {"per-layer-scales": per_layer_spec, "per-layer-scales-mixed": mixed_spec,
+            "per-layer-scales-fp8": fp8_spec}[request.param]()
+    return spec, compile_driver(spec, tmp_path_factory.mktemp(request.param))
 
 
 def driver_input(spec, pools: list[list[torch.Tensor]], scales: LayerScales) -> bytes:
@@ -201,6 +209,38 @@ def test_refused_scale_arrays_name_the_value(driver) -> None:
             f"bad Q: 0 {name}: Q[1] ({second_q}) is {value}{tail}")],
         f"1/G: 0 {name}: 1/G[0] (layer 0, buffer 0) is inf{tail}",
     ]
+
+
+# The same record code with compiled-in unit scales (G = Q = 1, as every shipped spec): the Lut
+# decode route with half blocks (decode_split 2) and the fused FMA-pipe rounding (rounding 2), the
+# defaults, which a per-layer or Q != 1 buffer never takes; and hot_batch 2 and 4.
+UNIT_VARIANTS = {"bf16": {"hot_batch": 2}, "fp16": {"hot_batch": 4}}
+
+
+@pytest.mark.parametrize("dtype", sorted(UNIT_VARIANTS))
+def test_kernel_record_code_with_unit_scales_and_codec_variants_matches_the_oracle(
+        dtype: str, tmp_path: Path) -> None:
+    text = compiled_twin(PER_LAYER_SPEC.read_text(encoding="utf-8")).replace("dtype: bf16", f"dtype: {dtype}")
+    spec = parse_spec(text.replace("name: per-layer-scales", f"name: unit-scales-{dtype}"), "unit-scales")
+    params = {**default_params("codec"), **UNIT_VARIANTS[dtype]}
+    assert params["decode_split"] == 2 and params["rounding"] == 2 and lut_decode_buffers(spec)
+    exe = compile_driver(spec, tmp_path, params)
+    layout = family_layout(spec)
+    pools = hot_pages(spec, 1, 5)
+    raw = b"".join(part[0].contiguous().view(torch.uint8).numpy().tobytes() for layer in pools for part in layer)
+    proc = subprocess.run([str(exe)], input=raw, capture_output=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr.decode()
+    want = []
+    for lc, lifecycle in enumerate(layout.lifecycles):
+        cold = encode_page(layout, [split_layer(spec, pools[layer], 0) for layer in lifecycle.layers], lc)
+        want.append(cold)
+    for lc in range(len(layout.lifecycles)):
+        for buffers, sides in decode_page(layout, want[lc], spec.dtype, lc):
+            want += [t.contiguous().view(torch.uint8).reshape(-1) for t in (*buffers.values(), *sides.values())]
+    expected = torch.cat([w.reshape(-1) for w in want])
+    got = torch.frombuffer(bytearray(proc.stdout), dtype=torch.uint8)
+    assert got.numel() == expected.numel() and torch.equal(got, expected), \
+        f"{(got != expected).sum().item() if got.numel() == expected.numel() else 'sizes'} bytes differ"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -55,10 +55,13 @@ def test_space_folds_configurations_that_compile_to_the_same_kernel() -> None:
     fp8 = load_spec(SPECS_DIR / "qwen3-8b-fp8.yaml")
     assert canonical("score", {**default_params("score"), "unpack": 1}, fp8)["unpack"] == 0
     assert configs[0] == canonical("score", default_params("score"), QWEN)   # the default is first
-    # every codec tunable changes the kernel (min_blocks 1 is not min_blocks 0: ptxas then allocates
-    # registers differently even where the cap is above 255), so nothing folds
+    # every other codec tunable changes the kernel (min_blocks 1 is not min_blocks 0: ptxas then
+    # allocates registers differently even where the cap is above 255); decode_split 2 folds into 1
+    # on decode_route 0 (no half-block route there): 3 (route, split) pairs instead of 4
     codec = configurations("codec", QWEN)
-    assert len(codec) == math.prod(len(choices) for choices, _ in TUNABLES["codec"].values())
+    others = [len(choices) for name, (choices, _) in TUNABLES["codec"].items()
+              if name not in ("decode_route", "decode_split")]
+    assert len(codec) == math.prod(others) * 3
 
 
 # ---------------------------------------------------------------- studies over recorded measurements
@@ -69,8 +72,21 @@ def measurements(tmp_path: Path) -> Path:
     return write_codec_measurements(tmp_path / "m.jsonl")
 
 
-def test_grid_finds_the_exact_best_and_never_picks_a_wrong_candidate(measurements: Path) -> None:
-    evaluator = RecordedEvaluator([measurements])
+# Tests that run whole grids, whose cost under optuna's GridSampler grows faster than the grid,
+# search the codec space of rounding 0-1, hot_batch 1, decode_split 1 (320 configurations; the
+# full space is 2160, counted by test_space_folds_...).
+GRID_SPACE = {"rounding": ((0, 1), 1), "hot_batch": ((1,), 1), "decode_split": ((1,), 1)}
+
+
+@pytest.fixture()
+def grid_measurements(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    for name, choices in GRID_SPACE.items():
+        monkeypatch.setitem(TUNABLES["codec"], name, choices)
+    return write_codec_measurements(tmp_path / "m.jsonl")
+
+
+def test_grid_finds_the_exact_best_and_never_picks_a_wrong_candidate(grid_measurements: Path) -> None:
+    evaluator = RecordedEvaluator([grid_measurements])
     for bucket, best in OPTIMUM.items():
         result = run_bucket(QWEN, "codec", "sm_90a", bucket, evaluator, strategy="grid")
         assert result.best == best
@@ -90,8 +106,8 @@ def test_tpe_runs_the_requested_trials_starting_from_the_default(tmp_path: Path,
     assert first.user_attrs["role"] == "default" and first.user_attrs["config"] == config_id("codec", default_params("codec"))
 
 
-def test_missing_measurements_are_failed_trials_with_a_reason(tmp_path: Path, measurements: Path) -> None:
-    lines = [json.loads(line) for line in measurements.read_text().splitlines()]
+def test_missing_measurements_are_failed_trials_with_a_reason(tmp_path: Path, grid_measurements: Path) -> None:
+    lines = [json.loads(line) for line in grid_measurements.read_text().splitlines()]
     kept = [r for r in lines if not (r["bucket"] == "large" and r["params"]["threads"] == 512)]
     partial = tmp_path / "partial.jsonl"
     partial.write_text("\n".join(json.dumps(r) for r in kept) + "\n")
@@ -204,21 +220,21 @@ def test_environment_override_wins_and_bad_overrides_are_named() -> None:
         parse_override("qwen3-8b:codec")
 
 
-def test_tune_writes_a_config_the_build_compiles(tmp_path: Path, measurements: Path) -> None:
+def test_tune_writes_a_config_the_build_compiles(tmp_path: Path, grid_measurements: Path) -> None:
     """kvgen tune over recorded measurements -> tuning/sm_90a/qwen3-8b.json -> the build renders it."""
     from kvgen.cli import main
     from kvgen.render.source import render_family
 
     tuning = tmp_path / "tuning"
     rc = main(["tune", "--family", "qwen3-8b", "--op", "codec", "--arch", "sm_90a", "--strategy", "grid",
-               "--measurements", str(measurements), "--storage", f"sqlite:///{tmp_path / 's.db'}",
+               "--measurements", str(grid_measurements), "--storage", f"sqlite:///{tmp_path / 's.db'}",
                "--tuning", str(tuning)])
     assert rc == 0
     data = json.loads(tuning_path(tuning, "sm_90a", "qwen3-8b").read_text())
     entry = data["ops"]["codec"]
     assert {b: v["best"] for b, v in entry["buckets"].items()} == OPTIMUM
     assert entry["params"] == {"threads": 512, "in_flight": 4, "rounding": 1, "decode_route": 1,  # best geometric mean
-                               "min_blocks": 1}                                           # over the three bowls
+                               "min_blocks": 1, "hot_batch": 1, "decode_split": 1}        # over the three bowls
     env = entry["environment"]
     assert env["gpu"] == "NVIDIA H200" and env["toolchain"]["nvcc"] == "13.0.88"
     tuned = load_tuned(tuning, {"sm_90a": _env()}, ["qwen3-8b"], environ={})

@@ -16,10 +16,14 @@ from kvgen.tuning.space import BUCKETS, config_id, configurations
 
 from .conftest import SPECS_DIR
 
-OPTIMUM = {"small": {"threads": 128, "in_flight": 2, "rounding": 1, "decode_route": 1, "min_blocks": 1},
-           "large": {"threads": 512, "in_flight": 4, "rounding": 1, "decode_route": 1, "min_blocks": 1},
-           "offload": {"threads": 512, "in_flight": 8, "rounding": 0, "decode_route": 0, "min_blocks": 2}}
-WRONG = {"threads": 64, "in_flight": 1, "rounding": 1, "decode_route": 1, "min_blocks": 1}
+OPTIMUM = {"small": {"threads": 128, "in_flight": 2, "rounding": 1, "decode_route": 1, "min_blocks": 1,
+                     "hot_batch": 1, "decode_split": 1},
+           "large": {"threads": 512, "in_flight": 4, "rounding": 1, "decode_route": 1, "min_blocks": 1,
+                     "hot_batch": 1, "decode_split": 1},
+           "offload": {"threads": 512, "in_flight": 8, "rounding": 0, "decode_route": 0, "min_blocks": 2,
+                       "hot_batch": 1, "decode_split": 1}}
+WRONG = {"threads": 64, "in_flight": 1, "rounding": 1, "decode_route": 1, "min_blocks": 1, "hot_batch": 1,
+         "decode_split": 1}
 ENV = {"gpu": "NVIDIA H200", "compute_capability": "9.0", "driver": "570.00", "kvgen": "0.1.0",
        "toolchain": {"nvcc": "13.0.88", "kvgen": "0.1.0"}}
 
@@ -30,7 +34,9 @@ def bowl(params: dict[str, int], bucket: str) -> float:
         + 0.1 * abs(math.log2(params["in_flight"] / best["in_flight"])) \
         + 0.05 * (params["rounding"] != best["rounding"]) \
         + 0.04 * (params["decode_route"] != best["decode_route"]) \
-        + 0.03 * abs(params["min_blocks"] - best["min_blocks"])
+        + 0.03 * abs(params["min_blocks"] - best["min_blocks"]) \
+        + 0.02 * abs(math.log2(params["hot_batch"] / best["hot_batch"])) \
+        + 0.02 * (params["decode_split"] != best["decode_split"])
 
 
 def write_codec_measurements(path: Path, family: str = "qwen3-8b", arch: str = "sm_90a") -> Path:

@@ -2,7 +2,7 @@
 // family:   deepseek-v3
 // op:       codec
 // template: codec.cu.j2
-// plan key: 46ab9a5326e48d9bb94aa8b50aa27d81bb2bb8c1a4dc2455bebc2cde824e514f
+// plan key: 657394d98533a83fbbef6a763c173d158acdb9f79298a63c3a72f8411be43d67
 //
 // Cold-page codec of family deepseek-v3 (COLD_PAGE_FORMAT.md, version 1).
 // This file only describes the family; the kernels are kvgen/kernels/cuda/codec_kernels.cuh.
@@ -10,15 +10,18 @@
 // Layer record: 20736 bytes (20736 before padding), hot dtype bf16, layout HND.
 // Launch: 256 threads per CTA (min_blocks 0), one CTA per (page pair, layer), the record staged in shared memory;
 // 4 16-byte loads in flight per thread when the record crosses the bus;
-// E2M1 rounding route 1 of the software path (nvfp4::Rounding), decode route 1 of plain blocks (nvfp4::DecodeRoute).
+// E2M1 rounding route 2 of the software path (nvfp4::Rounding), decode route 1 of plain blocks (nvfp4::DecodeRoute);
+// encode loads 1 plain block(s) per thread before quantizing them; decode splits a plain block over 2 thread(s).
 #include "codec_host.cuh"
 
 namespace kvgen {
 namespace family {
 
 using Hot = codec::HotBF16;
-constexpr auto kRounding = static_cast<nvfp4::Rounding>(1);
+constexpr auto kRounding = static_cast<nvfp4::Rounding>(2);
 constexpr auto kDecodeRoute = static_cast<nvfp4::DecodeRoute>(1);
+constexpr int kHotBatch = 1;  // plain blocks a thread loads before encoding them
+constexpr int kDecodeSplit = 2;  // threads per plain block in decode (2: half blocks)
 
 // Quantized buffer "latent": 64 rows of 576 elements per page
 // = [lossless 0][quantized 576][lossless 0].
@@ -42,7 +45,7 @@ struct Buffer_latent {
   static constexpr float kQdec = 0x1.0000000000000p+0f;
 };
 
-using Layer = codec::Layer<20736, 20736, codec::Quantized<Buffer_latent, Hot, kRounding, kDecodeRoute>>;
+using Layer = codec::Layer<20736, 20736, codec::Quantized<Buffer_latent, Hot, kRounding, kDecodeRoute, kHotBatch, kDecodeSplit>>;
 
 }  // namespace family
 

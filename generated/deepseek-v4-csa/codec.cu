@@ -2,7 +2,7 @@
 // family:   deepseek-v4-csa
 // op:       codec
 // template: codec.cu.j2
-// plan key: 69055e940494ff83ac0423181d66827a18d8e1cf36a1611e09421c7a62511804
+// plan key: 02e1fb8a313d17df54366319448c98acc4ee7274819af55bea9af8d20cdea84f
 //
 // Cold-page codec of family deepseek-v4-csa (COLD_PAGE_FORMAT.md, version 1).
 // This file only describes the family; the kernels are kvgen/kernels/cuda/codec_kernels.cuh.
@@ -10,15 +10,18 @@
 // Layer record: 10368 bytes (10368 before padding), hot dtype bf16, layout HND.
 // Launch: 256 threads per CTA (min_blocks 0), one CTA per (page pair, layer), the record staged in shared memory;
 // 4 16-byte loads in flight per thread when the record crosses the bus;
-// E2M1 rounding route 1 of the software path (nvfp4::Rounding), decode route 1 of plain blocks (nvfp4::DecodeRoute).
+// E2M1 rounding route 2 of the software path (nvfp4::Rounding), decode route 1 of plain blocks (nvfp4::DecodeRoute);
+// encode loads 1 plain block(s) per thread before quantizing them; decode splits a plain block over 2 thread(s).
 #include "codec_host.cuh"
 
 namespace kvgen {
 namespace family {
 
 using Hot = codec::HotBF16;
-constexpr auto kRounding = static_cast<nvfp4::Rounding>(1);
+constexpr auto kRounding = static_cast<nvfp4::Rounding>(2);
 constexpr auto kDecodeRoute = static_cast<nvfp4::DecodeRoute>(1);
+constexpr int kHotBatch = 1;  // plain blocks a thread loads before encoding them
+constexpr int kDecodeSplit = 2;  // threads per plain block in decode (2: half blocks)
 
 // Quantized buffer "entry": 32 rows of 512 elements per page
 // = [lossless 0][quantized 512, 2FP4 64 from element 448][lossless 0].
@@ -42,7 +45,7 @@ struct Buffer_entry {
   static constexpr float kQdec = 0x1.0000000000000p+0f;
 };
 
-using Layer = codec::Layer<10368, 10368, codec::Quantized<Buffer_entry, Hot, kRounding, kDecodeRoute>>;
+using Layer = codec::Layer<10368, 10368, codec::Quantized<Buffer_entry, Hot, kRounding, kDecodeRoute, kHotBatch, kDecodeSplit>>;
 
 }  // namespace family
 

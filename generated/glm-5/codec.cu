@@ -2,7 +2,7 @@
 // family:   glm-5
 // op:       codec
 // template: codec.cu.j2
-// plan key: bdf24f6bdf25290caeae2d339b76c7361132992fe34a3496c19e26db2483edd8
+// plan key: 4ee1a090ab7020575e548e59af04a597da4592a00ab612f053678ff2507d0d72
 //
 // Cold-page codec of family glm-5 (COLD_PAGE_FORMAT.md, version 1).
 // This file only describes the family; the kernels are kvgen/kernels/cuda/codec_kernels.cuh.
@@ -10,15 +10,18 @@
 // Layer record: 29184 bytes (29184 before padding), hot dtype bf16, layout HND.
 // Launch: 256 threads per CTA (min_blocks 0), one CTA per (page pair, layer), the record staged in shared memory;
 // 4 16-byte loads in flight per thread when the record crosses the bus;
-// E2M1 rounding route 1 of the software path (nvfp4::Rounding), decode route 1 of plain blocks (nvfp4::DecodeRoute).
+// E2M1 rounding route 2 of the software path (nvfp4::Rounding), decode route 1 of plain blocks (nvfp4::DecodeRoute);
+// encode loads 1 plain block(s) per thread before quantizing them; decode splits a plain block over 2 thread(s).
 #include "codec_host.cuh"
 
 namespace kvgen {
 namespace family {
 
 using Hot = codec::HotBF16;
-constexpr auto kRounding = static_cast<nvfp4::Rounding>(1);
+constexpr auto kRounding = static_cast<nvfp4::Rounding>(2);
 constexpr auto kDecodeRoute = static_cast<nvfp4::DecodeRoute>(1);
+constexpr int kHotBatch = 1;  // plain blocks a thread loads before encoding them
+constexpr int kDecodeSplit = 2;  // threads per plain block in decode (2: half blocks)
 
 // Quantized buffer "latent": 64 rows of 576 elements per page
 // = [lossless 0][quantized 576][lossless 0].
@@ -49,7 +52,7 @@ struct Side_indexer_k {
   static constexpr int kOffset = 20736;
 };
 
-using Layer = codec::Layer<29184, 29184, codec::Quantized<Buffer_latent, Hot, kRounding, kDecodeRoute>, codec::Side<Side_indexer_k>>;
+using Layer = codec::Layer<29184, 29184, codec::Quantized<Buffer_latent, Hot, kRounding, kDecodeRoute, kHotBatch, kDecodeSplit>, codec::Side<Side_indexer_k>>;
 
 }  // namespace family
 

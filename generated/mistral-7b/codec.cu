@@ -2,7 +2,7 @@
 // family:   mistral-7b
 // op:       codec
 // template: codec.cu.j2
-// plan key: b7f63cbfe9c0a8479d915242306d2e4ba853c2519509b153d042718a400c01b1
+// plan key: c45a55f52c7fa1b15a4ecf2064acf41e6818eb0c8b861dbdc20ba8572cb7b30f
 //
 // Cold-page codec of family mistral-7b (COLD_PAGE_FORMAT.md, version 1).
 // This file only describes the family; the kernels are kvgen/kernels/cuda/codec_kernels.cuh.
@@ -10,15 +10,18 @@
 // Layer record: 18432 bytes (18432 before padding), hot dtype fp16, layout NHD.
 // Launch: 256 threads per CTA (min_blocks 0), one CTA per (page pair, layer), the record staged in shared memory;
 // 4 16-byte loads in flight per thread when the record crosses the bus;
-// E2M1 rounding route 1 of the software path (nvfp4::Rounding), decode route 1 of plain blocks (nvfp4::DecodeRoute).
+// E2M1 rounding route 2 of the software path (nvfp4::Rounding), decode route 1 of plain blocks (nvfp4::DecodeRoute);
+// encode loads 1 plain block(s) per thread before quantizing them; decode splits a plain block over 2 thread(s).
 #include "codec_host.cuh"
 
 namespace kvgen {
 namespace family {
 
 using Hot = codec::HotFP16;
-constexpr auto kRounding = static_cast<nvfp4::Rounding>(1);
+constexpr auto kRounding = static_cast<nvfp4::Rounding>(2);
 constexpr auto kDecodeRoute = static_cast<nvfp4::DecodeRoute>(1);
+constexpr int kHotBatch = 1;  // plain blocks a thread loads before encoding them
+constexpr int kDecodeSplit = 2;  // threads per plain block in decode (2: half blocks)
 
 // Quantized buffer "k": 128 rows of 128 elements per page
 // = [lossless 0][quantized 128][lossless 0].
@@ -64,7 +67,7 @@ struct Buffer_v {
   static constexpr float kQdec = 0x1.0000000000000p+0f;
 };
 
-using Layer = codec::Layer<18432, 18432, codec::Quantized<Buffer_k, Hot, kRounding, kDecodeRoute>, codec::Quantized<Buffer_v, Hot, kRounding, kDecodeRoute>>;
+using Layer = codec::Layer<18432, 18432, codec::Quantized<Buffer_k, Hot, kRounding, kDecodeRoute, kHotBatch, kDecodeSplit>, codec::Quantized<Buffer_v, Hot, kRounding, kDecodeRoute, kHotBatch, kDecodeSplit>>;
 
 }  // namespace family
 

@@ -2,7 +2,7 @@
 // family:   qwen3-8b-fp8
 // op:       codec
 // template: codec.cu.j2
-// plan key: f8f13bd968fc7439ec1df2910f871618f1b1a2546be656e74553b81edfda7eb1
+// plan key: ae0b2987924adf63fdc297fdc70efbac7ff6623ab5c7fb1695fb601cb83051d5
 //
 // Cold-page codec of family qwen3-8b-fp8 (COLD_PAGE_FORMAT.md, version 1).
 // This file only describes the family; the kernels are kvgen/kernels/cuda/codec_kernels.cuh.
@@ -10,15 +10,18 @@
 // Layer record: 36864 bytes (36864 before padding), hot dtype fp8_e4m3, layout HND.
 // Launch: 256 threads per CTA (min_blocks 0), one CTA per (page pair, layer), the record staged in shared memory;
 // 4 16-byte loads in flight per thread when the record crosses the bus;
-// E2M1 rounding route 1 of the software path (nvfp4::Rounding), decode route 1 of plain blocks (nvfp4::DecodeRoute).
+// E2M1 rounding route 2 of the software path (nvfp4::Rounding), decode route 1 of plain blocks (nvfp4::DecodeRoute);
+// encode loads 1 plain block(s) per thread before quantizing them; decode splits a plain block over 2 thread(s).
 #include "codec_host.cuh"
 
 namespace kvgen {
 namespace family {
 
 using Hot = codec::HotFP8E4M3;
-constexpr auto kRounding = static_cast<nvfp4::Rounding>(1);
+constexpr auto kRounding = static_cast<nvfp4::Rounding>(2);
 constexpr auto kDecodeRoute = static_cast<nvfp4::DecodeRoute>(1);
+constexpr int kHotBatch = 1;  // plain blocks a thread loads before encoding them
+constexpr int kDecodeSplit = 2;  // threads per plain block in decode (2: half blocks)
 
 // Quantized buffer "k": 256 rows of 128 elements per page
 // = [lossless 0][quantized 128][lossless 0].
@@ -64,7 +67,7 @@ struct Buffer_v {
   static constexpr float kQdec = 0x1.0000000000000p+0f;
 };
 
-using Layer = codec::Layer<36864, 36864, codec::Quantized<Buffer_k, Hot, kRounding, kDecodeRoute>, codec::Quantized<Buffer_v, Hot, kRounding, kDecodeRoute>>;
+using Layer = codec::Layer<36864, 36864, codec::Quantized<Buffer_k, Hot, kRounding, kDecodeRoute, kHotBatch, kDecodeSplit>, codec::Quantized<Buffer_v, Hot, kRounding, kDecodeRoute, kHotBatch, kDecodeSplit>>;
 
 }  // namespace family
 

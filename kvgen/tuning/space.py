@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from kvgen.kernels.cute.geometry import effective_lanes, row_chunks
-from kvgen.lower.plan import TUNABLES, Op, default_params, score_geometry
+from kvgen.lower.layout import family_layout
+from kvgen.lower.plan import TUNABLES, Op, default_params, f32_literal, score_geometry
 from kvgen.spec.schema import FamilySpec
 
 TUNED_OPS: tuple[Op, ...] = ("codec", "compact", "score")
@@ -57,6 +58,16 @@ def ops_for(spec: FamilySpec) -> tuple[Op, ...]:
     return TUNED_OPS if spec.triattention.enabled else ("codec",)
 
 
+def lut_decode_buffers(spec: FamilySpec) -> bool:
+    """Whether some quantized buffer can take decode_route 1 (codec_kernels.cuh kLutDecode), the
+    only route with half blocks (decode_split 2): a 16-bit hot dtype and a compiled Q of 1. A
+    per-layer buffer (Q known at run time) or another Q keeps the binary32 route, whole blocks."""
+    if spec.elem_bytes != 2:
+        return False
+    one = f32_literal(1.0)
+    return any(b.Q is not None and f32_literal(b.Q) == one for b in family_layout(spec).record.buffers)
+
+
 def canonical(op: Op, params: Mapping[str, int], spec: FamilySpec) -> dict[str, int]:
     """The representative of ``params``' equivalence class (same generated kernel)."""
     out = dict(params)
@@ -72,6 +83,8 @@ def canonical(op: Op, params: Mapping[str, int], spec: FamilySpec) -> dict[str, 
             out["prefetch"] = 0
         if spec.dtype != "bf16":             # shift / mask widening is bf16's only
             out["unpack"] = 0
+    if op == "codec" and out["decode_split"] != 1 and (out["decode_route"] == 0 or not lut_decode_buffers(spec)):
+        out["decode_split"] = 1  # half blocks exist only on the Lut route of 16-bit hot dtypes
     return out
 
 

@@ -10,7 +10,7 @@
 //   codec_record_check < in > out
 //     in:  one hot page of every (layer, part), layers 0..L-1, parts in descriptor order; then
 //          float G[n], float Q[n] (n = L x per-layer buffers, layer-major, as
-//          kvgen_codec_set_layer_scales takes them)
+//          kvgen_codec_set_layer_scales takes them; none for a family with compiled-in scales)
 //     out: the cold page of every lifecycle (its layers' records, in lifecycle order), then every
 //          lifecycle's page decoded back: each of its layers' parts, in lifecycle order
 //   codec_record_check --errors
@@ -52,8 +52,9 @@ int roundtrip() {
   const int64_t n = (int64_t)kF.num_layers * L::kLayerScaleParts;
   std::vector<float> G(n), Q(n);
   if (!read_exact(G.data(), n * sizeof(float)) || !read_exact(Q.data(), n * sizeof(float))) return 2;
-  std::vector<kc::LayerScale> rows;
-  if (!kc::layer_scale_rows(kF, L::kPartLayerScales, G.data(), Q.data(), n, rows)) {
+  // a family without per-layer buffers reads no scales: its parts take the compiled-in G, Q
+  std::vector<kc::LayerScale> rows((size_t)kF.num_layers * L::kNumParts, kc::LayerScale{1.0f, 1.0f});
+  if (L::kLayerScales && !kc::layer_scale_rows(kF, L::kPartLayerScales, G.data(), Q.data(), n, rows)) {
     std::fprintf(stderr, "%s\n", kvgen::last_error().c_str());
     return 1;
   }

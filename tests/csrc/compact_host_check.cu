@@ -102,7 +102,7 @@ long long compact_all(const Case& c, std::vector<kc::LayerPools>& pools, kvgen::
     fprintf(stderr, "rows too long for %d threads\n", kThreads);
     return -1;
   }
-  const kc::MoveLimits limits{c.max_pages * c.g.tokens_per_block, c.num_pages, &errors};
+  const kc::MoveLimits limits = kc::move_limits(c.max_pages * c.g.tokens_per_block, c.num_pages, &errors);
   // Any CTA order is valid (CTAs share no bytes); walk them as the grid enumerates them.
   for (int layer = 0; layer < c.num_layers; ++layer) {
     for (int head = 0; head < c.g.kv_heads; ++head) {

@@ -169,14 +169,19 @@ int sweep_e2m1(uint64_t stride) {
       const float v = kn::is_nan(kn::bits_f32(bits)) ? 0.0f : kn::bits_f32(bits);
       p[k] = v;
       q[7 - k] = v;
-      const uint32_t got = kn::e2m1_magnitude_fma_bits(v) - 0x4B000000u;
       const uint32_t want = kn::e2m1_magnitude_sw(v);
+      const uint32_t got = kn::e2m1_magnitude_fma_bits(v) - 0x4B000000u;
       if (got != want) report("magnitude", bits, got, want);
+      const uint32_t fused = kn::e2m1_magnitude_fma_bits<true>(v) - 0x4B000000u;
+      if (fused != want) report("fused magnitude", bits, fused, want);
     }
-    const uint32_t got = kn::e2m1x8_fma(p), want = kn::e2m1x8_sw(p);
+    const uint32_t want = kn::e2m1x8_sw(p), want_r = kn::e2m1x8_sw(q);
+    const uint32_t got = kn::e2m1x8_fma(p), got_r = kn::e2m1x8_fma(q);
     if (got != want) report("x8", (uint32_t)base, got, want);
-    const uint32_t got_r = kn::e2m1x8_fma(q), want_r = kn::e2m1x8_sw(q);
     if (got_r != want_r) report("x8 reversed", (uint32_t)base, got_r, want_r);
+    const uint32_t fused = kn::e2m1x8_fma<true>(p), fused_r = kn::e2m1x8_fma<true>(q);
+    if (fused != want) report("fused x8", (uint32_t)base, fused, want);
+    if (fused_r != want_r) report("fused x8 reversed", (uint32_t)base, fused_r, want_r);
   }
   printf("mismatches=%llu\n", (unsigned long long)mismatches);
   return mismatches ? 1 : 0;

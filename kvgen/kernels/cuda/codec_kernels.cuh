@@ -135,6 +135,9 @@ struct HotBF16 {
   static KVGEN_CODEC_HD void decode_lut(const nvfp4::Block& b, uint32_t (&w)[8]) {
     nvfp4::decode_block_bf16_lut(b, w);
   }
+  static KVGEN_CODEC_HD void decode_word_lut(uint32_t packed, uint8_t scale, uint32_t (&w)[4]) {
+    nvfp4::decode_word_bf16_lut(packed, scale, w);
+  }
 };
 
 struct HotFP16 {
@@ -148,6 +151,9 @@ struct HotFP16 {
   }
   static KVGEN_CODEC_HD void decode_lut(const nvfp4::Block& b, uint32_t (&w)[8]) {
     nvfp4::decode_block_f16_lut(b, w);
+  }
+  static KVGEN_CODEC_HD void decode_word_lut(uint32_t packed, uint8_t scale, uint32_t (&w)[4]) {
+    nvfp4::decode_word_f16_lut(packed, scale, w);
   }
 };
 
@@ -283,13 +289,16 @@ KVGEN_CODEC_HD nvfp4::Block get8(const uint8_t* p, uint8_t scale) {
 //   kData, kScales, kResidual, kResidualScales, kLossless (record offsets), and kG, kQdec with
 //   Scales::Spec.
 // R is the software path's E2M1 rounding route and D the decode route of plain blocks (tunables:
-// every choice gives the contract's bytes).  DecodeRoute::Lut is exact only for Q == 1: with a
-// compiled Q != 1, or per-layer scales (Q known at run time), the float route is compiled whatever
-// D says (it is exact for every Q).
+// every choice gives the contract's bytes), kBatch the plain blocks a thread loads before encoding
+// them and kSplit the threads sharing one plain block in decode (tunables, same bytes; kSplit 2
+// applies to the Lut route of 16-bit hot dtypes, where half a block is one 16-byte store).
+// DecodeRoute::Lut is exact only for Q == 1: with a compiled Q != 1, or per-layer scales (Q known
+// at run time), the float route is compiled whatever D says (it is exact for every Q), and with it
+// whole blocks whatever kSplit says.
 // ---------------------------------------------------------------------------------------------
 
 template <class B, class Hot, nvfp4::Rounding R, nvfp4::DecodeRoute D = nvfp4::DecodeRoute::Float,
-          Scales S = Scales::Spec>
+          int kBatch = 1, int kSplit = 1, Scales S = Scales::Spec>
 struct Quantized {
   using Scale = BufferScales<B, S>;
   static constexpr int kIndex = B::kIndex;
@@ -305,6 +314,8 @@ struct Quantized {
   static constexpr int kSuffixStart = (B::kRowDim - B::kSuffix) * Hot::kBytes;
   static constexpr int kLosslessAlign = align_of(B::kLossless);
   static_assert(B::kQ % 16 == 0 && B::kR % 16 == 0 && B::kPrefix % 16 == 0, "spans are multiples of 16");
+  static_assert(kBatch >= 1, "at least one block per batch");
+  static_assert(kSplit == 1 || kSplit == 2, "a plain block is decoded by one or two threads");
 
   // Work is split in two index spaces, plain blocks and 2FP4 blocks, each walked by the whole CTA:
   // a warp then runs one path only (a 2FP4 block costs three plain ones), instead of diverging
@@ -323,20 +334,40 @@ struct Quantized {
     return page + row * kRowBytes + (B::kPrefix + blk * 16) * Hot::kBytes;
   }
 
+  // One plain block: hot words (already loaded) -> packed codes and scale in the record.
+  static KVGEN_CODEC_HD void encode_plain(uint8_t* rec, int i, const HotBlock<Hot>& hot, LayerScale gq) {
+    const int2 at = plain_block(i);
+    const int t = at.x * kBlocksPerRow + at.y;
+    float x[16];
+    hot.widen(x);
+    const nvfp4::Block main = nvfp4::encode_block<R>(x, gq.G, gq.Q);
+    put8<8>(rec + B::kData + t * 8, main);  // region offsets of packed data are multiples of 8
+    rec[B::kScales + t] = main.scale;
+  }
+
+  // Plain blocks kBatch at a time per lane: every hot load of the batch is issued before the
+  // first block is quantized, so a thread keeps kBatch * 16 elements in flight instead of one
+  // block's (the loop is otherwise latency-bound between a block's load and its arithmetic).
   // scales: the layer's row of the scale table (null with Scales::Spec).
   static KVGEN_CODEC_HD void encode(uint8_t* rec, const uint8_t* __restrict__ page, const LayerScale* scales,
                                     Lanes lanes) {
     const LayerScale gq = Scale::of(scales);
-    for (int i = lanes.first; i < B::kRows * kPlainPerRow; i += lanes.step) {
-      const int2 at = plain_block(i);
-      const int t = at.x * kBlocksPerRow + at.y;
-      float x[16];
-      HotBlock<Hot> hot;
-      hot.load(hot_block(page, at.x, at.y));
-      hot.widen(x);
-      const nvfp4::Block main = nvfp4::encode_block<R>(x, gq.G, gq.Q);
-      put8<8>(rec + B::kData + t * 8, main);  // region offsets of packed data are multiples of 8
-      rec[B::kScales + t] = main.scale;
+    constexpr int kPlain = B::kRows * kPlainPerRow;
+    for (int i0 = lanes.first; i0 < kPlain; i0 += lanes.step * kBatch) {
+      HotBlock<Hot> hot[kBatch];
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        const int i = i0 + j * lanes.step;
+        if (j == 0 || i < kPlain) {  // block 0 of a batch is in range by the loop condition
+          const int2 at = plain_block(i);
+          hot[j].load(hot_block(page, at.x, at.y));
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        const int i = i0 + j * lanes.step;
+        if (j == 0 || i < kPlain) encode_plain(rec, i, hot[j], gq);
+      }
     }
     if constexpr (kResBlocksPerRow > 0) {
       for (int r = lanes.first; r < B::kRows * kResBlocksPerRow; r += lanes.step) {
@@ -357,9 +388,31 @@ struct Quantized {
     if constexpr (kLosslessRowBytes > 0) save_lossless(rec, page, lanes);
   }
 
-  static KVGEN_CODEC_HD void decode(const uint8_t* rec, uint8_t* __restrict__ page, const LayerScale* scales,
-                                    Lanes lanes) {
-    const LayerScale gq = Scale::of(scales);
+  // kSplit 2: a lane decodes half a plain block (one packed word, 8 elements = 16 hot bytes),
+  // so consecutive threads store consecutive 16-byte pieces and one warp store covers 512
+  // contiguous bytes; with whole blocks each of a thread's two stores half-fills 32 sectors.
+  // Only the Lut route has half blocks, so a per-layer buffer (float route) decodes whole blocks.
+  static constexpr bool kHalfBlocks = kSplit == 2 && kLutDecode && Hot::kBytes == 2;
+
+  static KVGEN_CODEC_HD void decode_half_blocks(const uint8_t* rec, uint8_t* __restrict__ page, Lanes lanes) {
+    for (int h = lanes.first; h < 2 * B::kRows * kPlainPerRow; h += lanes.step) {
+      const int2 at = plain_block(h >> 1);
+      const int t = at.x * kBlocksPerRow + at.y;
+      const int half = h & 1;
+      uint32_t w[4];
+      Hot::decode_word_lut(*reinterpret_cast<const uint32_t*>(rec + B::kData + t * 8 + 4 * half),
+                           rec[B::kScales + t], w);
+      *reinterpret_cast<uint4*>(const_cast<uint8_t*>(hot_block(page, at.x, at.y)) + 16 * half) =
+          make_uint4(w[0], w[1], w[2], w[3]);
+    }
+  }
+
+  static KVGEN_CODEC_HD void decode_plain(const uint8_t* rec, uint8_t* __restrict__ page, LayerScale gq,
+                                          Lanes lanes) {
+    if constexpr (kHalfBlocks) {
+      decode_half_blocks(rec, page, lanes);
+      return;
+    }
     for (int i = lanes.first; i < B::kRows * kPlainPerRow; i += lanes.step) {
       const int2 at = plain_block(i);
       const int t = at.x * kBlocksPerRow + at.y;
@@ -374,6 +427,13 @@ struct Quantized {
       }
       hot.store(const_cast<uint8_t*>(hot_block(page, at.x, at.y)));
     }
+  }
+
+  // scales: the layer's row of the scale table (null with Scales::Spec).
+  static KVGEN_CODEC_HD void decode(const uint8_t* rec, uint8_t* __restrict__ page, const LayerScale* scales,
+                                    Lanes lanes) {
+    const LayerScale gq = Scale::of(scales);
+    decode_plain(rec, page, gq, lanes);
     if constexpr (kResBlocksPerRow > 0) {
       for (int r = lanes.first; r < B::kRows * kResBlocksPerRow; r += lanes.step) {
         const int row = r / kResBlocksPerRow;

@@ -67,8 +67,10 @@ struct LayerPools {
   int64_t v_page_stride;
 };
 
-// A move with its tokens resolved to (page, row in page).  src_page < 0: nothing to copy (the
-// packer's -1 fill, an identity move, which would copy a row onto itself, or a move out of range).
+// A move with its tokens resolved to (page, row in page).  The source is always an address inside
+// the pools (clamped, see resolve_move), so a tile's loads need no per-move branch; dst_page < 0:
+// nothing to store (the packer's -1 fill, an identity move, which would copy a row onto itself, a
+// move out of range, or a slot past the request's last move).
 struct ResolvedMove {
   int32_t src_page;
   int32_t src_row;
@@ -76,34 +78,80 @@ struct ResolvedMove {
   int32_t dst_row;
 };
 
+constexpr ResolvedMove kNoMove{0, 0, -1, 0};  // loads page 0, row 0 (inside any non-empty pool), stores nothing
+
 // What one CTA may touch: tokens [0, tokens) of its page table row (the row's width times
-// tokens_per_block) and pages [0, pages) of its pools.  A move outside is skipped and recorded in
-// `errors` (device_errors.cuh): one compare per token and per page id on the good path.
+// tokens_per_block) and pages [0, pages) of its pools.  A move outside is skipped, noted in the
+// thread's SkippedMoves and recorded in `errors` (device_errors.cuh) once, after the walk.
+// Limits are index_limit32() of the int64 ones (moves and page ids are int32): see move_limits.
 struct MoveLimits {
-  int64_t tokens;
-  int64_t pages;
+  uint32_t tokens;
+  uint32_t pages;
   DeviceErrors* errors;
+};
+
+__host__ __device__ inline MoveLimits move_limits(int64_t tokens, int64_t pages, DeviceErrors* errors) {
+  return MoveLimits{index_limit32(tokens), index_limit32(pages), errors};
+}
+
+// The out-of-range indices one thread met during its walk (the last of each kind).  Noting them in
+// registers keeps the failure path's call (record_device_error: a fence and mapped-memory stores)
+// out of the move loop, so a good move pays only its compares: with the call inside resolve_move
+// the kernel had 176 more SASS instructions and batch-1 compaction ran ~12 % slower than with
+// the checks compiled out (results/2026-12-01-h200-s2 checks-on/checks-off).
+struct SkippedMoves {
+  bool position = false;  // a src or dst token outside the page table row
+  bool page = false;      // a page id of the page table outside the pools
+  int32_t position_index = 0;
+  int32_t page_index = 0;
+
+  __host__ __device__ void note_position(int32_t index) {
+    position = true;
+    position_index = index;
+  }
+  __host__ __device__ void note_page(int32_t index) {
+    page = true;
+    page_index = index;
+  }
+  // Record what was noted (after the walk; nothing on the good path but two predicates).
+  __host__ __device__ void report(DeviceErrors* errors) const {
+    if (position) record_device_error(errors, kCompactPosition, position_index);
+    if (page) record_device_error(errors, kCompactPage, page_index);
+  }
 };
 
 constexpr int32_t kMoveFill = -1;  // the packer's fill slot (src and dst), which moves nothing
 
+// Every index is clamped into its range before it is used (a token outside the page table row
+// to token 0, a page outside the pools to page 0), so the page table and pool reads are
+// unconditional and stay inside what the kernel was given; only the store is predicated
+// (dst_page < 0).  With a branch per move instead, the compiler could not batch a tile's loads
+// ahead of its stores, and batch-1 compaction (latency-bound) ran at 0.66 of copy against 0.74
+// with the checks compiled out (results/2026-12-02-h200/codec_device_check.json).
+// An empty page table row (limits.tokens 0) reads no page id; empty pools (limits.pages 0) are
+// not read at all (Walk::load): both tests are uniform over the CTA.  The load of a move that
+// stores nothing is discarded, so it may read a row that the concurrent stores of the previous
+// tile write (a fill clamped to token 0, say): only loads that are stored carry the ordering
+// argument (a)-(c) above, and tests/csrc/compact_host_check.cu counts every overlap (0 in its cases).
 __host__ __device__ inline ResolvedMove resolve_move(const Geometry& g, const int32_t* table_row, int head,
-                                                     int32_t src, int32_t dst, const MoveLimits& limits) {
-  const ResolvedMove none{-1, 0, -1, 0};
-  if (src == kMoveFill) return none;
-  if (!in_range(src, limits.tokens) || !in_range(dst, limits.tokens)) {
-    record_device_error(limits.errors, kCompactPosition, in_range(src, limits.tokens) ? dst : src);
-    return none;
-  }
-  if (src == dst) return none;
+                                                     int32_t src, int32_t dst, const MoveLimits& limits,
+                                                     SkippedMoves& skipped) {
+  const bool src_ok = in_range32(src, limits.tokens);
+  const bool dst_ok = in_range32(dst, limits.tokens);
+  const bool copies = src != kMoveFill && src != dst;  // fill and identity moves copy nothing
+  if (src != kMoveFill && !(src_ok && dst_ok)) skipped.note_position(src_ok ? dst : src);
   const int tpb = g.tokens_per_block;
-  const int32_t src_page = table_row[src / tpb];
-  const int32_t dst_page = table_row[dst / tpb];
-  if (!in_range(src_page, limits.pages) || !in_range(dst_page, limits.pages)) {
-    record_device_error(limits.errors, kCompactPage, in_range(src_page, limits.pages) ? dst_page : src_page);
-    return none;
-  }
-  return ResolvedMove{src_page, g.row_in_page(head, src % tpb), dst_page, g.row_in_page(head, dst % tpb)};
+  const int32_t s = src_ok ? src : 0;
+  const int32_t d = dst_ok ? dst : 0;
+  const int32_t src_page = limits.tokens > 0 ? table_row[s / tpb] : -1;
+  const int32_t dst_page = limits.tokens > 0 ? table_row[d / tpb] : -1;
+  const bool src_page_ok = in_range32(src_page, limits.pages);
+  const bool dst_page_ok = in_range32(dst_page, limits.pages);
+  const bool tokens_ok = copies && src_ok && dst_ok;
+  if (tokens_ok && !(src_page_ok && dst_page_ok)) skipped.note_page(src_page_ok ? dst_page : src_page);
+  const bool stores = tokens_ok && src_page_ok && dst_page_ok;
+  return ResolvedMove{src_page_ok ? src_page : 0, g.row_in_page(head, s % tpb), stores ? dst_page : -1,
+                      g.row_in_page(head, d % tpb)};
 }
 
 // Byte offset of (page, row) from a pool's base.  64-bit: pools exceed 2 GiB.
@@ -192,11 +240,13 @@ __host__ __device__ inline TileVector tile_vector(int i, int row_vectors) {
   return TileVector{i / (2 * row_vectors), (i / row_vectors) & 1, i % row_vectors};
 }
 
-// The two register buffers of one thread: the tile being stored and the tile being loaded.
+// The registers of one thread: the tile being stored, the tile being loaded, and the moves it
+// skipped.
 template <int kPer>
 struct TileRegs {
   uint4 cur[kPer];
   uint4 next[kPer];
+  SkippedMoves skipped;
 
   __host__ __device__ void advance() {
 #pragma unroll
@@ -212,7 +262,7 @@ struct TileRegs {
 //   each_thread(f)          f(t) for this thread (GPU) or for every t in turn (host)
 //   overlap(load, store)    the concurrent phase: load(t) and store(t), in an order of Exec's choice
 //   barrier()               __syncthreads() (GPU) or nothing (host: phases are already sequential)
-//   regs(t)                 TileRegs of thread t
+//   regs(t)                 TileRegs of thread t (its tiles and its SkippedMoves)
 //   moves(buffer)           ResolvedMove[tile] in shared memory, buffer 0..2
 //   load16(p) / store16(p, v)
 // Exec's functions are __device__ on the GPU and __host__ on the host, hence the
@@ -229,18 +279,24 @@ struct Walk {
   __host__ __device__ void resolve(int t, int k) const {
     if (t >= tile) return;
     const int m = k * tile + t;
-    ResolvedMove rm{-1, 0, -1, 0};
-    if (m < task.count) rm = resolve_move(g, task.table_row, task.head, task.src[m], task.dst[m], task.limits);
+    ResolvedMove rm = kNoMove;
+    if (m < task.count) {
+      rm = resolve_move(g, task.table_row, task.head, task.src[m], task.dst[m], task.limits, ex.regs(t).skipped);
+    }
     ex.moves(k % 3)[t] = rm;
   }
 
-  // Address of vector i of tile k, or nullptr when the vector's move copies nothing.
+#pragma nv_exec_check_disable
+  __host__ __device__ void report(int t) const { ex.regs(t).skipped.report(task.limits.errors); }
+
+  // Address of vector i of tile k, or nullptr past the tile or, for a store, when the vector's move
+  // copies nothing.  A source address is always inside the pools (resolve_move clamps it).
 #pragma nv_exec_check_disable
   __host__ __device__ uint8_t* address(int i, int k, bool source) const {
     if (i >= tile * 2 * g.row_vectors()) return nullptr;
     const TileVector tv = tile_vector(i, g.row_vectors());
     const ResolvedMove rm = ex.moves(k % 3)[tv.move];
-    if (rm.src_page < 0) return nullptr;  // fill, identity, out of range, or past the request's last move
+    if (!source && rm.dst_page < 0) return nullptr;  // fill, identity, out of range, or past the last move
     uint8_t* base = tv.pool == 0 ? task.pools.k : task.pools.v;
     const int64_t stride = tv.pool == 0 ? task.pools.k_page_stride : task.pools.v_page_stride;
     const int64_t offset = source ? row_offset(g, stride, rm.src_page, rm.src_row)
@@ -250,6 +306,7 @@ struct Walk {
 
 #pragma nv_exec_check_disable
   __host__ __device__ void load(int t, int k) const {
+    if (task.limits.pages == 0) return;  // nothing to read (uniform); every move is skipped
 #pragma unroll
     for (int j = 0; j < kPer; ++j) {
       const uint8_t* p = address(t + j * kThreads, k, true);
@@ -270,7 +327,8 @@ struct Walk {
   __host__ __device__ void advance(int t) const { ex.regs(t).advance(); }
 };
 
-// One CTA's moves, tile after tile. Per tile k:  barrier | load(k+1) || store(k) | resolve(k+2).
+// One CTA's moves, tile after tile. Per tile k:  barrier | load(k+1) || store(k) | resolve(k+2);
+// then each thread reports the moves it skipped.
 // Resolving tile k+2 (two dependent loads: the move, then its page) after issuing tile k+1's loads
 // overlaps the two latencies instead of adding them.  Move addresses are triple-buffered: resolve
 // writes buffer (k+2) % 3 after barrier k, when every thread is done with tile k-1's buffer, and
@@ -298,6 +356,7 @@ __host__ __device__ inline void walk_moves(Exec& ex, const Geometry& g, const Ct
     if (k + 2 < tiles) ex.each_thread([&](int t) { w.resolve(t, k + 2); });
     if (more) ex.each_thread([&](int t) { w.advance(t); });
   }
+  ex.each_thread([&](int t) { w.report(t); });
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -355,7 +414,7 @@ __global__ void __launch_bounds__(F::kThreads)
   const RequestRange range = request_range(offsets, request, moves_per_head);
   if (range.count == 0) return;  // uniform over the CTA: padded or inactive request
 
-  const MoveLimits limits{table_tokens, pools.num_pages[blockIdx.z], errors};
+  const MoveLimits limits = move_limits(table_tokens, pools.num_pages[blockIdx.z], errors);
   const CtaTask task = cta_task(g, pools.layers[blockIdx.z], page_table, page_table_stride, src, dst, moves_per_head,
                                 range, request, head, layer, limits);
   __shared__ ResolvedMove tiles[3][kTile];

@@ -35,6 +35,16 @@ __host__ __device__ __forceinline__ bool in_range(int64_t index, int64_t limit) 
   return (uint64_t)index < (uint64_t)limit;
 }
 
+// The same test for a 32-bit index against a limit clamped to 2^31 (every non-negative int32 is
+// below it, every negative one wraps above it): one 32-bit compare instead of a sign extension
+// and a 64-bit compare pair, for kernels whose indices are int32 (compaction).
+__host__ __device__ __forceinline__ uint32_t index_limit32(int64_t limit) {
+  return limit <= 0 ? 0u : limit >= (int64_t(1) << 31) ? 0x80000000u : (uint32_t)limit;
+}
+__host__ __device__ __forceinline__ bool in_range32(int32_t index, uint32_t limit32) {
+  return (uint32_t)index < limit32;
+}
+
 // Record a skipped index (the failure path only).  The index is made visible before the flag,
 // so a reader that sees the flag reads an index of that kind.  Not inlined: the failure path's
 // fence and stores would otherwise hold registers across the callers' hot loops (inlined, the

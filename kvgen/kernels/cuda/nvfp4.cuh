@@ -155,6 +155,19 @@ KVGEN_NVFP4_HD float sub_rn(float a, float b) {
 #endif
 }
 
+// Fused a * b + c, rounded once (fma.rn.f32; the host's fmaf is the same correctly rounded fma).
+// Used only where a * b is exact, so it equals add_rn(mul_rn(a, b), c) in one instruction.
+KVGEN_NVFP4_HD float fma_rn(float a, float b, float c) {
+#if defined(__CUDA_ARCH__)
+  float r;
+  asm("fma.rn.f32 %0, %1, %2, %3;" : "=f"(r) : "f"(a), "f"(b), "f"(c));
+  return r;
+#else
+  volatile float r = fmaf(a, b, c);
+  return r;
+#endif
+}
+
 // Correctly rounded IEEE division (what __fdiv_rn is without -ftz=true).
 KVGEN_NVFP4_HD float div_rn(float a, float b) {
 #if defined(__CUDA_ARCH__)
@@ -372,16 +385,23 @@ KVGEN_NVFP4_HD uint32_t e2m1x8_path(const float (&p)[8]) {
 // encode_block only takes this route for blocks without non-finite values (see there).
 // ---------------------------------------------------------------------------------------------
 
-enum class Rounding { Integer = 0, Fma = 1 };
+// FusedFma: the same FMA-pipe route with 2a + magic and a/2 + magic as one fused op each (2a and
+// a/2 are exact products, so the bits are the same): 32 fewer FMA-pipe instructions per block, but
+// ptxas then keeps more values live (qwen3-8b encode: 47 registers instead of 40), hence a choice.
+enum class Rounding { Integer = 0, Fma = 1, FusedFma = 2 };
 
 constexpr float kRoundMagic = 8388608.0f;  // 2^23: adding it rounds [0, 2^23) to an integer
 
-// Bits 0x4B000000 | code of any non-NaN p (code = e2m1_magnitude_sw(p)).
+// Bits 0x4B000000 | code of any non-NaN p (code = e2m1_magnitude_sw(p)).  kFused: 2a + magic and
+// a/2 + magic in one fused op each; 2a and a/2 are exact products (a/2 of a subnormal a below
+// 2^-125 is not, but any such sum rounds to the magic number alike), so the bits are the same.
+template <bool kFused = false>
 KVGEN_NVFP4_HD uint32_t e2m1_magnitude_fma_bits(float p) {
   const float a = fabsf(p);
-  const float by_half = add_rn(add_rn(a, a), kRoundMagic);       // codes 0..4: steps of 0.5
-  const float by_one = add_rn(a, kRoundMagic + 2.0f);            // codes 4..6: steps of 1
-  const float by_two = add_rn(mul_rn(a, 0.5f), kRoundMagic + 4.0f);  // codes 6..7: steps of 2
+  // codes 0..4: steps of 0.5; codes 4..6: steps of 1; codes 6..7: steps of 2
+  const float by_half = kFused ? fma_rn(a, 2.0f, kRoundMagic) : add_rn(add_rn(a, a), kRoundMagic);
+  const float by_one = add_rn(a, kRoundMagic + 2.0f);
+  const float by_two = kFused ? fma_rn(a, 0.5f, kRoundMagic + 4.0f) : add_rn(mul_rn(a, 0.5f), kRoundMagic + 4.0f);
   return f32_bits(fminf(fminf(by_half, by_one), fminf(by_two, kRoundMagic + 7.0f)));
 }
 
@@ -414,12 +434,13 @@ KVGEN_NVFP4_HD uint32_t gather_bytes(uint32_t w0, uint32_t w1, uint32_t w2, uint
 // PRMT gathers the even and the odd elements' bytes, a shift and LOP3s move the signs to bit 3
 // (even) and bit 7 (odd) of each byte, and a sign survives only where its magnitude is non-zero
 // (no negative zero), as in e2m1x8_sw.
+template <bool kFused = false>
 KVGEN_NVFP4_HD uint32_t e2m1x8_fma(const float (&p)[8]) {
   uint32_t t[8];
   uint32_t u[8];
 #pragma unroll
   for (int k = 0; k < 8; ++k) {
-    t[k] = e2m1_magnitude_fma_bits(p[k]);
+    t[k] = e2m1_magnitude_fma_bits<kFused>(p[k]);
     u[k] = f32_bits(p[k]);
   }
   const uint32_t even = gather_bytes<0>(t[0], t[2], t[4], t[6]);
@@ -478,24 +499,25 @@ KVGEN_NVFP4_HD float raw_amax(const float (&x)[16]) {
 }
 
 // The codes of one block, 8 products at a time, with the path's packer or the FMA-pipe one.
-template <Path P, bool kFma>
+template <Path P, bool kFma, bool kFused = false>
 KVGEN_NVFP4_HD void pack_codes(Block& blk, const float (&x)[16], float m) {
 #pragma unroll
   for (int w = 0; w < 2; ++w) {
     float p[8];
 #pragma unroll
     for (int k = 0; k < 8; ++k) p[k] = mul_rn(x[w * 8 + k], m);
-    blk.packed[w] = kFma ? e2m1x8_fma(p) : e2m1x8_path<P>(p);
+    blk.packed[w] = kFma ? e2m1x8_fma<kFused>(p) : e2m1x8_path<P>(p);
   }
 }
 
-// Rounding::Fma (software path only; the hardware path has its cvt) takes the FMA-pipe route when
+// Rounding::Fma and FusedFma (software path only; the hardware path has its cvt) take the FMA-pipe
+// route when
 // every x_i is finite and m is finite: then no product is NaN (one may still overflow to +-Inf,
 // which rounds right).  Any other block -- garbage rows, or a tiny Q making S * Q underflow --
 // takes the integer route, which handles everything.  Both routes give the same bytes.
 template <Path P, Rounding R = Rounding::Integer>
 KVGEN_NVFP4_HD Block encode_block_path(const float (&x)[16], float G, float Q) {
-  constexpr bool kFmaRoute = P == Path::Software && R == Rounding::Fma;
+  constexpr bool kFmaRoute = P == Path::Software && R != Rounding::Integer;
   Block blk;
   bool all_finite = false;
   float amax;
@@ -513,7 +535,7 @@ KVGEN_NVFP4_HD Block encode_block_path(const float (&x)[16], float G, float Q) {
   // below instead of branching, so every lane does the same work.
   const float m = div_rn(1.0f, mul_rn(e4m3_to_f32(sb), Q));
   if (kFmaRoute && all_finite && is_finite(m)) {
-    pack_codes<P, true>(blk, x, m);
+    pack_codes<P, true, R == Rounding::FusedFma>(blk, x, m);
   } else {
     pack_codes<P, false>(blk, x, m);
   }
@@ -735,16 +757,24 @@ KVGEN_NVFP4_HD uint32_t mul_bf16x2(uint32_t a, uint32_t b) {
 
 KVGEN_NVFP4_HD bool e4m3_is_nan(uint32_t sb) { return (sb & 0x7Fu) == 0x7Fu; }
 
+// Words 4w .. 4w+3 of an 8-word array, as an array of 4 (one packed word's pairs).
+KVGEN_NVFP4_HD uint32_t (&quarter_words(uint32_t (&out)[8], int w))[4] {
+  return *reinterpret_cast<uint32_t(*)[4]>(out + 4 * w);
+}
+
+// The exact fp16 products of one packed word (8 codes) and an fp16x2 scale, unpinned.
+KVGEN_NVFP4_HD void f16_word_products(uint32_t packed, uint32_t scale, uint32_t (&out)[4]) {
+  uint32_t v[4];
+  e2m1x8_to_f16x2(packed, v);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) out[j] = mul_f16x2(v[j], scale);
+}
+
 // The exact fp16 products of one block (Q == 1), unpinned: word i holds elements 2i, 2i+1.
 KVGEN_NVFP4_HD void f16_products(const Block& blk, uint32_t (&out)[8]) {
   const uint32_t scale = e4m3_scale_f16x2(blk.scale);
 #pragma unroll
-  for (int w = 0; w < 2; ++w) {
-    uint32_t v[4];
-    e2m1x8_to_f16x2(blk.packed[w], v);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) out[4 * w + j] = mul_f16x2(v[j], scale);
-  }
+  for (int w = 0; w < 2; ++w) f16_word_products(blk.packed[w], scale, quarter_words(out, w));
 }
 
 // One block (Q == 1) to 8 words of fp16 pairs (word i: elements 2i, 2i+1).
@@ -755,16 +785,27 @@ KVGEN_NVFP4_HD void decode_block_f16_lut(const Block& blk, uint32_t (&out)[8]) {
   for (int i = 0; i < 8; ++i) out[i] = nan ? (uint32_t)kFP16NaN * 0x10001u : out[i];
 }
 
+// Half a block (one packed word: 8 codes, elements 2j, 2j+1 in word j of out) to bf16 pairs.
+KVGEN_NVFP4_HD void decode_word_bf16_lut(uint32_t packed, uint8_t scale_byte, uint32_t (&out)[4]) {
+  const uint32_t scale = e4m3_scale_bf16x2(scale_byte);
+  const bool nan = e4m3_is_nan(scale_byte);
+  uint32_t v[4];
+  e2m1x8_to_bf16x2(packed, v);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) out[j] = nan ? (uint32_t)kBF16NaN * 0x10001u : mul_bf16x2(v[j], scale);
+}
+
+// The same to fp16 pairs.
+KVGEN_NVFP4_HD void decode_word_f16_lut(uint32_t packed, uint8_t scale_byte, uint32_t (&out)[4]) {
+  f16_word_products(packed, e4m3_scale_f16x2(scale_byte), out);
+  const bool nan = e4m3_is_nan(scale_byte);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) out[j] = nan ? (uint32_t)kFP16NaN * 0x10001u : out[j];
+}
+
 KVGEN_NVFP4_HD void decode_block_bf16_lut(const Block& blk, uint32_t (&out)[8]) {
-  const uint32_t scale = e4m3_scale_bf16x2(blk.scale);
-  const bool nan = e4m3_is_nan(blk.scale);
 #pragma unroll
-  for (int w = 0; w < 2; ++w) {
-    uint32_t v[4];
-    e2m1x8_to_bf16x2(blk.packed[w], v);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) out[4 * w + j] = nan ? (uint32_t)kBF16NaN * 0x10001u : mul_bf16x2(v[j], scale);
-  }
+  for (int w = 0; w < 2; ++w) decode_word_bf16_lut(blk.packed[w], blk.scale, quarter_words(out, w));
 }
 
 // FP8 E4M3 hot bytes (word i: elements 4i..4i+3): the exact fp16 products rounded by the packed
