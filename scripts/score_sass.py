@@ -23,7 +23,6 @@ import argparse
 import collections
 import json
 import re
-import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -32,23 +31,6 @@ ROOT = Path(__file__).resolve().parent.parent
 COPY_GBPS, SMS, CLOCK_GHZ = 4161.0, 132, 1.98   # results/2026-12-02-h200/score_variants.log, H200 boost
 ROW = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
 CLASSES = {"FFMA": "fp32", "FMUL": "fp32", "FADD": "fp32", "LDS": "lds", "LDG": "ldg", "MUFU": "mufu", "STG": "stg"}
-
-
-def cuobjdump() -> Path:
-    import triton
-    return Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-
-
-def cubin_of(library: Path, out: Path) -> Path:
-    """The first CUDA ELF image a score library embeds, cut out by its own section/program tables."""
-    data = library.read_bytes()
-    start = data.find(b"\x7fELF", 1)
-    while int.from_bytes(data[start + 18:start + 20], "little") != 190:   # EM_CUDA
-        start = data.find(b"\x7fELF", start + 1)
-    phoff, shoff = struct.unpack_from("<QQ", data, start + 0x20)
-    phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", data, start + 0x36)
-    out.write_bytes(data[start:start + max(shoff + shentsize * shnum, phoff + phentsize * phnum)])
-    return out
 
 
 def stage_loop(rows: list[tuple[int, str]]) -> list[tuple[int, str]] | None:
@@ -64,8 +46,10 @@ def stage_loop(rows: list[tuple[int, str]]) -> list[tuple[int, str]] | None:
 
 
 def analyse(candidate: dict, bundle: Path, tmp: Path, geometry: dict) -> dict:
+    from kvgen.tuning.costmodel.features import cuobjdump, embedded_cubin
+
     tool = str(cuobjdump())
-    cubin = cubin_of(bundle / candidate["artifact"], tmp / "score.cubin")
+    cubin = embedded_cubin(bundle / candidate["artifact"], tmp / "score.cubin")
     usage = subprocess.run([tool, "--dump-resource-usage", str(cubin)], capture_output=True, text=True).stdout
     regs, stack = (int(x) for x in re.search(r"REG:(\d+) STACK:(\d+)", usage).groups())
     sass = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True).stdout

@@ -214,10 +214,12 @@ def test_every_bad_tuned_params_value_is_one_line_naming_the_variable(specs: Pat
 # ---------------------------------------------------------------- tune, demo
 
 
-def test_tune_prints_the_files_it_wrote_and_a_line_per_finished_study(specs: Path, tmp_path: Path, capsys) -> None:
+def test_tune_prints_the_files_it_wrote_and_a_line_per_finished_study(specs: Path, tmp_path: Path, capsys,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("optuna")
-    from .tuning_data import write_codec_measurements
+    from .tuning_data import use_grid_space, write_codec_measurements
 
+    use_grid_space(monkeypatch.setitem)   # a whole grid is searched
     measurements = write_codec_measurements(tmp_path / "m.jsonl")
     tuning = tmp_path / "tuning"
     argv = ["--specs", str(specs), "tune", "--family", FAMILY, "--op", "codec", "--arch", "sm_90a", "--strategy",

@@ -25,7 +25,7 @@ from kvgen.tuning.costmodel.model import VERSION, Launch, Phase, Walk, estimate,
 from kvgen.tuning.costmodel.targets import TARGETS, target
 from kvgen.tuning.costmodel.validate import noise_band, spearman, spearman_ceiling, study_verdict
 
-from .tuning_data import write_codec_measurements
+from .tuning_data import use_grid_space, write_codec_measurements
 
 DATA = Path(__file__).parent / "data" / "costmodel"
 H200 = target("sm_90a")
@@ -221,15 +221,16 @@ def test_a_model_entry_must_say_it_is_one(tmp_path: Path) -> None:
 # ---------------------------------------------------------------- measurements replace the model
 
 
-def test_tune_measurements_replace_the_models_pick_and_record_how_far_off_it_was(tmp_path: Path) -> None:
+def test_tune_measurements_replace_the_models_pick_and_record_how_far_off_it_was(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from kvgen.cli import main
 
+    use_grid_space(monkeypatch.setitem)   # a whole grid is searched
     measurements = write_codec_measurements(tmp_path / "m.jsonl", arch="sm_100a")
     tuning = tmp_path / "tuning"
-    model_pick = {"threads": 256, "in_flight": 2, "rounding": 1, "decode_route": 1, "min_blocks": 0}
+    model_pick = {**default_params("codec"), "threads": 256, "in_flight": 2, "rounding": 1, "min_blocks": 0}
     model = {**_entry(256, "13.0.88", "model"), "params": model_pick, "model_version": "1",
-             "buckets": {b: {"best": "threads=256,in_flight=2,rounding=1,decode_route=1,min_blocks=0"}
-                         for b in ("small", "large", "offload")}}
+             "buckets": {b: {"best": config_id("codec", model_pick)} for b in ("small", "large", "offload")}}
     path = tuning_path(tuning, "sm_100a", "qwen3-8b")
     path.parent.mkdir(parents=True)
     path.write_text(json.dumps({"schema": 1, "family": "qwen3-8b", "arch": "sm_100a", "ops": {},

@@ -27,14 +27,15 @@ from kvgen.tuning.space import configurations
 from kvgen.tuning.study import RecordedEvaluator, counted, record_problem, run_bucket
 
 from .conftest import ROOT, SPECS_DIR
-from .tuning_data import write_codec_measurements
+from .tuning_data import use_grid_space, write_codec_measurements
 
 QWEN = load_spec(SPECS_DIR / "qwen3-8b.yaml")
 STUDY = "qwen3-8b/codec/sm_90a/large"
 
 
 @pytest.fixture
-def measurements(tmp_path: Path) -> Path:
+def measurements(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    use_grid_space(monkeypatch.setitem)   # the grid strategy searches whole grids here
     return write_codec_measurements(tmp_path / "m.jsonl")
 
 
@@ -125,6 +126,8 @@ import os, signal, sys
 from pathlib import Path
 from kvgen.spec.schema import load_spec
 from kvgen.tuning.study import RecordedEvaluator, run_bucket
+from tests.tuning_data import use_grid_space
+use_grid_space()                         # the space the measurements were written for
 inner = RecordedEvaluator([Path(sys.argv[1])])
 calls = []
 def evaluator(*args):

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
-import struct
 import subprocess
 from pathlib import Path
 
@@ -43,6 +42,7 @@ from kvgen.runtime.lookup import RuntimeRegistry
 from kvgen.runtime.pack import MovePacker
 from kvgen.runtime.score import ScoreLibrary
 from kvgen.spec.schema import SpecError, load_spec, parse_spec
+from kvgen.tuning.costmodel.features import embedded_cubin
 
 from .test_runtime_registry import real_registry
 
@@ -375,14 +375,7 @@ CUOBJDUMP = Path(_TRITON.origin).parent / "backends" / "nvidia" / "bin" / "cuobj
 def _resource_usage(library: Path, tmp: Path) -> str:
     """``cuobjdump --dump-resource-usage`` of the sm_90 cubin a score library embeds (the first
     CUDA ELF image in it, cut out by its own header's section and program tables)."""
-    data = library.read_bytes()
-    start = data.find(b"\x7fELF", 1)
-    while int.from_bytes(data[start + 18:start + 20], "little") != 190:   # EM_CUDA
-        start = data.find(b"\x7fELF", start + 1)
-    phoff, shoff = struct.unpack_from("<QQ", data, start + 0x20)
-    phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", data, start + 0x36)
-    cubin = tmp / "kernel.cubin"
-    cubin.write_bytes(data[start:start + max(shoff + shentsize * shnum, phoff + phentsize * phnum)])
+    cubin = embedded_cubin(library, tmp / "kernel.cubin")
     return subprocess.run([str(CUOBJDUMP), "--dump-resource-usage", str(cubin)], capture_output=True, text=True,
                           check=True).stdout
 

@@ -31,7 +31,7 @@ from kvgen.tuning.space import canonical, config_id, configurations, parse_confi
 from kvgen.tuning.study import RecordedEvaluator, run_bucket, study_name
 
 from .conftest import ROOT, SPECS_DIR
-from .tuning_data import ENV, OPTIMUM, WRONG, bowl, write_codec_measurements
+from .tuning_data import ENV, OPTIMUM, WRONG, bowl, use_grid_space, write_codec_measurements
 
 QWEN = load_spec(SPECS_DIR / "qwen3-8b.yaml")
 
@@ -72,16 +72,9 @@ def measurements(tmp_path: Path) -> Path:
     return write_codec_measurements(tmp_path / "m.jsonl")
 
 
-# Tests that run whole grids, whose cost under optuna's GridSampler grows faster than the grid,
-# search the codec space of rounding 0-1, hot_batch 1, decode_split 1 (320 configurations; the
-# full space is 2160, counted by test_space_folds_...).
-GRID_SPACE = {"rounding": ((0, 1), 1), "hot_batch": ((1,), 1), "decode_split": ((1,), 1)}
-
-
 @pytest.fixture()
 def grid_measurements(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    for name, choices in GRID_SPACE.items():
-        monkeypatch.setitem(TUNABLES["codec"], name, choices)
+    use_grid_space(monkeypatch.setitem)
     return write_codec_measurements(tmp_path / "m.jsonl")
 
 

@@ -11,10 +11,23 @@ import json
 import math
 from pathlib import Path
 
+from kvgen.lower.plan import TUNABLES
 from kvgen.spec.schema import load_spec
 from kvgen.tuning.space import BUCKETS, config_id, configurations
 
 from .conftest import SPECS_DIR
+
+# Optuna's GridSampler costs more than linearly in the grid's size, so tests that search a whole grid
+# (or write measurements for one) search this part of the codec space: rounding 0-1, hot_batch 1,
+# decode_split 1 (320 configurations; the full space is counted by test_space_folds_...).
+GRID_SPACE = {"rounding": ((0, 1), 1), "hot_batch": ((1,), 1), "decode_split": ((1,), 1)}
+
+
+def use_grid_space(setitem=None) -> None:
+    """Shrink ``TUNABLES["codec"]`` to GRID_SPACE: through ``setitem`` (pytest's
+    ``monkeypatch.setitem``, undone after the test), or for the rest of this process."""
+    for name, choices in GRID_SPACE.items():
+        (setitem or dict.__setitem__)(TUNABLES["codec"], name, choices)
 
 OPTIMUM = {"small": {"threads": 128, "in_flight": 2, "rounding": 1, "decode_route": 1, "min_blocks": 1,
                      "hot_batch": 1, "decode_split": 1},

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import struct
 import subprocess
 from collections import Counter
 from dataclasses import asdict, dataclass
@@ -205,13 +206,19 @@ def cubin_features(cubin: Path, tool: Path | None = None) -> dict[str, KernelFea
 
 
 def embedded_cubin(obj: Path, out: Path) -> Path:
-    """The device ELF a CuTe DSL export embeds in its host object (``export_to_c``'s ``.o`` carries
-    the cubin as data, not as a fatbin section cuobjdump would find): the second ELF header in it."""
+    """The device ELF a host object or shared library embeds as data (a CuTe DSL export's ``.o`` or
+    the score ``.so`` carries the cubin that way, not as a fatbin section cuobjdump would find): the
+    first ELF image after the host's own whose machine is EM_CUDA, cut out by its own section and
+    program header tables."""
     data = Path(obj).read_bytes()
     start = data.find(b"\x7fELF", 1)
+    while start >= 0 and int.from_bytes(data[start + 18:start + 20], "little") != 190:   # EM_CUDA
+        start = data.find(b"\x7fELF", start + 1)
     if start < 0:
         raise ValueError(f"{obj}: no embedded cubin")
-    out.write_bytes(data[start:])
+    phoff, shoff = struct.unpack_from("<QQ", data, start + 0x20)
+    phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", data, start + 0x36)
+    out.write_bytes(data[start:start + max(shoff + shentsize * shnum, phoff + phentsize * phnum)])
     return out
 
 
