@@ -276,13 +276,25 @@ struct Quantized {
     return page + row * kRowBytes + (B::kPrefix + blk * 16) * Hot::kBytes;
   }
 
+  // Rounding::PackedF16 quantizes FP8 hot words on packed fp16 lanes (software path, Q == 1).
+  static constexpr bool kPackedF16 = R == nvfp4::Rounding::PackedF16 && Hot::kBytes == 1 &&
+                                     nvfp4::kPath == nvfp4::Path::Software && B::kQdec == 1.0f;
+
+  static __device__ __forceinline__ nvfp4::Block quantize_plain(const HotBlock<Hot>& hot) {
+    if constexpr (kPackedF16) {
+      return nvfp4::encode_block_e4m3x16(hot.w, B::kG);
+    } else {
+      float x[16];
+      hot.widen(x);
+      return nvfp4::encode_block<R>(x, B::kG, B::kQdec);
+    }
+  }
+
   // One plain block: hot words (already loaded) -> packed codes and scale in the record.
   static __device__ __forceinline__ void encode_plain(uint8_t* rec, int i, const HotBlock<Hot>& hot) {
     const int2 at = plain_block(i);
     const int t = at.x * kBlocksPerRow + at.y;
-    float x[16];
-    hot.widen(x);
-    const nvfp4::Block main = nvfp4::encode_block<R>(x, B::kG, B::kQdec);
+    const nvfp4::Block main = quantize_plain(hot);
     put8<8>(rec + B::kData + t * 8, main);  // region offsets of packed data are multiples of 8
     rec[B::kScales + t] = main.scale;
   }
