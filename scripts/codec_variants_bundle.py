@@ -12,7 +12,9 @@ Variant sets (``--set``): ``launch``: the defaults; ``decode_route`` 0; ``roundi
 ``min_blocks`` 0..4 at 512 threads and 1..4 at 256 (0 at 256 is the default). ``routes``: the
 defaults; ``hot_batch`` 2 and 4 (plain blocks loaded per thread before encoding them); ``rounding``
 2 (fused FMA-pipe rounding); ``decode_split`` 2 (half blocks per thread in decode); the last three
-together: the set scripts/codec_device_check.py times against the copy ceiling.
+together: the set scripts/codec_device_check.py times against the copy ceiling. ``packed``: the
+defaults; ``rounding`` 3 (FP8 hot pages on packed fp16 lanes; other dtypes compile route 1); the same
+at 512 threads with min_blocks 3 (40 registers instead of 47).
 """
 
 from __future__ import annotations
@@ -30,7 +32,9 @@ def variants(which: str = "launch") -> list[dict[str, int]]:
     from kvgen.lower.plan import default_params
 
     base = default_params("codec")
-    if which == "routes":
+    if which == "packed":
+        changes = [{}, {"rounding": 3}, {"rounding": 3, "threads": 512, "min_blocks": 3}]
+    elif which == "routes":
         changes = [{}, {"hot_batch": 2}, {"hot_batch": 4}, {"rounding": 2}, {"decode_split": 2},
                    {"rounding": 2, "hot_batch": 2, "decode_split": 2}]
     else:
@@ -46,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--family", action="append", choices=FAMILIES, help="default: all four")
     parser.add_argument("--arch", default="sm_90a")
     parser.add_argument("--jobs", type=int, default=2)
-    parser.add_argument("--set", dest="which", choices=("launch", "routes"), default="launch")
+    parser.add_argument("--set", dest="which", choices=("launch", "routes", "packed"), default="launch")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     from kvgen import paths

@@ -32,7 +32,8 @@ TUNABLES: dict[str, dict[str, tuple[tuple[int, ...], int]]] = {
         # instructions per qwen3-8b encode block, but 47 registers instead of 40: 5 CTAs per SM
         # instead of 6 at 256 threads). Same bytes; 1 issues about half route 0's integer-pipe work.
         # 3 = fp8 hot pages on packed fp16 lanes (two elements per instruction, Q = 1; other dtypes
-        # and Q take route 1): 148 instead of 298 SASS instructions per qwen3-8b-fp8 encode block.
+        # and Q take route 1): 150 instead of 298 SASS instructions per qwen3-8b-fp8 encode block
+        # (68 instead of 129 on the integer pipe), 47 registers instead of 39 (scripts/codec_sass.py).
         "rounding": ((0, 1, 2, 3), 1),
         # Decode of plain blocks: 0 = binary32 multiply then per-pair rounding cvt, 1 = PRMT table
         # lookup of the codes as fp16/bf16 pairs times the scale in one packed FMA (exact: Q = 1

@@ -70,6 +70,8 @@ def canonical(op: Op, params: Mapping[str, int], spec: FamilySpec) -> dict[str, 
         out["lanes"] = effective_lanes(out["lanes"], chunks)
     if op == "codec" and (out["decode_route"] == 0 or spec.elem_bytes != 2):
         out["decode_split"] = 1  # half blocks exist only on the Lut route of 16-bit hot dtypes
+    if op == "codec" and out["rounding"] == 3 and spec.elem_bytes != 1:
+        out["rounding"] = 1  # the packed fp16 route exists only for FP8 hot pages; others compile route 1
     return out
 
 

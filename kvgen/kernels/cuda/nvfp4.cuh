@@ -567,7 +567,10 @@ KVGEN_NVFP4_HD Block encode_block(const float (&x)[16], float G, float Q) {
 // at least 2^-6.8 (relative) away from every t (x has 4 significant bits, t * S at most 7), far
 // beyond q's error (two fp16 roundings, < 2^-10), so q and fl32(x * m) round alike.  At x = t * S
 // q is t itself or its fp16 neighbour on the side fl32(x * m) rounds to, which nvfp4_host_check
-// --sweep-fp8 proves over every (scale byte, element byte) pair a block can hold.  Overflow of
+// --sweep-fp8 proves over every (scale byte, element byte) pair a block can hold.  c comes from the
+// approximate reciprocal (rcp.approx.ftz.f32, at most one binary32 ulp off) rounded to fp16, not from
+// a division: for every E4M3 S, fl16 is constant on [m (1 - 2^-21), m (1 + 2^-21)] (the sweep checks
+// that too), so the device's c is the host's fl16(m).  Overflow of
 // |x| * c gives +Inf and code 7, like the contract; a zero scale's garbage is masked as usual.
 // Blocks holding a NaN byte (0x7F, 0xFF; E4M3 has no Inf) take encode_block_path's general route.
 
@@ -652,6 +655,18 @@ KVGEN_NVFP4_HD uint32_t e2m1x8_from_f16_codes(const uint32_t (&r)[4], uint32_t l
   return mags | (signs & (mags + 0x77777777u));
 }
 
+// c = fl16(1/S) for an E4M3 S: the approximate reciprocal on the device (see above), fl16(m) on
+// the host.
+KVGEN_NVFP4_HD uint32_t recip_f16(float S) {
+#if defined(__CUDA_ARCH__)
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(S));  // S is 0 or >= 2^-9: ftz changes nothing
+  return __half_as_ushort(__float2half_rn(r));
+#else
+  return __half_as_ushort(__float2half_rn(div_rn(1.0f, S)));
+#endif
+}
+
 // One block of 16 E4M3 elements (element 4i + b in byte b of w[i]) at Q == 1: the bytes of
 // encode_block(widened x, G, 1) on every input (see the section comment).
 KVGEN_NVFP4_HD Block encode_block_e4m3x16(const uint32_t (&w)[4], float G) {
@@ -676,7 +691,9 @@ KVGEN_NVFP4_HD Block encode_block_e4m3x16(const uint32_t (&w)[4], float G) {
   Block blk;
   const uint32_t sb = e4m3_from_f32_hw(mul_rn(mul_rn(amax, kSixth), G));  // the cvt on sm_89+
   blk.scale = (uint8_t)sb;
-  const uint32_t c = (uint32_t)__half_as_ushort(__float2half_rn(div_rn(1.0f, e4m3_to_f32(sb)))) * 0x10001u;
+  // S through the fp16 cvt (exact, and sb is never a NaN byte here) instead of e4m3_to_f32's branches.
+  const float S = __half2float(__ushort_as_half((unsigned short)(e4m3x2_to_f16x2(sb) & 0xFFFFu)));
+  const uint32_t c = recip_f16(S) * 0x10001u;
   constexpr uint32_t kTwo = 0x40004000u, kOne = 0x3C003C00u, kHalf = 0x38003800u;
   constexpr uint32_t kMagic0 = 0x64006400u, kMagic2 = 0x64026402u, kMagic4 = 0x64046404u, kSeven = 0x64076407u;
 #pragma unroll
