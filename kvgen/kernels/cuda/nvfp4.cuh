@@ -570,8 +570,8 @@ KVGEN_NVFP4_HD Block encode_block(const float (&x)[16], float G, float Q) {
 // --sweep-fp8 proves over every (scale byte, element byte) pair a block can hold.  c comes from the
 // approximate reciprocal (rcp.approx.ftz.f32, at most one binary32 ulp off) rounded to fp16, not from
 // a division: for every E4M3 S, fl16 is constant on [m (1 - 2^-21), m (1 + 2^-21)] (the sweep checks
-// that too), so the device's c is the host's fl16(m).  Overflow of
-// |x| * c gives +Inf and code 7, like the contract; a zero scale's garbage is masked as usual.
+// that too), so the device's c is the host's fl16(m).  Overflow of |x| * c gives +Inf and code 7,
+// like the contract; a zero scale's garbage is masked as usual.
 // Blocks holding a NaN byte (0x7F, 0xFF; E4M3 has no Inf) take encode_block_path's general route.
 
 // Two E4M3 bytes (low 16 bits of v) as an fp16 pair: one cvt.rn.f16x2.e4m3x2 on sm_89+.
