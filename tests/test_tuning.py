@@ -65,6 +65,8 @@ def test_space_folds_configurations_that_compile_to_the_same_kernel() -> None:
     assert len(codec) == math.prod(others) * 3 * 3
     fp8 = load_spec(SPECS_DIR / "qwen3-8b-fp8.yaml")  # no half blocks (1 split), every rounding
     assert len(configurations("codec", fp8)) == math.prod(others) * 2 * 4
+    # the default rounding 3 is what qwen3-8b-fp8 builds; bf16 builds 2, the kernel it built before
+    assert [configurations("codec", s)[0]["rounding"] for s in (fp8, QWEN)] == [3, 2]
 
 
 # ---------------------------------------------------------------- studies over recorded measurements
