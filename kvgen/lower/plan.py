@@ -36,9 +36,9 @@ TUNABLES: dict[str, dict[str, tuple[tuple[int, ...], int]]] = {
         # integer pipe), 47 registers instead of 39 (scripts/codec_sass.py). Where it does not apply
         # (16-bit hot dtypes, another Q, per-layer buffers, the SM100 hardware path) the kernel takes
         # route 2, and a family without an fp8 Q = 1 buffer is built with 2 (fold_codec_params).
-        # Default 3: H200 encode, 1 GiB scattered, fraction of device copy, route 2 (the previous
-        # default) -> 3: qwen3-8b-fp8 0.472 -> 0.706 at 256 threads (512 threads, min_blocks 3:
-        # 0.685), bytes equal to the oracle's (results/2026-12-02-h200/codec3/); bf16 families
+        # Default 3: H200 encode, 1 GiB scattered, fraction of device copy, route 1 -> 3: qwen3-8b-fp8
+        # 0.472 -> 0.706 at 256 threads (512 threads, min_blocks 3: 0.685; route 2 measured 0.485 in
+        # codec_device_check.json), cold bytes equal (results/2026-12-02-h200/codec3/); bf16 families
         # keep route 2: qwen3-8b 0.773 -> 0.785, deepseek-v3 0.769 -> 0.811, deepseek-v4-csa
         # 0.555 -> 0.582 from 1 to 2 (results/2026-12-02-h200/codec_device_check.json).
         "rounding": ((0, 1, 2, 3), 3),
