@@ -14,7 +14,10 @@ previous defaults (``rounding`` 1, ``decode_split`` 1); ``hot_batch`` 2 and 4 (p
 thread before encoding them); ``rounding`` 2 (fused FMA-pipe rounding); ``decode_split`` 2 (half
 blocks per thread in decode); the last three together (the set of
 results/2026-12-02-h200/codec_device_check.json). ``defaults``: the previous defaults, then today's
-(``rounding`` 2, ``decode_split`` 2, chosen from that measurement), to confirm them.
+(``rounding`` 3, built as 2 off fp8, ``decode_split`` 2, chosen from that measurement and
+results/2026-12-02-h200/codec3/), to confirm them. ``packed``: ``rounding`` 2; the default ``rounding`` 3
+(FP8 hot pages on packed fp16 lanes; other families build 2); the same at 512 threads with min_blocks 3
+(40 registers instead of 47).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 FAMILIES = ("qwen3-8b", "deepseek-v3", "deepseek-v4-csa", "qwen3-8b-fp8")
-SETS = ("launch", "routes", "defaults")
+SETS = ("launch", "routes", "defaults", "packed")
 # The codec defaults before results/2026-12-02-h200/codec_device_check.json chose rounding 2, decode_split 2.
 PREVIOUS_DEFAULTS = {"rounding": 1, "decode_split": 1}
 
@@ -37,7 +40,9 @@ def variants(which: str = "launch") -> list[dict[str, int]]:
     base = default_params("codec")
     if which == "defaults":
         return [{**base, **PREVIOUS_DEFAULTS}, base]
-    if which == "routes":
+    if which == "packed":
+        changes = [{"rounding": 2}, {}, {"threads": 512, "min_blocks": 3}]
+    elif which == "routes":
         base = {**base, **PREVIOUS_DEFAULTS}
         changes = [{}, {"hot_batch": 2}, {"hot_batch": 4}, {"rounding": 2}, {"decode_split": 2},
                    {"rounding": 2, "hot_batch": 2, "decode_split": 2}]

@@ -28,7 +28,7 @@ import torch
 
 from kvgen.kernels import INCLUDE_DIRS
 from kvgen.lower.layout import family_layout, to_json
-from kvgen.lower.plan import default_params, plans_for
+from kvgen.lower.plan import default_params, fold_codec_params, plans_for
 from kvgen.reference.codec import decode_page, encode_page, encode_records
 from kvgen.render.source import render_family
 from kvgen.runtime.library import FamilyLibrary
@@ -212,9 +212,10 @@ def test_refused_scale_arrays_name_the_value(driver) -> None:
 
 
 # The same record code with compiled-in unit scales (G = Q = 1, as every shipped spec): the Lut
-# decode route with half blocks (decode_split 2) and the fused FMA-pipe rounding (rounding 2), the
-# defaults, which a per-layer or Q != 1 buffer never takes; and hot_batch 2 and 4.
-UNIT_VARIANTS = {"bf16": {"hot_batch": 2}, "fp16": {"hot_batch": 4}}
+# decode route with half blocks (decode_split 2) and the fused FMA-pipe rounding (rounding 3 folded
+# to 2 for 16-bit hot dtypes), the defaults, which a per-layer or Q != 1 buffer never takes; and
+# hot_batch 2 and 4. FP8: the packed fp16 encode (rounding 3, the default), with hot_batch 2.
+UNIT_VARIANTS = {"bf16": {"hot_batch": 2}, "fp16": {"hot_batch": 4}, "fp8_e4m3": {"hot_batch": 2}}
 
 
 @pytest.mark.parametrize("dtype", sorted(UNIT_VARIANTS))
@@ -222,8 +223,9 @@ def test_kernel_record_code_with_unit_scales_and_codec_variants_matches_the_orac
         dtype: str, tmp_path: Path) -> None:
     text = compiled_twin(PER_LAYER_SPEC.read_text(encoding="utf-8")).replace("dtype: bf16", f"dtype: {dtype}")
     spec = parse_spec(text.replace("name: per-layer-scales", f"name: unit-scales-{dtype}"), "unit-scales")
-    params = {**default_params("codec"), **UNIT_VARIANTS[dtype]}
-    assert params["decode_split"] == 2 and params["rounding"] == 2 and lut_decode_buffers(spec)
+    params = fold_codec_params(spec, {**default_params("codec"), **UNIT_VARIANTS[dtype]})
+    fp8 = dtype == "fp8_e4m3"
+    assert params["decode_split"] == 2 and params["rounding"] == (3 if fp8 else 2) and lut_decode_buffers(spec) != fp8
     exe = compile_driver(spec, tmp_path, params)
     layout = family_layout(spec)
     pools = hot_pages(spec, 1, 5)

@@ -704,6 +704,31 @@ def test_packed_decode_route_equals_oracle_for_every_code_and_scale(host_check):
         assert bad.size == 0, f"{dtype}: scale 0x{bad[0][0] // 256:02X} byte 0x{bad[0][0] % 256:02X}"
 
 
+# G of the sweep: the shipped 1, and values whose scales land elsewhere in the E4M3 range.
+FP8_SWEEP_G = ("1", "0.75", "2", "0.37", "1e-3")
+
+
+def test_packed_f16_fp8_encode_equals_oracle_for_every_scale_and_element(host_check):
+    """Rounding::PackedF16 (FP8 E4M3 blocks on packed fp16 lanes, Q = 1) over every (block maximum,
+    element) byte pair at every position and both signs, and over NaN blocks (its general-route
+    fallback): the host build compares each block with the integer route (exit status), and every
+    block's scale and packed codes are held here against kvgen.reference.encode_blocks, bit for
+    bit. Exhaustive for the route's one rounding decision: which code fl16(|x| * fl16(1/S)) gives
+    against the contract's code of fl32(x * fl32(1/S)), for every E4M3 x and S a block can pair."""
+    r = subprocess.run([str(host_check), "--sweep-fp8", *FP8_SWEEP_G], capture_output=True)
+    assert r.returncode == 0 and b" mismatches=0" in r.stderr, r.stderr.decode()
+    rec = np.dtype([("x", "u1", 16), ("G", "<f4"), ("scale", "u1"), ("packed", "u1", 8)])
+    got = np.frombuffer(r.stdout, dtype=rec)
+    assert got.size > 100_000
+    assert set(np.unique(got["G"]).tolist()) == {fl32(float(g)) for g in FP8_SWEEP_G}
+    x = R.e4m3_to_f32(torch.from_numpy(got["x"].copy()))
+    codes, scales = R.encode_blocks(x, torch.from_numpy(got["G"].copy()), 1.0)
+    assert (scales.numpy() == got["scale"]).all()
+    packed = R.pack_nibbles(codes).numpy()
+    bad = np.argwhere((packed != got["packed"]).any(axis=1))
+    assert bad.size == 0, f"block {got['x'][bad[0][0]].tolist()} G {got['G'][bad[0][0]]}"
+
+
 def test_header_scale_is_exhaustive_near_e4m3_range(host_check):
     """Every float32 in [2^-11, 2^-6] (the whole E4M3 subnormal range and the 2^-10 tie) and
     every float32 in [416, 480] (the top binade and saturation), through the scale rounding of

@@ -2,7 +2,7 @@
 // family:   qwen3-8b-fp8
 // op:       codec
 // template: codec.cu.j2
-// plan key: ae0b2987924adf63fdc297fdc70efbac7ff6623ab5c7fb1695fb601cb83051d5
+// plan key: e0dfb1dde66bffaa3707c16d2309392376b7cde24c61bb42f9c4e065274c7d64
 //
 // Cold-page codec of family qwen3-8b-fp8 (COLD_PAGE_FORMAT.md, version 1).
 // This file only describes the family; the kernels are kvgen/kernels/cuda/codec_kernels.cuh.
@@ -10,7 +10,7 @@
 // Layer record: 36864 bytes (36864 before padding), hot dtype fp8_e4m3, layout HND.
 // Launch: 256 threads per CTA (min_blocks 0), one CTA per (page pair, layer), the record staged in shared memory;
 // 4 16-byte loads in flight per thread when the record crosses the bus;
-// E2M1 rounding route 2 of the software path (nvfp4::Rounding), decode route 1 of plain blocks (nvfp4::DecodeRoute);
+// E2M1 rounding route 3 of the software path (nvfp4::Rounding), decode route 1 of plain blocks (nvfp4::DecodeRoute);
 // encode loads 1 plain block(s) per thread before quantizing them; decode splits a plain block over 2 thread(s).
 #include "codec_host.cuh"
 
@@ -18,7 +18,7 @@ namespace kvgen {
 namespace family {
 
 using Hot = codec::HotFP8E4M3;
-constexpr auto kRounding = static_cast<nvfp4::Rounding>(2);
+constexpr auto kRounding = static_cast<nvfp4::Rounding>(3);
 constexpr auto kDecodeRoute = static_cast<nvfp4::DecodeRoute>(1);
 constexpr int kHotBatch = 1;  // plain blocks a thread loads before encoding them
 constexpr int kDecodeSplit = 2;  // threads per plain block in decode (2: half blocks)

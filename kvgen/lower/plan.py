@@ -31,10 +31,17 @@ TUNABLES: dict[str, dict[str, tuple[tuple[int, ...], int]]] = {
         # back to 0), 2 = route 1 with two of its three sums fused (fma.rn: 257 instead of 287 SASS
         # instructions per qwen3-8b encode block, but 47 registers instead of 40: 5 CTAs per SM
         # instead of 6 at 256 threads). Same bytes; 1 issues about half route 0's integer-pipe work.
-        # Default 2: H200 encode, 1 GiB scattered, fraction of device copy, route 1 -> 2: qwen3-8b
-        # 0.773 -> 0.785, deepseek-v3 0.769 -> 0.811, deepseek-v4-csa 0.555 -> 0.582, qwen3-8b-fp8
-        # 0.483 -> 0.485 (results/2026-12-02-h200/codec_device_check.json).
-        "rounding": ((0, 1, 2), 2),
+        # 3 = fp8 hot pages on packed fp16 lanes (two elements per instruction, compiled Q = 1): 150
+        # instead of 298 SASS instructions per qwen3-8b-fp8 encode block (68 instead of 129 on the
+        # integer pipe), 47 registers instead of 39 (scripts/codec_sass.py). Where it does not apply
+        # (16-bit hot dtypes, another Q, per-layer buffers, the SM100 hardware path) the kernel takes
+        # route 2, and a family without an fp8 Q = 1 buffer is built with 2 (fold_codec_params).
+        # Default 3: H200 encode, 1 GiB scattered, fraction of device copy, route 1 -> 3: qwen3-8b-fp8
+        # 0.472 -> 0.706 at 256 threads (512 threads, min_blocks 3: 0.685; route 2 measured 0.485 in
+        # codec_device_check.json), cold bytes equal (results/2026-12-02-h200/codec3/); bf16 families
+        # keep route 2: qwen3-8b 0.773 -> 0.785, deepseek-v3 0.769 -> 0.811, deepseek-v4-csa
+        # 0.555 -> 0.582 from 1 to 2 (results/2026-12-02-h200/codec_device_check.json).
+        "rounding": ((0, 1, 2, 3), 3),
         # Decode of plain blocks: 0 = binary32 multiply then per-pair rounding cvt, 1 = PRMT table
         # lookup of the codes as fp16/bf16 pairs times the scale in one packed FMA (exact: Q = 1
         # products are representable; another compiled Q, or per-layer scales, compile route 0). Same bytes.
@@ -103,6 +110,26 @@ TUNABLES: dict[str, dict[str, tuple[tuple[int, ...], int]]] = {
 
 def default_params(op: Op) -> dict[str, int]:
     return {name: default for name, (_, default) in TUNABLES[op].items()}
+
+
+def packed_encode_buffers(spec: FamilySpec, layout: FamilyLayout | None = None) -> bool:
+    """Whether some quantized buffer can take rounding 3 (codec_kernels.cuh kPackedF16): an fp8
+    hot dtype and a compiled Q of 1. A per-layer buffer (Q known at run time) or another Q takes
+    route 2."""
+    if spec.elem_bytes != 1:
+        return False
+    one = f32_literal(1.0)
+    layout = layout or family_layout(spec)
+    return any(b.Q is not None and f32_literal(b.Q) == one for b in layout.record.buffers)
+
+
+def fold_codec_params(spec: FamilySpec, params: Mapping[str, int], layout: FamilyLayout | None = None) -> dict[str, int]:
+    """Codec params with rounding 3 folded onto 2 where no buffer has the packed route: the
+    kernel would compile route 2 there anyway, and 16-bit families render what they always did."""
+    out = dict(params)
+    if out.get("rounding") == 3 and not packed_encode_buffers(spec, layout):
+        out["rounding"] = 2
+    return out
 
 
 def check_params(op: Op, params: Mapping[str, int]) -> None:
@@ -282,8 +309,8 @@ def plans_for(spec: FamilySpec, params: Mapping[Op, Mapping[str, int]] | None = 
     """Every kernel plan of a family, tuned params applied over the safe defaults."""
     params = params or {}
     layout = family_layout(spec)
-    plans = [KernelPlan(spec.name, "codec", "codec.cu.j2", codec_geometry(spec, layout),
-                        {**default_params("codec"), **params.get("codec", {})})]
+    codec = fold_codec_params(spec, {**default_params("codec"), **params.get("codec", {})}, layout)
+    plans = [KernelPlan(spec.name, "codec", "codec.cu.j2", codec_geometry(spec, layout), codec)]
     if spec.triattention.enabled:
         plans.append(KernelPlan(spec.name, "compact", "compact.cu.j2", compact_geometry(spec),
                                 {**default_params("compact"), **params.get("compact", {})}))

@@ -16,7 +16,7 @@ from typing import Mapping
 
 from kvgen.kernels.cute.geometry import effective_lanes, row_chunks
 from kvgen.lower.layout import family_layout
-from kvgen.lower.plan import TUNABLES, Op, default_params, f32_literal, score_geometry
+from kvgen.lower.plan import TUNABLES, Op, default_params, f32_literal, fold_codec_params, score_geometry
 from kvgen.spec.schema import FamilySpec
 
 TUNED_OPS: tuple[Op, ...] = ("codec", "compact", "score")
@@ -85,6 +85,8 @@ def canonical(op: Op, params: Mapping[str, int], spec: FamilySpec) -> dict[str, 
             out["unpack"] = 0
     if op == "codec" and out["decode_split"] != 1 and (out["decode_route"] == 0 or not lut_decode_buffers(spec)):
         out["decode_split"] = 1  # half blocks exist only on the Lut route of 16-bit hot dtypes
+    if op == "codec":
+        out = fold_codec_params(spec, out)  # the packed fp16 route (rounding 3) needs an fp8 Q = 1 buffer
     return out
 
 

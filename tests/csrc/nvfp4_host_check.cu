@@ -13,6 +13,11 @@
 //                                      every S-th group (default 1: all; about 3 minutes here),
 //                                      through both software roundings, one code and eight at a
 //                                      time; prints "mismatches=N" (and the first few), exit 1 if any
+//   nvfp4_host_check --sweep-fp8 [G..] the packed-fp16 encode of FP8 blocks (Rounding::PackedF16,
+//                                      Q = 1) against the general route, every (block maximum, element)
+//                                      byte pair at every position, for each G (default 1); prints
+//                                      "mismatches=N" to stderr, exit 1 if any, and writes the blocks
+//                                      (u8 x[16], f32 G, u8 scale, u8 packed[8]) to stdout
 //   nvfp4_host_check --sweep-decode    every (code byte, E4M3 scale byte) pair through the packed
 //                                      decode route (DecodeRoute::Lut, Q = 1) at every byte position
 //                                      of a block, against the float route; prints "mismatches=N",
@@ -235,6 +240,79 @@ int sweep_decode() {
   return mismatches ? 1 : 0;
 }
 
+// The packed-fp16 encode of FP8 E4M3 blocks (Rounding::PackedF16) against the general route over
+// every (block maximum, element) pair: for each G given and each magnitude byte a, blocks whose
+// element at position p (every p) is +-a and whose other 15 elements run through every byte of
+// magnitude <= a, plus blocks with a NaN byte (the fallback). Prints "mismatches=N" to stderr, exit
+// 1 if any, and writes each block to stdout as u8 x[16], f32 G, u8 scale, u8 packed[8] for the
+// Python test to hold against the oracle.
+int sweep_fp8(const std::vector<float>& gs) {
+  uint64_t mismatches = 0, blocks = 0;
+  std::vector<unsigned char> out;
+  auto check = [&](const uint8_t (&bytes)[16], float G) {
+    uint32_t w[4] = {0, 0, 0, 0};
+    float x[16];
+    for (int e = 0; e < 16; ++e) {
+      w[e / 4] |= (uint32_t)bytes[e] << (8 * (e % 4));
+      x[e] = kn::e4m3_to_f32(bytes[e]);
+    }
+    const kn::Block got = kn::encode_block_e4m3x16(w, G);
+    const kn::Block want = kn::encode_block_path<kn::Path::Software, kn::Rounding::Integer>(x, G, 1.0f);
+    ++blocks;
+    if ((got.scale != want.scale || got.packed[0] != want.packed[0] || got.packed[1] != want.packed[1]) &&
+        mismatches++ < 8) {
+      fprintf(stderr, "G %g bytes", G);
+      for (int e = 0; e < 16; ++e) fprintf(stderr, " %02X", bytes[e]);
+      fprintf(stderr, ": packed %02X %08X %08X, general %02X %08X %08X\n", got.scale, got.packed[1], got.packed[0],
+              want.scale, want.packed[1], want.packed[0]);
+    }
+    out.insert(out.end(), bytes, bytes + 16);
+    const uint32_t g = kn::f32_bits(G);
+    for (int k = 0; k < 4; ++k) out.push_back((unsigned char)(g >> (8 * k)));
+    out.push_back(got.scale);
+    for (int i = 0; i < 8; ++i) out.push_back((unsigned char)(got.packed[i / 4] >> (8 * (i % 4))));
+  };
+  // The device's c (rcp.approx, within 2^-23 of 1/S, rounded to fp16) is the host's fl16(m): fl16 is
+  // constant within 2^-21 of m for every non-zero, non-NaN scale byte.
+  for (uint32_t sb = 1; sb < 0x7F; ++sb) {
+    const double m = kn::div_rn(1.0f, kn::e4m3_to_f32(sb));
+    const uint32_t c = kn::recip_f16(kn::e4m3_to_f32(sb));
+    const uint32_t lo = __half_as_ushort(__double2half(m * (1.0 - 0x1p-21)));
+    const uint32_t hi = __half_as_ushort(__double2half(m * (1.0 + 0x1p-21)));
+    if ((lo != c || hi != c) && mismatches++ < 8) fprintf(stderr, "scale 0x%02X: fp16 of 1/S not stable\n", sb);
+  }
+  for (const float G : gs) {
+    for (uint32_t a = 0; a < 0x7F; ++a) {
+      std::vector<uint8_t> rest;  // every byte of magnitude <= a, both signs
+      for (uint32_t b = 0; b < 256; ++b)
+        if ((b & 0x7Fu) <= a) rest.push_back((uint8_t)b);
+      for (size_t start = 0; start < rest.size(); start += 15) {
+        for (int p = 0; p < 16; ++p) {
+          for (const uint32_t sign : {0u, 0x80u}) {
+            uint8_t bytes[16];
+            bytes[p] = (uint8_t)(a | sign);
+            for (int i = 0; i < 15; ++i) bytes[(p + 1 + i) % 16] = rest[(start + i) % rest.size()];
+            check(bytes, G);
+          }
+        }
+      }
+    }
+    // NaN bytes at every position, beside large and tiny values: the general route.
+    for (int p = 0; p < 16; ++p) {
+      for (const uint8_t nan : {(uint8_t)0x7F, (uint8_t)0xFF}) {
+        uint8_t bytes[16];
+        for (int e = 0; e < 16; ++e) bytes[e] = (uint8_t)(e * 37 + p * 11);
+        for (int e = 0; e < 16; ++e) bytes[e] = (bytes[e] & 0x7Fu) == 0x7Fu ? 0x7Eu : bytes[e];
+        bytes[p] = nan;
+        check(bytes, G);
+      }
+    }
+  }
+  fwrite(out.data(), 1, out.size(), stdout);
+  fprintf(stderr, "blocks=%llu mismatches=%llu\n", (unsigned long long)blocks, (unsigned long long)mismatches);
+  return mismatches ? 1 : 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -255,6 +333,11 @@ int main(int argc, char** argv) {
     }
     if (strcmp(argv[a], "--sweep-e2m1") == 0) return sweep_e2m1(a + 1 < argc ? strtoull(argv[a + 1], nullptr, 10) : 1);
     if (strcmp(argv[a], "--sweep-decode") == 0) return sweep_decode();
+    if (strcmp(argv[a], "--sweep-fp8") == 0) {
+      std::vector<float> gs;
+      for (int g = a + 1; g < argc; ++g) gs.push_back(strtof(argv[g], nullptr));
+      return sweep_fp8(gs.empty() ? std::vector<float>{1.0f} : gs);
+    }
     if (strcmp(argv[a], "--device") == 0) device = true;
   }
   std::vector<float> in;

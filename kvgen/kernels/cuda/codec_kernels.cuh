@@ -334,13 +334,27 @@ struct Quantized {
     return page + row * kRowBytes + (B::kPrefix + blk * 16) * Hot::kBytes;
   }
 
+  // Rounding::PackedF16 quantizes FP8 hot words on packed fp16 lanes (software path, compiled
+  // Q == 1). A per-layer buffer (Q known at run time only) or another Q takes the general route,
+  // which for PackedF16 is the FusedFma one (nvfp4::encode_block_path).
+  static constexpr bool kPackedF16 = R == nvfp4::Rounding::PackedF16 && Hot::kBytes == 1 &&
+                                     nvfp4::kPath == nvfp4::Path::Software && Scale::kUnitQ;
+
+  static KVGEN_CODEC_HD nvfp4::Block quantize_plain(const HotBlock<Hot>& hot, LayerScale gq) {
+    if constexpr (kPackedF16) {
+      return nvfp4::encode_block_e4m3x16(hot.w, gq.G);
+    } else {
+      float x[16];
+      hot.widen(x);
+      return nvfp4::encode_block<R>(x, gq.G, gq.Q);
+    }
+  }
+
   // One plain block: hot words (already loaded) -> packed codes and scale in the record.
   static KVGEN_CODEC_HD void encode_plain(uint8_t* rec, int i, const HotBlock<Hot>& hot, LayerScale gq) {
     const int2 at = plain_block(i);
     const int t = at.x * kBlocksPerRow + at.y;
-    float x[16];
-    hot.widen(x);
-    const nvfp4::Block main = nvfp4::encode_block<R>(x, gq.G, gq.Q);
+    const nvfp4::Block main = quantize_plain(hot, gq);
     put8<8>(rec + B::kData + t * 8, main);  // region offsets of packed data are multiples of 8
     rec[B::kScales + t] = main.scale;
   }

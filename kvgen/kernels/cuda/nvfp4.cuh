@@ -388,7 +388,10 @@ KVGEN_NVFP4_HD uint32_t e2m1x8_path(const float (&p)[8]) {
 // FusedFma: the same FMA-pipe route with 2a + magic and a/2 + magic as one fused op each (2a and
 // a/2 are exact products, so the bits are the same): 32 fewer FMA-pipe instructions per block, but
 // ptxas then keeps more values live (qwen3-8b encode: 47 registers instead of 40), hence a choice.
-enum class Rounding { Integer = 0, Fma = 1, FusedFma = 2 };
+// PackedF16: FP8 E4M3 hot pages at Q == 1 take encode_block_e4m3x16 (packed fp16 arithmetic on
+// two elements per instruction, see there); every other input takes the FusedFma route (a
+// per-layer or other Q, 16-bit hot dtypes), so those buffers compile what rounding 2 compiles.
+enum class Rounding { Integer = 0, Fma = 1, FusedFma = 2, PackedF16 = 3 };
 
 constexpr float kRoundMagic = 8388608.0f;  // 2^23: adding it rounds [0, 2^23) to an integer
 
@@ -510,8 +513,8 @@ KVGEN_NVFP4_HD void pack_codes(Block& blk, const float (&x)[16], float m) {
   }
 }
 
-// Rounding::Fma and FusedFma (software path only; the hardware path has its cvt) take the FMA-pipe
-// route when
+// Rounding::Fma, FusedFma and PackedF16 (software path only; the hardware path has its cvt) take the
+// FMA-pipe route when
 // every x_i is finite and m is finite: then no product is NaN (one may still overflow to +-Inf,
 // which rounds right).  Any other block -- garbage rows, or a tiny Q making S * Q underflow --
 // takes the integer route, which handles everything.  Both routes give the same bytes.
@@ -535,7 +538,7 @@ KVGEN_NVFP4_HD Block encode_block_path(const float (&x)[16], float G, float Q) {
   // below instead of branching, so every lane does the same work.
   const float m = div_rn(1.0f, mul_rn(e4m3_to_f32(sb), Q));
   if (kFmaRoute && all_finite && is_finite(m)) {
-    pack_codes<P, true, R == Rounding::FusedFma>(blk, x, m);
+    pack_codes<P, true, R == Rounding::FusedFma || R == Rounding::PackedF16>(blk, x, m);
   } else {
     pack_codes<P, false>(blk, x, m);
   }
@@ -549,6 +552,168 @@ KVGEN_NVFP4_HD Block encode_block_path(const float (&x)[16], float G, float Q) {
 template <Rounding R = Rounding::Integer>
 KVGEN_NVFP4_HD Block encode_block(const float (&x)[16], float G, float Q) {
   return encode_block_path<kPath, R>(x, G, Q);
+}
+
+// ---------------------------------------------------------------------------------------------
+// FP8 E4M3 hot blocks on packed fp16 lanes (Rounding::PackedF16, software path, Q == 1)
+// ---------------------------------------------------------------------------------------------
+// Every E4M3 value is an exact fp16, so one cvt widens two elements and every later step works on
+// fp16 pairs.  With c = fl16(m), m = fl32(1/S) the contract's multiplier:
+//   q = fl16(|x| * c)                       one packed multiply (mul.rn.f16x2)
+//   code = min(rne(2q), rne(q) + 2, rne(q/2) + 4, 7)
+// as in e2m1_magnitude_fma_bits, each line one packed fused op with the magic 2^10 + k (fp16 has 10
+// fraction bits: the code lands in the low byte of 0x6400 | code, exact up to 2047), then packed
+// mins.  Why q, rounded to fp16, gives the contract's code of fl32(x * m) for every finite x and
+// every scale: x / S can only be an E2M1 decision point t exactly when x = t * S; otherwise it lies
+// at least 2^-6.8 (relative) away from every t (x has 4 significant bits, t * S at most 7), far
+// beyond q's error (two fp16 roundings, < 2^-10), so q and fl32(x * m) round alike.  At x = t * S
+// q is t itself or its fp16 neighbour on the side fl32(x * m) rounds to, which nvfp4_host_check
+// --sweep-fp8 proves over every (scale byte, element byte) pair a block can hold.  c comes from the
+// approximate reciprocal (rcp.approx.ftz.f32, at most one binary32 ulp off) rounded to fp16, not from
+// a division: for every E4M3 S, fl16 is constant on [m (1 - 2^-21), m (1 + 2^-21)] (the sweep checks
+// that too), so the device's c is the host's fl16(m).  Overflow of |x| * c gives +Inf and code 7,
+// like the contract; a zero scale's garbage is masked as usual.
+// Blocks holding a NaN byte (0x7F, 0xFF; E4M3 has no Inf) take encode_block_path's general route.
+
+// Two E4M3 bytes (low 16 bits of v) as an fp16 pair: one cvt.rn.f16x2.e4m3x2 on sm_89+.
+KVGEN_NVFP4_HD uint32_t e4m3x2_to_f16x2(uint32_t v) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(v & 0xFFFFu), __NV_E4M3);
+  return (uint32_t)h.x | ((uint32_t)h.y << 16);
+}
+
+KVGEN_NVFP4_HD double f16_lane(uint32_t v, int k) {
+  return (double)__half2float(__ushort_as_half((unsigned short)(v >> (16 * k))));
+}
+
+KVGEN_NVFP4_HD uint32_t f16_bits_rn(double v) { return __half_as_ushort(__double2half(v)); }
+
+// Packed fp16 a * b, rounded once.  Host: the product of two fp16 values is exact in binary64.
+KVGEN_NVFP4_HD uint32_t mul_rn_f16x2(uint32_t a, uint32_t b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  uint32_t r;
+  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+#else
+  return f16_bits_rn(f16_lane(a, 0) * f16_lane(b, 0)) | (f16_bits_rn(f16_lane(a, 1) * f16_lane(b, 1)) << 16);
+#endif
+}
+
+// Packed fp16 a * b + c, rounded once.  Host: exact in binary64 for the operands used here
+// (b a power of two, so a * b + c spans at most 2^16 .. 2^-25).
+KVGEN_NVFP4_HD uint32_t fma_rn_f16x2(uint32_t a, uint32_t b, uint32_t c) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  uint32_t r;
+  asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+  return r;
+#else
+  uint32_t r = 0;
+  for (int k = 0; k < 2; ++k) r |= f16_bits_rn(f16_lane(a, k) * f16_lane(b, k) + f16_lane(c, k)) << (16 * k);
+  return r;
+#endif
+}
+
+// Packed fp16 min of non-NaN operands (min.f16x2).
+KVGEN_NVFP4_HD uint32_t min_f16x2(uint32_t a, uint32_t b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  uint32_t r;
+  asm("min.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+#else
+  uint32_t r = 0;
+  for (int k = 0; k < 2; ++k) r |= ((f16_lane(a, k) <= f16_lane(b, k) ? a : b) >> (16 * k) & 0xFFFFu) << (16 * k);
+  return r;
+#endif
+}
+
+// Packed fp16 max propagating NaN (max.NaN.f16x2): a lane is NaN when either operand's is.
+KVGEN_NVFP4_HD uint32_t max_nan_f16x2(uint32_t a, uint32_t b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  uint32_t r;
+  asm("max.NaN.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+#else
+  uint32_t r = 0;
+  for (int k = 0; k < 2; ++k) {
+    const double x = f16_lane(a, k), y = f16_lane(b, k);
+    const uint32_t lane = x != x || y != y ? 0x7FFFu : (x >= y ? a : b) >> (16 * k) & 0xFFFFu;
+    r |= lane << (16 * k);
+  }
+  return r;
+#endif
+}
+
+// Eight codes in one word (element k in nibble k) from four fp16 pairs holding 0x6400 | code per
+// lane (pair j: elements 2j, 2j+1) and the raw E4M3 bytes of the same elements (lo: 0..3, hi: 4..7),
+// whose bit 7 is the sign: a sign survives only where its magnitude is non-zero (no negative zero).
+// Adding 7 to a nibble of 0..7 carries into its bit 3 exactly when it is non-zero.
+KVGEN_NVFP4_HD uint32_t e2m1x8_from_f16_codes(const uint32_t (&r)[4], uint32_t lo, uint32_t hi) {
+  const uint32_t a = byte_perm(r[0], r[1], 0x6240u);  // codes 0, 2, 1, 3
+  const uint32_t b = byte_perm(r[2], r[3], 0x6240u);  // codes 4, 6, 5, 7
+  const uint32_t mags = byte_perm(a, b, 0x5410u) | (byte_perm(a, b, 0x7632u) << 4);
+  const uint32_t even = byte_perm(lo, hi, 0x6420u);   // bytes of elements 0, 2, 4, 6
+  const uint32_t odd = byte_perm(lo, hi, 0x7531u);    // bytes of elements 1, 3, 5, 7
+  const uint32_t signs = ((even >> 4) & 0x08080808u) | (odd & 0x80808080u);
+  return mags | (signs & (mags + 0x77777777u));
+}
+
+// c = fl16(1/S) for an E4M3 S: the approximate reciprocal on the device (see above), fl16(m) on
+// the host.
+KVGEN_NVFP4_HD uint32_t recip_f16(float S) {
+#if defined(__CUDA_ARCH__)
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(S));  // S is 0 or >= 2^-9: ftz changes nothing
+  return __half_as_ushort(__float2half_rn(r));
+#else
+  return __half_as_ushort(__float2half_rn(div_rn(1.0f, S)));
+#endif
+}
+
+// One block of 16 E4M3 elements (element 4i + b in byte b of w[i]) at Q == 1: the bytes of
+// encode_block(widened x, G, 1) on every input (see the section comment).
+KVGEN_NVFP4_HD Block encode_block_e4m3x16(const uint32_t (&w)[4], float G) {
+  uint32_t h[8];  // |x| as fp16 pairs: h[j] = elements 2j, 2j+1
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t a = w[i] & 0x7F7F7F7Fu;
+    h[2 * i] = e4m3x2_to_f16x2(a);
+    h[2 * i + 1] = e4m3x2_to_f16x2(a >> 16);
+  }
+  uint32_t mx = h[0];
+#pragma unroll
+  for (int j = 1; j < 8; ++j) mx = max_nan_f16x2(mx, h[j]);
+  mx = max_nan_f16x2(mx, byte_perm(mx, mx, 0x1032u));
+  if ((mx & 0x7FFFu) > 0x7C00u) {  // a NaN element: the general route (rare)
+    float x[16];
+#pragma unroll
+    for (int e = 0; e < 16; ++e) x[e] = e4m3_to_f32((w[e >> 2] >> (8 * (e & 3))) & 0xFFu);
+    return encode_block_path<Path::Software, Rounding::Fma>(x, G, 1.0f);
+  }
+  const float amax = __half2float(__ushort_as_half((unsigned short)(mx & 0xFFFFu)));
+  Block blk;
+  const uint32_t sb = e4m3_from_f32_hw(mul_rn(mul_rn(amax, kSixth), G));  // the cvt on sm_89+
+  blk.scale = (uint8_t)sb;
+  // S through the fp16 cvt (exact, and sb is never a NaN byte here) instead of e4m3_to_f32's branches.
+  const float S = __half2float(__ushort_as_half((unsigned short)(e4m3x2_to_f16x2(sb) & 0xFFFFu)));
+  const uint32_t c = recip_f16(S) * 0x10001u;
+  constexpr uint32_t kTwo = 0x40004000u, kOne = 0x3C003C00u, kHalf = 0x38003800u;
+  constexpr uint32_t kMagic0 = 0x64006400u, kMagic2 = 0x64026402u, kMagic4 = 0x64046404u, kSeven = 0x64076407u;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    uint32_t r[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const uint32_t q = mul_rn_f16x2(h[4 * half + j], c);
+      const uint32_t by_half = fma_rn_f16x2(q, kTwo, kMagic0);
+      const uint32_t by_one = fma_rn_f16x2(q, kOne, kMagic2);
+      const uint32_t by_two = fma_rn_f16x2(q, kHalf, kMagic4);
+      r[j] = min_f16x2(min_f16x2(by_half, by_one), min_f16x2(by_two, kSeven));
+    }
+    blk.packed[half] = e2m1x8_from_f16_codes(r, w[2 * half], w[2 * half + 1]);
+  }
+  const uint32_t keep = sb != 0u ? 0xFFFFFFFFu : 0u;
+  blk.packed[0] &= keep;
+  blk.packed[1] &= keep;
+  return blk;
 }
 
 // y_i = fl(fl(e2m1(code_i) * S) * Q), binary32, before the hot rounding.  Decoding makes no
