@@ -19,11 +19,13 @@ from pathlib import Path
 
 import pytest
 
+from kvgen.lower.plan import default_params
 from kvgen.lower.tuned import MEASURED, MODEL, BuildEnvironment, load_tuned, tuning_path
 from kvgen.tuning.costmodel.features import Mix, kernel_features, parse_resources, parse_sass
 from kvgen.tuning.costmodel.model import VERSION, Launch, Phase, Walk, estimate, resident_ctas
 from kvgen.tuning.costmodel.targets import TARGETS, target
 from kvgen.tuning.costmodel.validate import noise_band, spearman, spearman_ceiling, study_verdict
+from kvgen.tuning.space import config_id
 
 from .tuning_data import use_grid_space, write_codec_measurements
 

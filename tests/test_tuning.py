@@ -101,7 +101,8 @@ def test_tpe_runs_the_requested_trials_starting_from_the_default(tmp_path: Path,
                         trials=8, seed=3, storage=storage)
     assert result.trials == 8 and result.best_ms <= result.default_ms
     first = optuna.load_study(study_name=result.study, storage=storage).trials[0]
-    assert first.user_attrs["role"] == "default" and first.user_attrs["config"] == config_id("codec", default_params("codec"))
+    assert first.user_attrs["role"] == "default" and first.user_attrs["config"] == config_id(
+        "codec", canonical("codec", default_params("codec"), QWEN))
 
 
 def test_missing_measurements_are_failed_trials_with_a_reason(tmp_path: Path, grid_measurements: Path) -> None:
