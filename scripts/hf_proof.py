@@ -291,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--registry", type=Path, default=ROOT / "build" / "registry")
     parser.add_argument("--arch", default="sm_90a")
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--only", default="", help="comma list of section-name prefixes (default: all)")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     registry = RuntimeRegistry([args.registry])
@@ -304,7 +305,10 @@ def main(argv: list[str] | None = None) -> int:
     }
     sections["triattention/qwen3-8b"] = lambda: triattention_section(registry, args.arch, "qwen3-8b", 256, 448,
                                                                      128, 64, args.out / "calibration")
+    wanted = [p for p in args.only.split(",") if p]
     for name, run in sections.items():
+        if wanted and not any(name.startswith(p) for p in wanted):
+            continue
         start = time.perf_counter()
         try:
             report["sections"][name] = run()

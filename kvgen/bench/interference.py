@@ -19,13 +19,7 @@ import torch
 from kvgen import paths
 from kvgen.lower.layout import family_layout
 from kvgen.measure.libraries import registry_artifact
-from kvgen.measure.workloads.interference import (
-    CARVEOUT_SMS,
-    InterferenceWorkload,
-    beside,
-    foregrounds,
-    time_alone,
-)
+from kvgen.measure.workloads.interference import InterferenceWorkload, beside, foregrounds, time_alone
 from kvgen.runtime import FamilyLibrary
 from kvgen.spec.schema import load_spec
 
@@ -59,8 +53,6 @@ def bench_family(family: str, hot_gib: float, ceilings: dict, fg: dict, fg_ms: d
         for name, foreground in fg.items():
             b = beside(transfer, foreground, fg_ms[name], alone["median_ms"])
             run["beside"][name] = {**b, "fraction_of_pinned": fraction(b["wall_ms"], direction)}
-            if name == "gemm-carveout":   # what the model pays: against the GEMM on every SM
-                run["beside"][name]["slowdown_vs_all_sms"] = b["slowdown"] * fg_ms[name] / fg_ms["gemm"]
         print(f"  {family} {strategy} {direction}: {run['alone_ms']:.2f} ms, {run['fraction_of_pinned']:.2f} of "
               f"pinned; beside " + ", ".join(f"{n} {v['wall_ms']:.2f} ms / fg {v['slowdown']:.2f}x"
                                              for n, v in run["beside"].items()), flush=True)
@@ -80,6 +72,5 @@ def run(ceilings: dict, families: list[str] | tuple[str, ...] = DEFAULT_FAMILIES
     results = [bench_family(f, hot_gib, ceilings, fg, fg_ms, paths.registry_dir(registry), arch, specs)
                for f in families]
     return {"foreground": {name: {**t, "what": what} for (name, t), what in
-                           zip(fg_alone.items(), ("1 GiB copy_", "bf16 8192^3 matmul",
-                                                      f"bf16 8192^3 matmul, {CARVEOUT_SMS} SMs left free"))},
+                           zip(fg_alone.items(), ("1 GiB copy_", "bf16 8192^3 matmul"))},
             "goals": GOALS, "results": results}

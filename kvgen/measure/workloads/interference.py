@@ -4,8 +4,7 @@ own work"), for ``kvgen bench run --only interference``.
 Pages: ``hot_bytes`` of lifecycle-0 hot pages (the codec workload's pools: outlier channel, sources
 scattered, cold slots in order), cold pages in pinned host memory. Foregrounds, each on its own
 stream and timed alone first (``t`` per iteration): ``copy``, memory-bound (1 GiB ``copy_``), and
-``gemm``, compute-bound (bf16 8192³ matmul), and ``gemm-carveout``, the same matmul on all but
-``CARVEOUT_SMS`` SMs. Transfers, each way, timed alone (``time_calls``)
+``gemm``, compute-bound (bf16 8192³ matmul). Transfers, each way, timed alone (``time_calls``)
 then beside each foreground: the foreground runs ``N`` iterations spanning about twice the transfer
 and both start together (``time_beside``). With ``W`` the transfer's time beside it and ``F`` the
 foreground's, the foreground lost ``F - N t`` of work, and ran ``W / (W - lost)`` times slower while
@@ -34,11 +33,6 @@ from kvgen.runtime.codec import ColdPageCodec
 STRATEGIES = ("staged", "zero-copy", "device-then-copy")
 COPY_BYTES = 1 << 30
 GEMM_N = 8192
-# SMs the ``gemm-carveout`` foreground leaves free (torch's experimental cuBLAS SM carveout): cuBLAS
-# GEMMs on Hopper hold every SM for the whole kernel, so a staging chunk's encode/decode otherwise
-# waits for the GEMM to end (one chunk per GEMM kernel); an engine reserves a few SMs the same way
-# for communication kernels. Its slowdown is against the GEMM alone on every SM.
-CARVEOUT_SMS = 8
 ROUNDS = 5                 # beside runs per (strategy, direction, foreground); medians reported
 SPAN = 2.0                 # the foreground runs about this many transfer lengths
 
@@ -52,14 +46,7 @@ def foregrounds() -> dict[str, Callable[[], Any]]:
     x = torch.randn(GEMM_N, GEMM_N, dtype=torch.bfloat16, device="cuda")
     y = torch.randn_like(x)
     z = torch.empty_like(x)
-    def gemm_carveout() -> None:
-        torch._C._set_sm_carveout_experimental(CARVEOUT_SMS)
-        try:
-            torch.matmul(x, y, out=z)
-        finally:
-            torch._C._set_sm_carveout_experimental(None)
-
-    return {"copy": lambda: b.copy_(a), "gemm": lambda: torch.matmul(x, y, out=z), "gemm-carveout": gemm_carveout}
+    return {"copy": lambda: b.copy_(a), "gemm": lambda: torch.matmul(x, y, out=z)}
 
 
 class InterferenceWorkload:
