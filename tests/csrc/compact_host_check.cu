@@ -67,9 +67,10 @@ struct HostExec {
   void barrier() {}
   kc::TileRegs<kHostPer>& regs(int t) { return regs_[t]; }
   kc::ResolvedMove* moves(int buffer) { return tiles_.data() + buffer * tile; }
-  uint4 load16(const uint8_t* p) {
+  uint4 load16_if(const uint8_t* p) {
+    uint4 v{};
+    if (p == nullptr) return v;
     if (record) record->insert(p);
-    uint4 v;
     memcpy(&v, p, 16);
     return v;
   }

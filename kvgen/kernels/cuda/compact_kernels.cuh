@@ -67,10 +67,9 @@ struct LayerPools {
   int64_t v_page_stride;
 };
 
-// A move with its tokens resolved to (page, row in page).  The source is always an address inside
-// the pools (clamped, see resolve_move), so a tile's loads need no per-move branch; dst_page < 0:
-// nothing to store (the packer's -1 fill, an identity move, which would copy a row onto itself, a
-// move out of range, or a slot past the request's last move).
+// A move with its tokens resolved to (page, row in page), every index clamped into its range (see
+// resolve_move); dst_page < 0: nothing to load or store (the packer's -1 fill, an identity move,
+// which would copy a row onto itself, a move out of range, or a slot past the request's last move).
 struct ResolvedMove {
   int32_t src_page;
   int32_t src_row;
@@ -78,7 +77,7 @@ struct ResolvedMove {
   int32_t dst_row;
 };
 
-constexpr ResolvedMove kNoMove{0, 0, -1, 0};  // loads page 0, row 0 (inside any non-empty pool), stores nothing
+constexpr ResolvedMove kNoMove{0, 0, -1, 0};  // copies nothing
 
 // What one CTA may touch: tokens [0, tokens) of its page table row (the row's width times
 // tokens_per_block) and pages [0, pages) of its pools.  A move outside is skipped, noted in the
@@ -123,16 +122,16 @@ struct SkippedMoves {
 constexpr int32_t kMoveFill = -1;  // the packer's fill slot (src and dst), which moves nothing
 
 // Every index is clamped into its range before it is used (a token outside the page table row
-// to token 0, a page outside the pools to page 0), so the page table and pool reads are
-// unconditional and stay inside what the kernel was given; only the store is predicated
-// (dst_page < 0).  With a branch per move instead, the compiler could not batch a tile's loads
-// ahead of its stores, and batch-1 compaction (latency-bound) ran at 0.66 of copy against 0.74
-// with the checks compiled out (results/2026-12-02-h200/codec_device_check.json).
-// An empty page table row (limits.tokens 0) reads no page id; empty pools (limits.pages 0) are
-// not read at all (Walk::load): both tests are uniform over the CTA.  The load of a move that
-// stores nothing is discarded, so it may read a row that the concurrent stores of the previous
-// tile write (a fill clamped to token 0, say): only loads that are stored carry the ordering
-// argument (a)-(c) above, and tests/csrc/compact_host_check.cu counts every overlap (0 in its cases).
+// to token 0, a page outside the pools to page 0), so the page table reads are unconditional and
+// stay inside what the kernel was given, and a move needs no branch: its row load and store are
+// both predicated on dst_page >= 0 (Walk::address, ThreadExec::load16_if).  With a branch per move
+// instead, the compiler could not batch a tile's loads ahead of its stores, and batch-1
+// compaction (latency-bound) ran at 0.66 of copy against 0.74 with the checks compiled out
+// (results/2026-12-02-h200/codec_device_check.json).  With unpredicated loads from the clamped
+// address instead, every move that stores nothing still read a row: at batch 256 the benchmark's
+// 11 layers of fill moves all loaded the same few rows (0.66 of copy, results/2026-12-02-h200/bench).
+// An empty page table row (limits.tokens 0) reads no page id (uniform over the CTA); empty pools
+// (limits.pages 0) make every move store nothing, so they are never read.
 __host__ __device__ inline ResolvedMove resolve_move(const Geometry& g, const int32_t* table_row, int head,
                                                      int32_t src, int32_t dst, const MoveLimits& limits,
                                                      SkippedMoves& skipped) {
@@ -264,7 +263,8 @@ struct TileRegs {
 //   barrier()               __syncthreads() (GPU) or nothing (host: phases are already sequential)
 //   regs(t)                 TileRegs of thread t (its tiles and its SkippedMoves)
 //   moves(buffer)           ResolvedMove[tile] in shared memory, buffer 0..2
-//   load16(p) / store16(p, v)
+//   load16_if(p)            the 16 bytes at p, or (p null) any value without touching memory
+//   store16(p, v)
 // Exec's functions are __device__ on the GPU and __host__ on the host, hence the
 // nv_exec_check_disable on every function that calls them.
 template <int kThreads, int kPer, class Exec>
@@ -289,29 +289,27 @@ struct Walk {
 #pragma nv_exec_check_disable
   __host__ __device__ void report(int t) const { ex.regs(t).skipped.report(task.limits.errors); }
 
-  // Address of vector i of tile k, or nullptr past the tile or, for a store, when the vector's move
-  // copies nothing.  A source address is always inside the pools (resolve_move clamps it).
+  // Source or destination address of vector i of tile k, or nullptr past the tile or when the
+  // vector's move copies nothing (fill, identity, out of range, or past the last move).  Computed
+  // without a branch (a vector past the tile reads move 0's slot, then is dropped by the final
+  // select), so the compiler predicates the load and the store on the result instead of branching
+  // around them, and a tile's loads issue back to back.
 #pragma nv_exec_check_disable
   __host__ __device__ uint8_t* address(int i, int k, bool source) const {
-    if (i >= tile * 2 * g.row_vectors()) return nullptr;
-    const TileVector tv = tile_vector(i, g.row_vectors());
+    const bool in_tile = i < tile * 2 * g.row_vectors();
+    const TileVector tv = tile_vector(in_tile ? i : 0, g.row_vectors());
     const ResolvedMove rm = ex.moves(k % 3)[tv.move];
-    if (!source && rm.dst_page < 0) return nullptr;  // fill, identity, out of range, or past the last move
     uint8_t* base = tv.pool == 0 ? task.pools.k : task.pools.v;
     const int64_t stride = tv.pool == 0 ? task.pools.k_page_stride : task.pools.v_page_stride;
     const int64_t offset = source ? row_offset(g, stride, rm.src_page, rm.src_row)
                                   : row_offset(g, stride, rm.dst_page, rm.dst_row);
-    return base + offset + 16 * tv.vec;
+    return in_tile && rm.dst_page >= 0 ? base + offset + 16 * tv.vec : nullptr;
   }
 
 #pragma nv_exec_check_disable
   __host__ __device__ void load(int t, int k) const {
-    if (task.limits.pages == 0) return;  // nothing to read (uniform); every move is skipped
 #pragma unroll
-    for (int j = 0; j < kPer; ++j) {
-      const uint8_t* p = address(t + j * kThreads, k, true);
-      if (p) ex.regs(t).next[j] = ex.load16(p);
-    }
+    for (int j = 0; j < kPer; ++j) ex.regs(t).next[j] = ex.load16_if(address(t + j * kThreads, k, true));
   }
 
 #pragma nv_exec_check_disable
@@ -388,8 +386,19 @@ struct ThreadExec {
   __device__ __forceinline__ void barrier() { __syncthreads(); }
   __device__ __forceinline__ TileRegs<kPer>& regs(int) { return r; }
   __device__ __forceinline__ ResolvedMove* moves(int buffer) { return tiles[buffer]; }
-  // L2-only loads: the pools are written by this kernel, so the non-coherent path is off limits.
-  __device__ __forceinline__ uint4 load16(const uint8_t* p) { return __ldcg(reinterpret_cast<const uint4*>(p)); }
+  // L2-only load (the pools are written by this kernel, so the non-coherent path is off limits),
+  // predicated on p != nullptr inside one PTX instruction: no branch, so a tile's loads still issue
+  // back to back, and a move that stores nothing reads no memory.  volatile like __ldcg's asm, so it
+  // stays between the barriers it was written between.  A skipped load leaves v undefined; its
+  // vector is never stored (Walk::store skips the same move).
+  __device__ __forceinline__ uint4 load16_if(const uint8_t* p) {
+    uint4 v;
+    asm volatile(
+        "{\n\t.reg .pred p;\n\tsetp.ne.u64 p, %4, 0;\n\t@p ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];\n\t}"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(p));
+    return v;
+  }
   // Streaming stores: a moved row is not read again by this kernel.
   __device__ __forceinline__ void store16(uint8_t* p, uint4 v) { __stcs(reinterpret_cast<uint4*>(p), v); }
 };
