@@ -130,8 +130,8 @@ constexpr int32_t kMoveFill = -1;  // the packer's fill slot (src and dst), whic
 // (results/2026-12-02-h200/codec_device_check.json).  With unpredicated loads from the clamped
 // address instead, every move that stores nothing still read a row: at batch 256 the benchmark's
 // 11 layers of fill moves all loaded the same few rows (0.66 of copy, results/2026-12-02-h200/bench).
-// An empty page table row (limits.tokens 0) reads no page id (uniform over the CTA); empty pools
-// (limits.pages 0) make every move store nothing, so they are never read.
+// An empty page table row (limits.tokens 0) reads no page id; empty pools (limits.pages 0) make
+// every move store nothing, so they are never read.
 __host__ __device__ inline ResolvedMove resolve_move(const Geometry& g, const int32_t* table_row, int head,
                                                      int32_t src, int32_t dst, const MoveLimits& limits,
                                                      SkippedMoves& skipped) {
@@ -142,8 +142,11 @@ __host__ __device__ inline ResolvedMove resolve_move(const Geometry& g, const in
   const int tpb = g.tokens_per_block;
   const int32_t s = src_ok ? src : 0;
   const int32_t d = dst_ok ? dst : 0;
-  const int32_t src_page = limits.tokens > 0 ? table_row[s / tpb] : -1;
-  const int32_t dst_page = limits.tokens > 0 ? table_row[d / tpb] : -1;
+  // A move that copies nothing reads no page id either: a run of fill moves (the benchmark's layers
+  // that do not fit, a sliding-window layer's leading slots) costs one dependent load, not two.
+  const bool reads_pages = copies && limits.tokens > 0;
+  const int32_t src_page = reads_pages ? table_row[s / tpb] : -1;
+  const int32_t dst_page = reads_pages ? table_row[d / tpb] : -1;
   const bool src_page_ok = in_range32(src_page, limits.pages);
   const bool dst_page_ok = in_range32(dst_page, limits.pages);
   const bool tokens_ok = copies && src_ok && dst_ok;
