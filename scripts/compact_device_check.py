@@ -15,14 +15,16 @@ at qwen3-8b's tuned shape (threads 256, tile_tokens 32) unless said:
   ``new``         this tree (row loads and page-id reads skipped for moves that copy nothing),
   ``new-lf1``     this tree, layer_fastest 1 (CTAs of consecutive layers side by side),
   ``new-t16``     this tree, tile_tokens 16 (the tuner's batch-32 best),
-  ``new-512x64``  this tree, threads 512, tile_tokens 64 (more bytes in flight per CTA).
+  ``new-128x64``  this tree, threads 128, tile_tokens 64 (twice the bytes in flight per CTA; 252
+                  registers, so 2 CTAs per SM where 256x32 (70 registers) fits 3).
 
 ``measure`` measures the ceilings once, then per variant: an oracle check (4 requests, pools of
 random bytes, the last half of the layers given fill moves, every pool byte against the oracle's
 compact_paged), then kvgen.bench.compact's compaction at batch 1, 32 and 256 (batch 1 also checked
 against the oracle inside the benchmark), every variant at one batch before the next batch,
 ``--rounds`` times. Writes ``compact_device_check.json`` to ``--out`` after every row and never
-stops at a failure: a failed variant is a record with its error.
+stops at a failure: a failed variant is a record with its error. Starts no new row after
+``--budget-s`` seconds (the rows left are listed under ``not_run``).
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ VARIANTS = {
     "new": ("tree", {"threads": 256, "tile_tokens": 32}),
     "new-lf1": ("tree", {"threads": 256, "tile_tokens": 32, "layer_fastest": 1}),
     "new-t16": ("tree", {"threads": 256, "tile_tokens": 16}),
-    "new-512x64": ("tree", {"threads": 512, "tile_tokens": 64}),
+    "new-128x64": ("tree", {"threads": 128, "tile_tokens": 64}),
 }
 # The page-id reads as main has them (variant new-loads; the measurement reference only).
 PAGE_READS = ("const bool reads_pages = copies && limits.tokens > 0;", "const bool reads_pages = limits.tokens > 0;")
@@ -137,7 +139,9 @@ def check_with_fill_layers(library, packer, geo) -> dict:
     return {"batch": CHECK_BATCH, "layers_moved": moved, "equal_to_oracle": bool(ok)}
 
 
-def measure(root: Path, out: Path, batches: list[int], rounds: int) -> int:
+def measure(root: Path, out: Path, batches: list[int], rounds: int, budget_s: float) -> int:
+    import time
+
     import torch
 
     from kvgen import paths
@@ -150,10 +154,11 @@ def measure(root: Path, out: Path, batches: list[int], rounds: int) -> int:
     from kvgen.tuning.candidates import read_bundle, unpack_bundle
 
     require_cuda("compact_device_check")
+    start = time.monotonic()
     out.mkdir(parents=True, exist_ok=True)
     path = out / "compact_device_check.json"
     unpacked = Path(tempfile.mkdtemp(prefix="compact-device-check-"))
-    report: dict = {"environment": environment(), "family": FAMILY, "variants": {}, "results": []}
+    report: dict = {"environment": environment(), "family": FAMILY, "variants": {}, "results": [], "not_run": []}
     libraries = {}
     for name, (_, params) in VARIANTS.items():
         def load(name=name):
@@ -180,6 +185,9 @@ def measure(root: Path, out: Path, batches: list[int], rounds: int) -> int:
     for batch in batches:
         for r in range(rounds):
             for name, library in libraries.items():
+                if time.monotonic() - start > budget_s:
+                    report["not_run"].append({"variant": name, "batch": batch, "round": r})
+                    continue
                 res = guarded(lambda: bench_compaction(library, packer, geo, batch, "union", copy)[0])
                 row = {"variant": name, "batch": batch, "round": r, **res}
                 print("compact", name, batch, r, row.get("compact", row.get("error")), flush=True)
@@ -211,11 +219,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--base", default="main", help="build: revision of the shipped kernels (variant main)")
     parser.add_argument("--batches", default="1,32,256")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--budget-s", type=float, default=100.0, help="measure: start no row after this long")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     if args.what == "build":
         return build(args.dir, args.base)
-    return measure(args.dir, args.out, [int(b) for b in args.batches.split(",")], args.rounds)
+    return measure(args.dir, args.out, [int(b) for b in args.batches.split(",")], args.rounds, args.budget_s)
 
 
 if __name__ == "__main__":
