@@ -7,16 +7,18 @@ Two halves:
     python scripts/compact_device_check.py measure build/device/compact --out $OUT  # on the H200
 
 ``build`` makes, under DIR, one xz bundle per variant (qwen3-8b's compaction library, sm_90a), all
-at qwen3-8b's tuned shape (threads 256, tile_tokens 32) unless said:
-  ``main``        the kernels of ``--base`` (default: main: clamped loads, every move loads its row
-                  and reads its page ids),
-  ``new-loads``   this tree with the page-id reads of moves that copy nothing put back (only the
-                  row loads predicated on the move storing: what that change alone gives),
-  ``new``         this tree (row loads and page-id reads skipped for moves that copy nothing),
+at qwen3-8b's tuned shape (threads 256, tile_tokens 32) unless said.  Kernels of a git revision
+(each step of this branch, so every change is measured alone) or of this tree:
+  ``main``        ``--base`` (default main): clamped loads, every move loads its row and reads its
+                  page ids,
+  ``loads``       c5968fa: row loads predicated on the move storing (fill, identity, skipped moves
+                  read no pool byte),
+  ``pages``       c853c7b: also no page-id reads for moves that copy nothing,
+  ``new``         this tree: also each tile's moves fetched one phase before they are resolved,
   ``new-lf1``     this tree, layer_fastest 1 (CTAs of consecutive layers side by side),
   ``new-t16``     this tree, tile_tokens 16 (the tuner's batch-32 best),
-  ``new-128x64``  this tree, threads 128, tile_tokens 64 (twice the bytes in flight per CTA; 252
-                  registers, so 2 CTAs per SM where 256x32 (70 registers) fits 3).
+  ``new-128x64``  this tree, threads 128, tile_tokens 64 (twice the bytes in flight per CTA, but
+                  252 registers: 2 CTAs per SM where 256x32 fits 3).
 
 ``measure`` measures the ceilings once, then per variant: an oracle check (4 requests, pools of
 random bytes, the last half of the layers given fill moves, every pool byte against the oracle's
@@ -42,17 +44,16 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from codec_device_check import guarded, tree_copy  # noqa: E402
 
 FAMILY = "qwen3-8b"
-# name -> (kernels: "base" (--base), "tree" (this tree) or "loads" (this tree, patched), compact params)
+# name -> (revision of the kernels ("base": --base, None: this tree), compact params)
 VARIANTS = {
     "main": ("base", {"threads": 256, "tile_tokens": 32}),
-    "new-loads": ("loads", {"threads": 256, "tile_tokens": 32}),
-    "new": ("tree", {"threads": 256, "tile_tokens": 32}),
-    "new-lf1": ("tree", {"threads": 256, "tile_tokens": 32, "layer_fastest": 1}),
-    "new-t16": ("tree", {"threads": 256, "tile_tokens": 16}),
-    "new-128x64": ("tree", {"threads": 128, "tile_tokens": 64}),
+    "loads": ("c5968fa", {"threads": 256, "tile_tokens": 32}),
+    "pages": ("c853c7b", {"threads": 256, "tile_tokens": 32}),
+    "new": (None, {"threads": 256, "tile_tokens": 32}),
+    "new-lf1": (None, {"threads": 256, "tile_tokens": 32, "layer_fastest": 1}),
+    "new-t16": (None, {"threads": 256, "tile_tokens": 16}),
+    "new-128x64": (None, {"threads": 128, "tile_tokens": 64}),
 }
-# The page-id reads as main has them (variant new-loads; the measurement reference only).
-PAGE_READS = ("const bool reads_pages = copies && limits.tokens > 0;", "const bool reads_pages = limits.tokens > 0;")
 CHECK_BATCH = 4
 
 # Builds one compaction bundle with the kvgen on PYTHONPATH (the copy of the tree whose kernels it uses).
@@ -73,14 +74,6 @@ for c in build_candidates([req], "sm_90a", out, paths.cache_dir(), toolchains=di
 """
 
 
-def page_reads_back(tree: Path) -> None:
-    header = tree / "kvgen" / "kernels" / "cuda" / "compact_kernels.cuh"
-    text = header.read_text()
-    if PAGE_READS[0] not in text:
-        raise SystemExit(f"{header}: expected {PAGE_READS[0]!r} (the kernel changed: update PAGE_READS)")
-    header.write_text(text.replace(*PAGE_READS))
-
-
 def build(out: Path, base: str) -> int:
     import os
 
@@ -89,10 +82,8 @@ def build(out: Path, base: str) -> int:
     out.mkdir(parents=True, exist_ok=True)
     status = 0
     with tempfile.TemporaryDirectory() as tmp:
-        for name, (kernels, params) in VARIANTS.items():
-            tree = tree_copy(Path(tmp) / name, base if kernels == "base" else None)
-            if kernels == "loads":
-                page_reads_back(tree)
+        for name, (rev, params) in VARIANTS.items():
+            tree = tree_copy(Path(tmp) / name, base if rev == "base" else rev)
             bundle = Path(tmp) / f"bundle-{name}"
             # cwd too: `python -c` puts the working directory first on sys.path
             status |= subprocess.call([sys.executable, "-c", _BUILD, str(tree), str(bundle), FAMILY, json.dumps(params)],
