@@ -83,8 +83,9 @@ CASES = _grid_cases()
 
 
 def _run_host_check(exe: Path, geo, table: torch.Tensor, moves, k_pools, v_pools, case: dict):
-    """Compaction by the host build of the kernel's walk: (overlaps, skipped, K pools, V pools);
-    skipped: whether moves were skipped for a token outside the table row, for a page outside the pools."""
+    """Compaction by the host build of the kernel's walk: (overlaps, skipped, loads, K pools, V pools);
+    skipped: whether moves were skipped for a token outside the table row, for a page outside the pools;
+    loads: the 16-byte pool loads the walk issued."""
     page_bytes = k_pools[0][0].numel() * k_pools[0].element_size()
     header = [0 if geo.layout == "HND" else 1, page_bytes // (geo.kv_heads * geo.tokens_per_block), geo.kv_heads,
               geo.tokens_per_block, geo.num_layers, k_pools[0].shape[0], table.shape[0], table.shape[1],
@@ -96,12 +97,21 @@ def _run_host_check(exe: Path, geo, table: torch.Tensor, moves, k_pools, v_pools
         parts += [k.contiguous().view(torch.uint8).numpy().tobytes(), v.contiguous().view(torch.uint8).numpy().tobytes()]
     proc = subprocess.run([str(exe)], input=b"".join(parts), capture_output=True, timeout=120)
     assert proc.returncode == 0, f"exit {proc.returncode}: {proc.stderr.decode()}"
-    overlaps, *skipped = (int(x) for x in np.frombuffer(proc.stdout[:24], dtype="<i8"))
-    data = np.frombuffer(proc.stdout[24:], dtype=np.uint8)
+    overlaps, *skipped, loads = (int(x) for x in np.frombuffer(proc.stdout[:32], dtype="<i8"))
+    data = np.frombuffer(proc.stdout[32:], dtype=np.uint8)
     pool_bytes = k_pools[0].numel() * k_pools[0].element_size()
     assert data.size == 2 * geo.num_layers * pool_bytes
     pools = [torch.from_numpy(data[i * pool_bytes:(i + 1) * pool_bytes].copy()) for i in range(2 * geo.num_layers)]
-    return overlaps, tuple(skipped), pools[0::2], pools[1::2]
+    return overlaps, tuple(skipped), loads, pools[0::2], pools[1::2]
+
+
+def _row_loads(moves, k_pools, geo) -> int:
+    """16-byte loads of a walk that loads only the moves that copy (K and V rows): fill (-1),
+    identity and skipped moves must load nothing."""
+    n = int(moves.offsets[-1])
+    src, dst = moves.src[..., :n], moves.dst[..., :n]
+    row_bytes = k_pools[0][0].numel() * k_pools[0].element_size() // (geo.kv_heads * geo.tokens_per_block)
+    return int(((src >= 0) & (src != dst)).sum()) * 2 * (row_bytes // 16)
 
 
 def _case_inputs(case: dict):
@@ -123,11 +133,12 @@ def _case_inputs(case: dict):
     f"{c['mode']}{'-kv' if c['interleaved'] else ''}{'-sf' if c['stores_first'] else ''}" for c in CASES])
 def test_host_walk_equals_oracle(host_check: Path, case: dict) -> None:
     geo, moves, table, k_pools, v_pools = _case_inputs(case)
-    overlaps, skipped, k_out, v_out = _run_host_check(host_check, geo, table, moves, k_pools, v_pools, case)
+    overlaps, skipped, loads, k_out, v_out = _run_host_check(host_check, geo, table, moves, k_pools, v_pools, case)
     k_ref = [p.clone() for p in k_pools]
     v_ref = [p.clone() for p in v_pools]
     compact_paged(k_ref, v_ref, table, moves, geo)
     assert overlaps == 0, "a load of tile k+1 touched a row stored by tile k"
+    assert loads == _row_loads(moves, k_pools, geo), "a move that stores nothing loaded its row"
     assert skipped == (0, 0), "a valid move was skipped as out of range"
     assert any(not torch.equal(a, b) for a, b in zip(k_ref, k_pools)), "the case moves nothing"
     for layer in range(geo.num_layers):
@@ -142,11 +153,13 @@ def test_host_walk_skips_out_of_range_moves(host_check: Path, case: dict) -> Non
     other byte changes."""
     geo, moves, table, k_pools, v_pools = _case_inputs(case)
     bad_moves, bad_table, kept_moves = corrupt_moves(moves, table, geo.tokens_per_block)
-    overlaps, skipped, k_out, v_out = _run_host_check(host_check, geo, bad_table, bad_moves, k_pools, v_pools, case)
+    overlaps, skipped, loads, k_out, v_out = _run_host_check(host_check, geo, bad_table, bad_moves, k_pools, v_pools,
+                                                             case)
     k_ref = [p.clone() for p in k_pools]
     v_ref = [p.clone() for p in v_pools]
     compact_paged(k_ref, v_ref, table, kept_moves, geo)
     assert skipped == (1, 1) and overlaps == 0
+    assert loads == _row_loads(kept_moves, k_pools, geo), "a skipped move loaded a row"
     for layer in range(geo.num_layers):
         assert torch.equal(k_out[layer], k_ref[layer].view(torch.uint8).reshape(-1)), f"K of layer {layer}"
         assert torch.equal(v_out[layer], v_ref[layer].view(torch.uint8).reshape(-1)), f"V of layer {layer}"

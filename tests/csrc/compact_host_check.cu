@@ -19,7 +19,8 @@
 // stdout: int64 overlaps (address conflicts found in concurrent phases), int64 skipped[2] (whether the
 // walk skipped a move for a token outside the page table row, for a page id outside the pools:
 // the kernel's bounds checks, limits max_pages * tokens_per_block tokens and num_pages pages),
-// then the pools as read.
+// int64 loads (16-byte pool loads issued: a move that stores nothing must issue none), then the
+// pools as read.
 #include <cstdio>
 #include <cstring>
 #include <set>
@@ -42,6 +43,7 @@ struct HostExec {
   std::vector<kc::ResolvedMove> tiles_;
   std::set<const uint8_t*>* record = nullptr;  // addresses touched in the current phase
   long long overlaps = 0;
+  long long loads = 0;
 
   template <class F>
   void each_thread(F f) {
@@ -67,9 +69,11 @@ struct HostExec {
   void barrier() {}
   kc::TileRegs<kHostPer>& regs(int t) { return regs_[t]; }
   kc::ResolvedMove* moves(int buffer) { return tiles_.data() + buffer * tile; }
-  uint4 load16(const uint8_t* p) {
+  uint4 load16_if(const uint8_t* p) {
+    uint4 v{};
+    if (p == nullptr) return v;
+    ++loads;
     if (record) record->insert(p);
-    uint4 v;
     memcpy(&v, p, 16);
     return v;
   }
@@ -92,15 +96,20 @@ struct Case {
   std::vector<int32_t> table, src, dst, offsets;
 };
 
+struct Counts {
+  long long overlaps = -1;
+  long long loads = 0;
+};
+
 template <int kThreads>
-long long compact_all(const Case& c, std::vector<kc::LayerPools>& pools, kvgen::DeviceErrors& errors) {
+Counts compact_all(const Case& c, std::vector<kc::LayerPools>& pools, kvgen::DeviceErrors& errors) {
   HostExec<kThreads> ex;
   ex.stores_first = c.stores_first;
   ex.tile = kc::tile_moves(kThreads, (int)c.tile_tokens, c.g.row_vectors());
   ex.tiles_.resize(3 * ex.tile);
   if (kc::vectors_per_thread(kThreads, ex.tile, c.g.row_vectors()) > kHostPer) {
     fprintf(stderr, "rows too long for %d threads\n", kThreads);
-    return -1;
+    return Counts{};
   }
   const kc::MoveLimits limits = kc::move_limits(c.max_pages * c.g.tokens_per_block, c.num_pages, &errors);
   // Any CTA order is valid (CTAs share no bytes); walk them as the grid enumerates them.
@@ -115,7 +124,7 @@ long long compact_all(const Case& c, std::vector<kc::LayerPools>& pools, kvgen::
       }
     }
   }
-  return ex.overlaps;
+  return Counts{ex.overlaps, ex.loads};
 }
 
 }  // namespace
@@ -166,14 +175,15 @@ int main() {
     return true;
   };
   if (!each_page(true)) return 4;
-  long long overlaps = -1;
+  Counts counts;
   kvgen::DeviceErrors errors{};
-  if (c.threads == 64) overlaps = compact_all<64>(c, pools, errors);
-  if (c.threads == 128) overlaps = compact_all<128>(c, pools, errors);
-  if (c.threads == 256) overlaps = compact_all<256>(c, pools, errors);
-  if (c.threads == 512) overlaps = compact_all<512>(c, pools, errors);
-  if (overlaps < 0) return 5;
-  const int64_t out[3] = {overlaps, errors.hit[kvgen::kCompactPosition], errors.hit[kvgen::kCompactPage]};
-  fwrite(out, sizeof(int64_t), 3, stdout);
+  if (c.threads == 64) counts = compact_all<64>(c, pools, errors);
+  if (c.threads == 128) counts = compact_all<128>(c, pools, errors);
+  if (c.threads == 256) counts = compact_all<256>(c, pools, errors);
+  if (c.threads == 512) counts = compact_all<512>(c, pools, errors);
+  if (counts.overlaps < 0) return 5;
+  const int64_t out[4] = {counts.overlaps, errors.hit[kvgen::kCompactPosition], errors.hit[kvgen::kCompactPage],
+                          counts.loads};
+  fwrite(out, sizeof(int64_t), 4, stdout);
   return each_page(false) ? 0 : 6;
 }

@@ -67,10 +67,9 @@ struct LayerPools {
   int64_t v_page_stride;
 };
 
-// A move with its tokens resolved to (page, row in page).  The source is always an address inside
-// the pools (clamped, see resolve_move), so a tile's loads need no per-move branch; dst_page < 0:
-// nothing to store (the packer's -1 fill, an identity move, which would copy a row onto itself, a
-// move out of range, or a slot past the request's last move).
+// A move with its tokens resolved to (page, row in page), every index clamped into its range (see
+// resolve_move); dst_page < 0: nothing to load or store (the packer's -1 fill, an identity move,
+// which would copy a row onto itself, a move out of range, or a slot past the request's last move).
 struct ResolvedMove {
   int32_t src_page;
   int32_t src_row;
@@ -78,7 +77,7 @@ struct ResolvedMove {
   int32_t dst_row;
 };
 
-constexpr ResolvedMove kNoMove{0, 0, -1, 0};  // loads page 0, row 0 (inside any non-empty pool), stores nothing
+constexpr ResolvedMove kNoMove{0, 0, -1, 0};  // copies nothing
 
 // What one CTA may touch: tokens [0, tokens) of its page table row (the row's width times
 // tokens_per_block) and pages [0, pages) of its pools.  A move outside is skipped, noted in the
@@ -123,16 +122,16 @@ struct SkippedMoves {
 constexpr int32_t kMoveFill = -1;  // the packer's fill slot (src and dst), which moves nothing
 
 // Every index is clamped into its range before it is used (a token outside the page table row
-// to token 0, a page outside the pools to page 0), so the page table and pool reads are
-// unconditional and stay inside what the kernel was given; only the store is predicated
-// (dst_page < 0).  With a branch per move instead, the compiler could not batch a tile's loads
-// ahead of its stores, and batch-1 compaction (latency-bound) ran at 0.66 of copy against 0.74
-// with the checks compiled out (results/2026-12-02-h200/codec_device_check.json).
-// An empty page table row (limits.tokens 0) reads no page id; empty pools (limits.pages 0) are
-// not read at all (Walk::load): both tests are uniform over the CTA.  The load of a move that
-// stores nothing is discarded, so it may read a row that the concurrent stores of the previous
-// tile write (a fill clamped to token 0, say): only loads that are stored carry the ordering
-// argument (a)-(c) above, and tests/csrc/compact_host_check.cu counts every overlap (0 in its cases).
+// to token 0, a page outside the pools to page 0), so the page table reads are unconditional and
+// stay inside what the kernel was given, and a move needs no branch: its row load and store are
+// both predicated on dst_page >= 0 (Walk::address, ThreadExec::load16_if).  With a branch per move
+// instead, the compiler could not batch a tile's loads ahead of its stores, and batch-1
+// compaction (latency-bound) ran at 0.66 of copy against 0.74 with the checks compiled out
+// (results/2026-12-02-h200/codec_device_check.json).  With unpredicated loads from the clamped
+// address instead, every move that stores nothing still read a row: at batch 256 the benchmark's
+// 11 layers of fill moves all loaded the same few rows (0.66 of copy, results/2026-12-02-h200/bench).
+// An empty page table row (limits.tokens 0) reads no page id; empty pools (limits.pages 0) make
+// every move store nothing, so they are never read.
 __host__ __device__ inline ResolvedMove resolve_move(const Geometry& g, const int32_t* table_row, int head,
                                                      int32_t src, int32_t dst, const MoveLimits& limits,
                                                      SkippedMoves& skipped) {
@@ -143,8 +142,11 @@ __host__ __device__ inline ResolvedMove resolve_move(const Geometry& g, const in
   const int tpb = g.tokens_per_block;
   const int32_t s = src_ok ? src : 0;
   const int32_t d = dst_ok ? dst : 0;
-  const int32_t src_page = limits.tokens > 0 ? table_row[s / tpb] : -1;
-  const int32_t dst_page = limits.tokens > 0 ? table_row[d / tpb] : -1;
+  // A move that copies nothing reads no page id either: a run of fill moves (the benchmark's layers
+  // that do not fit, a sliding-window layer's leading slots) costs one dependent load, not two.
+  const bool reads_pages = copies && limits.tokens > 0;
+  const int32_t src_page = reads_pages ? table_row[s / tpb] : -1;
+  const int32_t dst_page = reads_pages ? table_row[d / tpb] : -1;
   const bool src_page_ok = in_range32(src_page, limits.pages);
   const bool dst_page_ok = in_range32(dst_page, limits.pages);
   const bool tokens_ok = copies && src_ok && dst_ok;
@@ -240,12 +242,19 @@ __host__ __device__ inline TileVector tile_vector(int i, int row_vectors) {
   return TileVector{i / (2 * row_vectors), (i / row_vectors) & 1, i % row_vectors};
 }
 
-// The registers of one thread: the tile being stored, the tile being loaded, and the moves it
-// skipped.
+// A move as the packer wrote it (src, dst tokens), read a tile before it is resolved.
+struct FetchedMove {
+  int32_t src = kMoveFill;
+  int32_t dst = kMoveFill;
+};
+
+// The registers of one thread: the tile being stored, the tile being loaded, its move of the tile
+// after the one being resolved, and the moves it skipped.
 template <int kPer>
 struct TileRegs {
   uint4 cur[kPer];
   uint4 next[kPer];
+  FetchedMove fetched;
   SkippedMoves skipped;
 
   __host__ __device__ void advance() {
@@ -264,7 +273,8 @@ struct TileRegs {
 //   barrier()               __syncthreads() (GPU) or nothing (host: phases are already sequential)
 //   regs(t)                 TileRegs of thread t (its tiles and its SkippedMoves)
 //   moves(buffer)           ResolvedMove[tile] in shared memory, buffer 0..2
-//   load16(p) / store16(p, v)
+//   load16_if(p)            the 16 bytes at p, or (p null) any value without touching memory
+//   store16(p, v)
 // Exec's functions are __device__ on the GPU and __host__ on the host, hence the
 // nv_exec_check_disable on every function that calls them.
 template <int kThreads, int kPer, class Exec>
@@ -274,44 +284,48 @@ struct Walk {
   const CtaTask& task;
   int tile;
 
-  // Threads 0 .. tile-1 resolve one move each of tile k through the page table.
+  // Threads 0 .. tile-1 read one move each of tile k (a slot past the request's last move is a
+  // fill, which copies nothing) ...
+#pragma nv_exec_check_disable
+  __host__ __device__ void fetch(int t, int k) const {
+    if (t >= tile) return;
+    const int m = k * tile + t;
+    ex.regs(t).fetched = m < task.count ? FetchedMove{task.src[m], task.dst[m]} : FetchedMove{};
+  }
+
+  // ... and resolve it, fetched one phase earlier, through the page table.
 #pragma nv_exec_check_disable
   __host__ __device__ void resolve(int t, int k) const {
     if (t >= tile) return;
-    const int m = k * tile + t;
-    ResolvedMove rm = kNoMove;
-    if (m < task.count) {
-      rm = resolve_move(g, task.table_row, task.head, task.src[m], task.dst[m], task.limits, ex.regs(t).skipped);
-    }
-    ex.moves(k % 3)[t] = rm;
+    TileRegs<kPer>& r = ex.regs(t);
+    ex.moves(k % 3)[t] =
+        resolve_move(g, task.table_row, task.head, r.fetched.src, r.fetched.dst, task.limits, r.skipped);
   }
 
 #pragma nv_exec_check_disable
   __host__ __device__ void report(int t) const { ex.regs(t).skipped.report(task.limits.errors); }
 
-  // Address of vector i of tile k, or nullptr past the tile or, for a store, when the vector's move
-  // copies nothing.  A source address is always inside the pools (resolve_move clamps it).
+  // Source or destination address of vector i of tile k, or nullptr past the tile or when the
+  // vector's move copies nothing (fill, identity, out of range, or past the last move).  Computed
+  // without a branch (a vector past the tile reads move 0's slot, then is dropped by the final
+  // select), so the compiler predicates the load and the store on the result instead of branching
+  // around them, and a tile's loads issue back to back.
 #pragma nv_exec_check_disable
   __host__ __device__ uint8_t* address(int i, int k, bool source) const {
-    if (i >= tile * 2 * g.row_vectors()) return nullptr;
-    const TileVector tv = tile_vector(i, g.row_vectors());
+    const bool in_tile = i < tile * 2 * g.row_vectors();
+    const TileVector tv = tile_vector(in_tile ? i : 0, g.row_vectors());
     const ResolvedMove rm = ex.moves(k % 3)[tv.move];
-    if (!source && rm.dst_page < 0) return nullptr;  // fill, identity, out of range, or past the last move
     uint8_t* base = tv.pool == 0 ? task.pools.k : task.pools.v;
     const int64_t stride = tv.pool == 0 ? task.pools.k_page_stride : task.pools.v_page_stride;
     const int64_t offset = source ? row_offset(g, stride, rm.src_page, rm.src_row)
                                   : row_offset(g, stride, rm.dst_page, rm.dst_row);
-    return base + offset + 16 * tv.vec;
+    return in_tile && rm.dst_page >= 0 ? base + offset + 16 * tv.vec : nullptr;
   }
 
 #pragma nv_exec_check_disable
   __host__ __device__ void load(int t, int k) const {
-    if (task.limits.pages == 0) return;  // nothing to read (uniform); every move is skipped
 #pragma unroll
-    for (int j = 0; j < kPer; ++j) {
-      const uint8_t* p = address(t + j * kThreads, k, true);
-      if (p) ex.regs(t).next[j] = ex.load16(p);
-    }
+    for (int j = 0; j < kPer; ++j) ex.regs(t).next[j] = ex.load16_if(address(t + j * kThreads, k, true));
   }
 
 #pragma nv_exec_check_disable
@@ -327,12 +341,15 @@ struct Walk {
   __host__ __device__ void advance(int t) const { ex.regs(t).advance(); }
 };
 
-// One CTA's moves, tile after tile. Per tile k:  barrier | load(k+1) || store(k) | resolve(k+2);
+// One CTA's moves, tile after tile. Per tile k:
+//   barrier | load(k+1) || store(k) | resolve(k+2), fetch(k+3)
 // then each thread reports the moves it skipped.
-// Resolving tile k+2 (two dependent loads: the move, then its page) after issuing tile k+1's loads
-// overlaps the two latencies instead of adding them.  Move addresses are triple-buffered: resolve
-// writes buffer (k+2) % 3 after barrier k, when every thread is done with tile k-1's buffer, and
-// tiles k and k+1 (read in this phase) use the other two.
+// Resolving tile k+2 after issuing tile k+1's loads overlaps their latencies instead of adding
+// them, and its moves were fetched in the previous phase, so the only load resolve waits for is
+// the page id (none for a move that copies nothing): a tile's critical path is one dependent
+// load, not two, and a run of fill moves waits for nothing but the barrier.  Move addresses are
+// triple-buffered: resolve writes buffer (k+2) % 3 after barrier k, when every thread is done with
+// tile k-1's buffer, and tiles k and k+1 (read in this phase) use the other two.
 #pragma nv_exec_check_disable
 template <int kThreads, int kPer, class Exec>
 __host__ __device__ inline void walk_moves(Exec& ex, const Geometry& g, const CtaTask& task, int tile) {
@@ -340,8 +357,10 @@ __host__ __device__ inline void walk_moves(Exec& ex, const Geometry& g, const Ct
   if (tiles == 0) return;
   const Walk<kThreads, kPer, Exec> w{ex, g, task, tile};
   ex.each_thread([&](int t) {
-    w.resolve(t, 0);
-    if (tiles > 1) w.resolve(t, 1);
+    for (int k = 0; k < 3 && k < tiles; ++k) {
+      w.fetch(t, k);
+      if (k < 2) w.resolve(t, k);
+    }
   });
   ex.barrier();
   ex.each_thread([&](int t) {
@@ -353,7 +372,12 @@ __host__ __device__ inline void walk_moves(Exec& ex, const Geometry& g, const Ct
     ex.barrier();  // tile k loaded by every thread (b); tile k+1 resolved
     ex.overlap([&](int t) { if (more) w.load(t, k + 1); },  // (c): disjoint from tile k's stores
                [&](int t) { w.store(t, k); });
-    if (k + 2 < tiles) ex.each_thread([&](int t) { w.resolve(t, k + 2); });
+    if (k + 2 < tiles) {
+      ex.each_thread([&](int t) {
+        w.resolve(t, k + 2);
+        if (k + 3 < tiles) w.fetch(t, k + 3);
+      });
+    }
     if (more) ex.each_thread([&](int t) { w.advance(t); });
   }
   ex.each_thread([&](int t) { w.report(t); });
@@ -388,14 +412,44 @@ struct ThreadExec {
   __device__ __forceinline__ void barrier() { __syncthreads(); }
   __device__ __forceinline__ TileRegs<kPer>& regs(int) { return r; }
   __device__ __forceinline__ ResolvedMove* moves(int buffer) { return tiles[buffer]; }
-  // L2-only loads: the pools are written by this kernel, so the non-coherent path is off limits.
-  __device__ __forceinline__ uint4 load16(const uint8_t* p) { return __ldcg(reinterpret_cast<const uint4*>(p)); }
+  // L2-only load (the pools are written by this kernel, so the non-coherent path is off limits),
+  // predicated on p != nullptr inside one PTX instruction: no branch, so a tile's loads still issue
+  // back to back, and a move that stores nothing reads no memory.  volatile like __ldcg's asm, so it
+  // stays between the barriers it was written between.  A skipped load leaves v undefined; its
+  // vector is never stored (Walk::store skips the same move).
+  __device__ __forceinline__ uint4 load16_if(const uint8_t* p) {
+    uint4 v;
+    asm volatile(
+        "{\n\t.reg .pred p;\n\tsetp.ne.u64 p, %4, 0;\n\t@p ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];\n\t}"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(p));
+    return v;
+  }
   // Streaming stores: a moved row is not read again by this kernel.
   __device__ __forceinline__ void store16(uint8_t* p, uint4 v) { __stcs(reinterpret_cast<uint4*>(p), v); }
 };
 
-// F (generated) provides: static geometry(), kThreads, kTileTokens.
-// Grid: x = request, y = KV head, z = layer within this launch's LaunchPools.
+// The (request, KV head, layer within the launch) of this CTA.  The grid is always (max_requests,
+// kv_heads, layers of the launch); CTAs start roughly in ascending linear block index, so the order
+// decides which CTAs share the GPU at a time.  layer_fastest 0: the grid's own order (every
+// request of one head and layer, then the next head, then the next layer); 1: consecutive CTAs
+// take consecutive layers, so a layer whose moves are mostly fill (a sliding-window layer's
+// leading slots, or the benchmark's layers that do not fit) runs beside layers that move bytes
+// instead of after them, where its latency-bound walk would leave the DRAM idle.
+struct CtaIndex {
+  int request;
+  int head;
+  int layer;  // within the launch's LaunchPools
+};
+
+__device__ inline CtaIndex cta_index(bool layer_fastest) {
+  if (!layer_fastest) return CtaIndex{(int)blockIdx.x, (int)blockIdx.y, (int)blockIdx.z};
+  const uint64_t layers = gridDim.z, heads = gridDim.y;
+  const uint64_t linear = blockIdx.x + (uint64_t)gridDim.x * (blockIdx.y + heads * blockIdx.z);
+  return CtaIndex{(int)(linear / (layers * heads)), (int)((linear / layers) % heads), (int)(linear % layers)};
+}
+
+// F (generated) provides: static geometry(), kThreads, kTileTokens, kLayerFastest.
 template <class F>
 __global__ void __launch_bounds__(F::kThreads)
     compact_kernel(LaunchPools pools, const int32_t* __restrict__ page_table, int64_t page_table_stride,
@@ -408,15 +462,13 @@ __global__ void __launch_bounds__(F::kThreads)
   static_assert(g.row_bytes % 16 == 0, "rows are copied in 16-byte vectors");
   static_assert(kPer <= 2 * kMaxVectorsPerThread, "rows too long for the register tiles");
 
-  const int request = blockIdx.x;
-  const int head = blockIdx.y;
-  const int layer = pools.first_layer + (int)blockIdx.z;
-  const RequestRange range = request_range(offsets, request, moves_per_head);
+  const CtaIndex cta = cta_index(F::kLayerFastest != 0);
+  const RequestRange range = request_range(offsets, cta.request, moves_per_head);
   if (range.count == 0) return;  // uniform over the CTA: padded or inactive request
 
-  const MoveLimits limits = move_limits(table_tokens, pools.num_pages[blockIdx.z], errors);
-  const CtaTask task = cta_task(g, pools.layers[blockIdx.z], page_table, page_table_stride, src, dst, moves_per_head,
-                                range, request, head, layer, limits);
+  const MoveLimits limits = move_limits(table_tokens, pools.num_pages[cta.layer], errors);
+  const CtaTask task = cta_task(g, pools.layers[cta.layer], page_table, page_table_stride, src, dst, moves_per_head,
+                                range, cta.request, cta.head, pools.first_layer + cta.layer, limits);
   __shared__ ResolvedMove tiles[3][kTile];
   ThreadExec<kPer, kTile> ex{tiles, {}};
   walk_moves<F::kThreads, kPer>(ex, g, task, kTile);
