@@ -8,8 +8,7 @@ thread), built here (CuTe DSL, no GPU), measured there by ``scripts/score_varian
     python scripts/score_variants.py build/device/scorer --out $OUT/score    # on the H200
 
 ``--changes FILE`` replaces ``CHANGES`` with per-family lists (JSON ``{family: [change, ...]}``; the
-shipped configuration is always measured, first), e.g. ``scripts/score_variants_coef_reuse.json`` or
-``scripts/score_variants_reduce.json`` (the warp form, ``reduce`` 1, in a few launch shapes).
+shipped configuration is always measured, first), e.g. ``scripts/score_variants_coef_reuse.json``.
 
 The bundle directory holds ``score-variants.tar.xz`` only (the libraries share their static CUDA
 runtime, which the archive stores once; unpacked, they would be ~1 MiB each), and
@@ -26,7 +25,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-FAMILIES = ("qwen3-8b", "gpt-oss-20b", "gemma-2-9b", "qwen3.5-397b-a17b", "qwen3-8b-fp8")
+FAMILIES = ("qwen3-8b", "gpt-oss-20b", "gemma-2-9b", "qwen3.5-397b-a17b")
 ARCHIVE = "score-variants.tar.xz"
 INDEX = "variants.json"
 
@@ -68,7 +67,7 @@ def load_changes(path: Path) -> dict[str, list[dict[str, int]]]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=ROOT / "build" / "device" / "scorer")
-    parser.add_argument("--family", action="append", choices=FAMILIES, help="default: all five")
+    parser.add_argument("--family", action="append", choices=FAMILIES, help="default: all four")
     parser.add_argument("--arch", default="sm_90a")
     parser.add_argument("--changes", type=Path, help="JSON {family: [change, ...]} instead of CHANGES")
     args = parser.parse_args(argv)

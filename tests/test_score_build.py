@@ -43,7 +43,6 @@ from kvgen.runtime.pack import MovePacker
 from kvgen.runtime.score import ScoreLibrary
 from kvgen.spec.schema import SpecError, load_spec, parse_spec
 from kvgen.tuning.costmodel.features import embedded_cubin
-from kvgen.tuning.space import canonical
 
 from .test_runtime_registry import real_registry
 
@@ -403,55 +402,3 @@ def test_pipelined_and_fp8_scorers_compile_for_sm100_targets(tmp_path: Path, too
     for build in compile_scores(specs, arch, tmp_path / "cache", toolchain, params):
         assert build.status == "built", build.error
         _check_library(build.artifact, build.family, arch, specs[1] if build.family.endswith("fp8") else None)
-
-
-# ---------------------------------------------------------------- the warp form (reduce 1)
-
-# The warp form's shape compiled for every scorable family (the other shapes of the H200 bundle,
-# scripts/score_variants_reduce.json, are other token_tiles / tokens_per_thread / threads).
-WARP_FORM = {"reduce": 1, "threads": 256, "token_tiles": 4}
-
-
-def test_warp_form_folds_what_it_does_not_use() -> None:
-    """reduce 1 has no lanes, prefetch, ring or shift / mask widening (folded, so one kernel per
-    shape), and folds onto 0 where F = rotary_dim / 2 does not split over 32 lanes."""
-    spec = ALL_SPECS[PROBE_FAMILY]
-    ignored = {"lanes": 4, "prefetch": 1, "smem_stages": 2, "unpack": 1}
-    params = score_plan(spec, {"reduce": 1, **ignored}).params
-    assert (params["reduce"], params["lanes"], params["prefetch"], params["smem_stages"], params["unpack"]) == (
-        1, 1, 0, 0, 0)
-    assert canonical("score", {**default_params("score"), "reduce": 1, **ignored}, spec) == \
-        canonical("score", {**default_params("score"), "reduce": 1}, spec)
-    narrow = spec.model_copy(update={"head_dim": 32})   # F = 16
-    assert score_plan(narrow, {"reduce": 1, "lanes": 4}).params == score_plan(narrow, {"lanes": 4}).params
-    assert score_plan(spec).params["reduce"] == 0, "the thread form stays the default until the H200 decides"
-
-
-def _warp_tokens_per_cta(lib: ScoreLibrary, params: dict) -> int:
-    merged = {**default_params("score"), **params}
-    padded = 1 << (int(lib.geometry["heads_per_pass"]) - 1).bit_length()
-    return merged["threads"] // 32 * (32 // padded) * merged["tokens_per_thread"] * merged["token_tiles"]
-
-
-@pytest.mark.skipif(not CUOBJDUMP.is_file(), reason="no cuobjdump (Triton's wheel ships it)")
-def test_warp_form_compiles_for_every_family_without_spills(tmp_path: Path, toolchain) -> None:
-    """Every scorable family (head 64, 128, 256, partial rotary, fp8 / fp16 K, NHD, falcon-7b's 5
-    passes of 15 heads padded to 16) in the warp form, sm_90a: it builds, reports 32 threads per
-    token and its tokens per CTA, and keeps its coefficients and partials in registers (no stack)."""
-    for build in compile_scores([ALL_SPECS[f] for f in TRI_FAMILIES], "sm_90a", tmp_path / "cache", toolchain,
-                                WARP_FORM):
-        assert build.status == "built", build.error
-        lib = ScoreLibrary(build.artifact, family=build.family)
-        assert lib.geometry["lanes"] == 32 and lib.geometry["threads"] == WARP_FORM["threads"]
-        assert lib.geometry["tokens_per_cta"] == _warp_tokens_per_cta(lib, WARP_FORM)
-        usage = _resource_usage(build.artifact, tmp_path)
-        assert " STACK:0 " in usage and " LOCAL:0 " in usage, (build.family, usage)
-
-
-def test_warp_form_compiles_for_sm100a(tmp_path: Path, toolchain) -> None:
-    spec = ALL_SPECS[PROBE_FAMILY].model_copy(update={"targets": ["sm_100a"]})
-    (build,) = compile_scores([spec], "sm_100a", tmp_path / "cache", toolchain, WARP_FORM)
-    assert build.status == "built", build.error
-    lib = ScoreLibrary(build.artifact, family=PROBE_FAMILY)
-    assert lib.geometry["lanes"] == 32 and lib.arch == "sm_100a"
-    assert embedded_sm_versions(build.artifact) == [100]

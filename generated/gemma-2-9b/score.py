@@ -2,7 +2,7 @@
 # family:   gemma-2-9b
 # op:       score
 # template: score.py.j2
-# plan key: 271067d920ea962f974cc58d5b5fe08f009660bbd1397d2934caf0de6e731183
+# plan key: d88cad99feb7c2097dcf70f538cf95980fbdd49790492ac06985e01875eb35a2
 """TriAttention scorer of family gemma-2-9b (TRIATTENTION.md §3), CuTe DSL, compiled ahead of time.
 
 This file only fixes the family's constants; the kernel is ``kvgen.kernels.cute.score_kernel.TriScoreKernel``.
@@ -32,8 +32,7 @@ GEOMETRY = {
 # Tunable launch parameters: threads per CTA, query heads accumulated per pass over K, threads
 # per token, stages per CTA, tokens per thread and stage, next stage's loads issued ahead (0/1),
 # stages of the cp.async ring in shared memory (0: K loads into registers), bf16 widened from
-# 32-bit words by shift/mask (0/1), how a token's partial scores meet (0: lanes threads per token,
-# coefficients in shared memory; 1: a warp per token tile, coefficients in registers, transpose-reduce).
+# 32-bit words by shift/mask (0/1).
 PARAMS = {
     "threads": 128,
     "max_heads": 16,
@@ -43,7 +42,6 @@ PARAMS = {
     "prefetch": 0,
     "smem_stages": 0,
     "unpack": 0,
-    "reduce": 0,
 }
 
 # Cache layers the kernel is launched for, in the order of its layer grid dimension.

@@ -99,16 +99,6 @@ TUNABLES: dict[str, dict[str, tuple[tuple[int, ...], int]]] = {
         # heads >= 8, scripts/score_variants_coef_reuse.json). Same values, same scores; folded
         # to 0 for other dtypes by the tuner. Unmeasured: 0 until the H200 says otherwise.
         "unpack": ((0, 1), 0),
-        # How a token's partial scores meet. 0 ("thread"): `lanes` threads per token, coefficients
-        # read from shared memory (a warp LDS.128 per chunk and head quad, broadcast: the shared
-        # data path binds, ncu L1 91 % busy at 0.70 of copy for qwen3-8b). 1 ("warp"): a warp per
-        # token tile, lane l owns frequencies [l·F/32, (l+1)·F/32) with their coefficients in
-        # registers for the whole CTA, and a transpose-reduce (31 shuffles per 32 (token, head)
-        # sums) meets the lanes' partials; lanes/prefetch/smem_stages/unpack do not apply (folded,
-        # fold_score_params), as does reduce 1 itself where F is not a multiple of 32. reduce 1
-        # changes the summation order, so the scores' last bits (within the oracle tolerance,
-        # CHECK_TOLERANCE, not bit-identical to 0). Unmeasured: 0 until the H200 says otherwise.
-        "reduce": ((0, 1), 0),
     },
     # Normalize, aggregate, select (kvgen/kernels/triton/select.py); none changes a result bit: the
     # summation order of the statistics is fixed by the reference (REDUCTION_LANES), not by these.
@@ -125,19 +115,6 @@ TUNABLES: dict[str, dict[str, tuple[tuple[int, ...], int]]] = {
 
 def default_params(op: Op) -> dict[str, int]:
     return {name: default for name, (_, default) in TUNABLES[op].items()}
-
-
-def fold_score_params(spec: FamilySpec, params: Mapping[str, int]) -> dict[str, int]:
-    """Score params with what the warp form (``reduce`` 1) ignores folded onto one value (lanes 1,
-    no prefetch, no ring, no shift / mask widening), and ``reduce`` 1 onto 0 where the rotated span
-    does not split over 32 lanes (``F`` not a multiple of 32)."""
-    out = dict(params)
-    if out.get("reduce") == 1:
-        if (score_geometry(spec)["rotary_dim"] // 2) % 32 == 0:   # a whole slice of F per lane
-            out.update(lanes=1, prefetch=0, smem_stages=0, unpack=0)
-        else:
-            out["reduce"] = 0
-    return out
 
 
 def packed_encode_buffers(spec: FamilySpec, layout: FamilyLayout | None = None) -> bool:
@@ -330,7 +307,6 @@ def score_plan(spec: FamilySpec, params: Mapping[str, int] | None = None) -> Ker
     """The CuTe DSL scorer of a TriAttention family (built by kvgen.build.cute_aot)."""
     merged = {**default_params("score"), **(params or {})}
     check_params("score", merged)
-    merged = fold_score_params(spec, merged)
     return KernelPlan(spec.name, "score", "score.py.j2", score_geometry(spec), merged)
 
 

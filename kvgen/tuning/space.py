@@ -16,15 +16,7 @@ from typing import Mapping
 
 from kvgen.kernels.cute.geometry import effective_lanes, row_chunks
 from kvgen.lower.layout import family_layout
-from kvgen.lower.plan import (
-    TUNABLES,
-    Op,
-    default_params,
-    f32_literal,
-    fold_codec_params,
-    fold_score_params,
-    score_geometry,
-)
+from kvgen.lower.plan import TUNABLES, Op, default_params, f32_literal, fold_codec_params, score_geometry
 from kvgen.spec.schema import FamilySpec
 
 TUNED_OPS: tuple[Op, ...] = ("codec", "compact", "score")
@@ -91,7 +83,6 @@ def canonical(op: Op, params: Mapping[str, int], spec: FamilySpec) -> dict[str, 
             out["prefetch"] = 0
         if spec.dtype != "bf16":             # shift / mask widening is bf16's only
             out["unpack"] = 0
-        out = fold_score_params(spec, out)   # what the warp form (reduce 1) ignores
     if op == "codec" and out["decode_split"] != 1 and (out["decode_route"] == 0 or not lut_decode_buffers(spec)):
         out["decode_split"] = 1  # half blocks exist only on the Lut route of 16-bit hot dtypes
     if op == "codec":

@@ -19,9 +19,6 @@ the same bound holds with T taken over the fp8 values, and the kept sets are com
 Variants of the pipeline tunables
 (``tokens_per_thread``, ``prefetch``) are the same tests run with ``KVGEN_SCORE_REGISTRY`` set to
 their registry (``build/registry-score-{t2,p1,t2p1,t4p1}``): same scores within the same bound.
-The warp form (``reduce`` 1: registry ``build/device/scorer3/registry.tar.xz``) sums a lane's
-``3·F/32`` products in a chain, then the 32 lanes' partials in a 5-level tree: its worst case,
-``(3F/32 + 5 + 16)·u·T``, is within the same bound for every ``F ≥ 32`` it runs (F a multiple of 32).
 Device-side safety: page ids outside the pool in the page table score 0 and the next call raises.
 
 Grid: every TriAttention family, its first 6 cache layers (the kernel's layer count is a run-time

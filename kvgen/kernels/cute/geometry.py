@@ -36,18 +36,3 @@ def effective_lanes(lanes: int, chunks: int) -> int:
     while chunks % lanes:
         lanes //= 2
     return lanes
-
-
-WARP = 32
-
-
-def warp_padded_heads(heads: int) -> int:
-    """Query heads per pass rounded up to a power of two (the warp form's transpose-reduce needs
-    ``32 / padded`` whole tokens per 32 partials); the padding heads have zero coefficients and are
-    never stored."""
-    padded = 1
-    while padded < heads:
-        padded *= 2
-    if padded > WARP:
-        raise ValueError(f"warp form: {heads} query heads per pass (at most {WARP})")
-    return padded

@@ -37,23 +37,7 @@ Work decomposition (memory bound: every K row is read once per pass, see below):
   memory (``[stage][token][piece][thread]``: conflict-free), issues stage ``s + smem_stages - 1``
   before waiting for stage ``s`` (``cp.async.wait_group``) and reads its pieces back with volatile
   loads; no thread reads another's pieces, so no barrier. The accumulation order of a token is the
-  same in every thread-form variant: the scores are identical, bit for bit.
-- the warp form (``reduce`` 1) replaces the shared-memory coefficients, whose broadcast reads bind
-  the thread form (a warp LDS.128 returns 512 bytes: 6 per qwen3-8b token, ~24 clocks of the SM's
-  shared data path, 0.70 of copy): a warp owns tiles of ``32 / padded_heads`` adjacent tokens of
-  one KV head; lane ``l`` owns frequencies ``[l·F/32, (l + 1)·F/32)`` and keeps their ``(a, b, m)``
-  of every query head of the pass in registers for the whole CTA (computed from the calibration by
-  the lane itself: no shared memory, no barrier). Per tile the warp reads each token's rotated span
-  coalesced (each lane its slice), each lane forms one partial per (token, head): 32 partials, and
-  a transpose-reduce (``transpose_reduce``: 31 shuffles) leaves lane ``l`` the score of one (token,
-  head), stored directly. ``tokens_per_thread`` tiles per stage are loaded (branch-free) before any
-  is scored; ``lanes``, ``prefetch``, ``smem_stages`` and ``unpack`` do not apply. Query heads per
-  pass are padded to a power of two (zero coefficients, never stored: falcon-7b's 15 take 16);
-  ``F`` must be a multiple of 32 (``kvgen.lower.plan.fold_score_params`` folds reduce 1 onto 0
-  otherwise). Its summation order differs (a lane's pairs, then a fixed 32-lane tree, instead of
-  the chunks in sequence), so its scores differ from the thread form's in the last bits: within
-  the scorer's oracle tolerance (``kvgen.measure.workloads.score.CHECK_TOLERANCE``, 1e-4 × the
-  largest |score|), not bit-identical; every warp-form variant sums in the same order.
+  same in every variant: the scores are identical, bit for bit.
 - page ids from the page table outside ``[0, num_pages)``, and positions outside the page table's
   row, are never dereferenced: the token is scored 0 and the value recorded in ``errors`` (the C
   shim fails the next call with it).
@@ -77,14 +61,7 @@ from cutlass import Float32, Int32, Int64
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from kvgen.kernels.cute.geometry import (
-    VECTOR_BYTES,
-    WARP,
-    effective_lanes,
-    pairs_per_chunk,
-    vector_width,
-    warp_padded_heads,
-)
+from kvgen.kernels.cute.geometry import effective_lanes, pairs_per_chunk, vector_width
 
 # fp8_e4m3 K is read as stored: the score of a dequantized pool (K × k_scale, k_scale > 0) is the
 # same score × k_scale, which z-normalization removes (TRIATTENTION.md §3 and reference.score_keys).
@@ -141,21 +118,6 @@ def cp_async(shared: Int32, source: Int64, size: int, read: Int32, *, loc=None, 
                            Int32(read).ir_value(loc=loc, ip=ip)],
                     f"cp.async.{cache}.shared.global [$0], [$1], {size}, $2;", "r,l,r", has_side_effects=True,
                     is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
-
-
-def transpose_reduce(values: list, lane) -> Float32:
-    """The warp-wide sums of 32 values per lane, one per lane: in each step ``s`` = 16, 8, 4, 2, 1 a
-    lane keeps the half of its values whose index has bit ``s`` equal to its lane's, sends the other
-    half to lane ``lane ^ s`` and adds what it receives; after the last, lane ``l`` holds the sum
-    over all lanes of value ``l`` (31 shuffles for 32 sums; the order of a sum is a fixed tree)."""
-    while len(values) > 1:
-        half = len(values) // 2
-        upper = (lane & half) != 0
-        values = [Float32(cutlass.select_(upper, values[i + half], values[i]))
-                  + cute.arch.shuffle_sync_bfly(Float32(cutlass.select_(upper, values[i], values[i + half])),
-                                                offset=half)
-                  for i in range(half)]
-    return values[0]
 
 
 class RowSource:
@@ -260,8 +222,7 @@ class TriScoreKernel:
     def __init__(self, *, dtype: str, layout: str, head_dim: int, query_heads: int, kv_heads: int,
                  rotary_start: int, rotary_dim: int, pairing: str, tokens_per_block: int,
                  threads: int = 128, max_heads: int = 16, lanes: int = 1, token_tiles: int = 1,
-                 tokens_per_thread: int = 1, prefetch: int = 0, smem_stages: int = 0, unpack: int = 0,
-                 reduce: int = 0):
+                 tokens_per_thread: int = 1, prefetch: int = 0, smem_stages: int = 0, unpack: int = 0):
         if dtype not in ELEMENT_TYPES:
             raise ValueError(f"score kernel: dtype {dtype!r}; accepted: {', '.join(ELEMENT_TYPES)}")
         if layout not in ("HND", "NHD") or pairing not in ("half", "interleaved"):
@@ -278,9 +239,6 @@ class TriScoreKernel:
                              "shared-memory ring replaces the register prefetch)")
         if unpack not in (0, 1) or (unpack and dtype != "bf16"):
             raise ValueError(f"score kernel: unpack {unpack} (0 or 1; 1 needs bf16 K, not {dtype})")
-        if reduce not in (0, 1) or (reduce and (prefetch or smem_stages or unpack or (rotary_dim // 2) % WARP)):
-            raise ValueError(f"score kernel: reduce {reduce} (0 or 1; 1 needs prefetch, smem_stages and unpack 0 "
-                             f"and F = rotary_dim / 2 a multiple of {WARP}, not {rotary_dim // 2})")
         self.dtype = dtype
         self.element = ELEMENT_TYPES[dtype]
         # 1: bf16 pairs widened from their 32-bit word, low = word << 16, high = word & 0xffff0000
@@ -341,30 +299,6 @@ class TriScoreKernel:
         else:                 # NHD: [tokens_per_block][Hkv][head_dim]
             self.head_stride = head_dim
             self.slot_stride = kv_heads * head_dim
-        self.reduce = reduce
-        if reduce:
-            self.set_warp_form()
-
-    def set_warp_form(self) -> None:
-        """The warp form's geometry (``reduce`` 1), over the thread form's: lane ``l`` of a warp owns
-        frequencies ``[l·ppl, (l + 1)·ppl)`` (``ppl = F / 32`` pairs per lane) of every token of its
-        tile, whose ``32 / padded_heads`` tokens give each lane 32 partials for the transpose-reduce.
-        ``lanes`` reads 32 (threads per token) and ``vec`` the width of a lane's K loads."""
-        self.pairs_per_lane = self.freqs // WARP
-        self.padded_heads = warp_padded_heads(self.heads)
-        self.tokens_per_group = WARP // self.padded_heads   # tokens of one transpose-reduce
-        self.lanes = WARP
-        self.pipelined = True                               # loads branch-free, RowSource hoisted
-        # A lane's elements of one token: ppl of re then ppl of im (half), or 2·ppl interleaved, in
-        # loads of the widest power of two that divides them, fits 16 bytes and keeps them aligned.
-        run = self.pairs_per_lane if self.pairing == "half" else 2 * self.pairs_per_lane
-        width = VECTOR_BYTES // self.elem_bytes
-        while width > 1 and (run % width or self.rotary_start % width):
-            width //= 2
-        self.vec = width
-        self.lane_elems = 2 * self.pairs_per_lane
-        self.tokens_per_cta = (self.threads // WARP * self.tokens_per_group * self.tokens_per_thread
-                               * self.token_tiles)
 
     def coefficient_layout(self) -> cute.Layout:
         H, ppc = self.heads, self.pairs_per_chunk
@@ -407,40 +341,37 @@ class TriScoreKernel:
         lane = tid % self.lanes
         token = RowSource(k_ptrs, page_table, P, errors, page_stride, num_pages, layer, request, kv_head, lane,
                           S[request] - P[request], hoist=self.pipelined)
-        if cutlass.const_expr(self.reduce == 1):
-            self.run_warp_form(token, c, d, qr, qi, mlr, freq_scale_sq, scores, tile, tid, first, width)
-        else:
-            # Registers for one stage's K pieces (tokens_per_thread rows) and whether each is used.
-            rows = cute.make_rmem_tensor(cute.make_layout(self.tokens_per_thread * self.row_elems), self.element)
-            used = cute.make_rmem_tensor(cute.make_layout(self.tokens_per_thread), Int32)
-            # prefetch: the first stage's K loads (and their page-table lookups) are issued before
-            # the coefficient prologue, so its global loads and barrier overlap them.
-            if cutlass.const_expr(self.prefetch == 1):
-                self.load_stage(token, rows, used, tile, tid, Int32(0), True)
+        # Registers for one stage's K pieces (tokens_per_thread rows) and whether each is used.
+        rows = cute.make_rmem_tensor(cute.make_layout(self.tokens_per_thread * self.row_elems), self.element)
+        used = cute.make_rmem_tensor(cute.make_layout(self.tokens_per_thread), Int32)
+        # prefetch: the first stage's K loads (and their page-table lookups) are issued before
+        # the coefficient prologue, so its global loads and barrier overlap them.
+        if cutlass.const_expr(self.prefetch == 1):
+            self.load_stage(token, rows, used, tile, tid, Int32(0), True)
 
-            # (a, b, m) of this pass's query heads for this (layer, request), in shared memory.
-            smem = cutlass.memory.SmemAllocator()
-            coef = smem.allocate_tensor(Float32, self.coefficient_layout(), 16)
-            ring = Int32(0)
-            if cutlass.const_expr(self.smem_stages > 0):
-                # the first smem_stages - 1 stages' copies go out before the coefficient prologue
-                ring = smem.allocate_tensor(Int32, cute.make_layout(self.ring_words), 16).iterator.toint()
-                for ahead in cutlass.range_constexpr(self.smem_stages - 1):
-                    self.issue_stage(token, ring, tile, tid, Int32(ahead), ahead < self.token_tiles, ahead)
-            self.load_coefficients(coef, c, d, qr, qi, mlr, freq_scale_sq, tid, layer, request, kv_head, first)
-            cute.arch.sync_threads()
+        # (a, b, m) of this pass's query heads for this (layer, request), in shared memory.
+        smem = cutlass.memory.SmemAllocator()
+        coef = smem.allocate_tensor(Float32, self.coefficient_layout(), 16)
+        ring = Int32(0)
+        if cutlass.const_expr(self.smem_stages > 0):
+            # the first smem_stages - 1 stages' copies go out before the coefficient prologue
+            ring = smem.allocate_tensor(Int32, cute.make_layout(self.ring_words), 16).iterator.toint()
+            for ahead in cutlass.range_constexpr(self.smem_stages - 1):
+                self.issue_stage(token, ring, tile, tid, Int32(ahead), ahead < self.token_tiles, ahead)
+        self.load_coefficients(coef, c, d, qr, qi, mlr, freq_scale_sq, tid, layer, request, kv_head, first)
+        cute.arch.sync_threads()
 
-            acc = cute.make_rmem_tensor(cute.make_layout(self.tokens_per_thread * self.heads), Float32)
-            # A loop, not unrolled at trace time: unrolled, the compiler hoists every stage's loads to
-            # the top and spills (255 registers + stack measured for 4 stages of qwen3-8b, sm_90a;
-            # looped: 36). The pipelined forms also keep the compiler from unrolling it (unroll=1).
-            for stage in cutlass.range(self.token_tiles, unroll=1 if self.pipelined else -1):
-                if cutlass.const_expr(self.smem_stages > 0):
-                    self.run_ring_stage(token, ring, acc, coef, scores, tile, tid, first, width, stage)
-                else:
-                    self.run_stage(token, rows, used, acc, coef, scores, tile, tid, first, width, stage)
+        acc = cute.make_rmem_tensor(cute.make_layout(self.tokens_per_thread * self.heads), Float32)
+        # A loop, not unrolled at trace time: unrolled, the compiler hoists every stage's loads to
+        # the top and spills (255 registers + stack measured for 4 stages of qwen3-8b, sm_90a;
+        # looped: 36). The pipelined forms also keep the compiler from unrolling it (unroll=1).
+        for stage in cutlass.range(self.token_tiles, unroll=1 if self.pipelined else -1):
             if cutlass.const_expr(self.smem_stages > 0):
-                cute.arch.cp_async_wait_group(0)   # the zero-filled copies past the last stage land before exit
+                self.run_ring_stage(token, ring, acc, coef, scores, tile, tid, first, width, stage)
+            else:
+                self.run_stage(token, rows, used, acc, coef, scores, tile, tid, first, width, stage)
+        if cutlass.const_expr(self.smem_stages > 0):
+            cute.arch.cp_async_wait_group(0)   # the zero-filled copies past the last stage land before exit
 
     def columns(self, tile, tid, stage) -> list:
         """Columns of this thread's tokens in ``stage``: one per token tile of the stage, the threads
@@ -623,25 +554,18 @@ class TriScoreKernel:
             e = f - chunk * ppc
             step = chunk // self.lanes
             lane = chunk - step * self.lanes
-            a, b, m = self.coefficients_of(c, d, qr, qi, mlr, freq_scale_sq, layer, request, kv_head, first + h, f)
-            coef[h, 0, e, lane, step] = a
-            coef[h, 1, e, lane, step] = b
-            coef[h, 2, e, lane, step] = m
-
-    def coefficients_of(self, c: cute.Tensor, d: cute.Tensor, qr: cute.Tensor, qi: cute.Tensor, mlr: cute.Tensor,
-                        freq_scale_sq: cute.Tensor, layer, request, kv_head, member, f) -> tuple:
-        """``(a, b, m)`` of group member ``member`` at frequency ``f`` (zeros past the group)."""
-        live = member < self.group
-        head = kv_head * self.group + cutlass.min(member, self.group - 1)
-        s = freq_scale_sq[f]
-        cf = c[request, f]
-        df = d[request, f]
-        re = qr[layer, head, f]
-        im = qi[layer, head, f]
-        zero = Float32(0.0)
-        return (Float32(cutlass.select_(live, s * (re * cf - im * df), zero)),
-                Float32(cutlass.select_(live, s * (re * df + im * cf), zero)),
-                Float32(cutlass.select_(live, s * mlr[layer, head, f], zero)))
+            member = first + h
+            live = member < self.group
+            head = kv_head * self.group + cutlass.min(member, self.group - 1)
+            s = freq_scale_sq[f]
+            cf = c[request, f]
+            df = d[request, f]
+            re = qr[layer, head, f]
+            im = qi[layer, head, f]
+            zero = Float32(0.0)
+            coef[h, 0, e, lane, step] = Float32(cutlass.select_(live, s * (re * cf - im * df), zero))
+            coef[h, 1, e, lane, step] = Float32(cutlass.select_(live, s * (re * df + im * cf), zero))
+            coef[h, 2, e, lane, step] = Float32(cutlass.select_(live, s * mlr[layer, head, f], zero))
 
     def accumulate(self, acc: cute.Tensor, coefficients, rows: cute.Tensor, tokens: int, lane) -> None:
         """``acc[t·heads + h] += Σ a·re + b·im + m·|k|`` over this lane's chunks of the K rows of
@@ -686,103 +610,6 @@ class TriScoreKernel:
         magnitude = cute.math.sqrt(re * re + im * im, approx=True)
         for h in range(self.heads):
             acc[base + h] = acc[base + h] + a[h] * re + b[h] * im + m[h] * magnitude
-
-    # ------------------------------------------------------------------ the warp form (reduce 1)
-
-    @cute.jit
-    def run_warp_form(self, token: "RowSource", c: cute.Tensor, d: cute.Tensor, qr: cute.Tensor, qi: cute.Tensor,
-                      mlr: cute.Tensor, freq_scale_sq: cute.Tensor, scores: cute.Tensor, tile: Int32, tid: Int32,
-                      first: Int32, width: Int32):
-        """The CTA's stages in the warp form: this lane's coefficients into registers once (straight
-        from the calibration: no shared memory, no barrier), then per stage every group's K slices
-        loaded (branch-free, all in flight together) before any is scored."""
-        ppl, H = self.pairs_per_lane, self.padded_heads
-        coef = cute.make_rmem_tensor(cute.make_layout((H, 3, ppl)), Float32)
-        for e in cutlass.range_constexpr(ppl):
-            f = token.lane * ppl + e
-            for h in cutlass.range_constexpr(H):
-                if cutlass.const_expr(h < self.heads):
-                    a, b, m = self.coefficients_of(c, d, qr, qi, mlr, freq_scale_sq, token.layer, token.request,
-                                                   token.kv_head, first + h, f)
-                else:   # padding head: never stored
-                    a = b = m = Float32(0.0)
-                coef[h, 0, e] = a
-                coef[h, 1, e] = b
-                coef[h, 2, e] = m
-        tokens = self.tokens_per_thread * self.tokens_per_group   # tokens of one stage, per warp
-        rows = cute.make_rmem_tensor(cute.make_layout(tokens * self.lane_elems), self.element)
-        used = cute.make_rmem_tensor(cute.make_layout(tokens), Int32)
-        for stage in cutlass.range(self.token_tiles, unroll=1):
-            self.run_warp_stage(token, coef, rows, used, scores, tile, tid, first, width, stage)
-
-    @cute.jit
-    def run_warp_stage(self, token: "RowSource", coef: cute.Tensor, rows: cute.Tensor, used: cute.Tensor,
-                       scores: cute.Tensor, tile: Int32, tid: Int32, first: Int32, width: Int32, stage: Int32):
-        """One stage of the warp form: the K slices of all its tokens in flight, then each group scored."""
-        base = self.warp_stage_column(tile, tid, stage)
-        for t in cutlass.range_constexpr(self.tokens_per_thread * self.tokens_per_group):
-            use, span = token.locate(self, base + t, True)
-            used[t] = Int32(cutlass.select_(use, Int32(1), Int32(0)))
-            self.load_lane_slice(rows, t, span, token.lane)
-        for g in cutlass.range_constexpr(self.tokens_per_thread):
-            self.score_group(coef, rows, used, scores, token, first, base, g, width)
-
-    def warp_stage_column(self, tile, tid, stage):
-        """Column of this warp's first token in ``stage``: a warp's tokens of a stage are adjacent
-        columns (``tokens_per_thread`` groups of ``tokens_per_group``), warps of a CTA after another."""
-        per_warp = self.tokens_per_thread * self.tokens_per_group
-        return ((tile * self.token_tiles + stage) * (self.threads // WARP) + tid // WARP) * per_warp
-
-    def load_lane_slice(self, rows: cute.Tensor, t: int, span: cute.Tensor, lane) -> None:
-        """This lane's frequencies of token ``t``'s rotated span into ``rows`` (re run then im run
-        for half pairs, one interleaved run otherwise): the warp's loads of one row are coalesced."""
-        ppl, vec = self.pairs_per_lane, self.vec
-        if self.pairing == "half":
-            runs = [lane * ppl, self.freqs + lane * ppl]   # element offsets of the re and im runs
-            run = ppl
-        else:
-            runs = [lane * 2 * ppl]
-            run = 2 * ppl
-        slot = t * (self.lane_elems // vec)
-        for start in runs:
-            for k in range(run // vec):
-                cute.local_tile(rows, (vec,), (slot,)).store(cute.local_tile(span, (vec,), (start // vec + k,)).load())
-                slot += 1
-
-    @cute.jit
-    def score_group(self, coef: cute.Tensor, rows: cute.Tensor, used: cute.Tensor, scores: cute.Tensor,
-                    token: "RowSource", first: Int32, base: Int32, g: cutlass.Constexpr, width: Int32):
-        """Group ``g`` of the stage: this lane's partial of each (token ``t``, head ``h``) at
-        ``t·padded_heads + h`` (0 for a token not read), summed over the warp by ``transpose_reduce``
-        after which lane ``l`` holds the score of token ``l // padded_heads``, head ``l % padded_heads``."""
-        H, T = self.padded_heads, self.tokens_per_group
-        partials = self.group_partials(coef, rows, used, g)
-        score = transpose_reduce(partials, token.lane)
-        h = token.lane % H
-        j = base + g * T + token.lane // H
-        if j < width and h < self.heads and first + h < self.group:
-            scores[token.layer, token.request, token.kv_head * self.group + first + h, j] = score
-
-    def group_partials(self, coef: cute.Tensor, rows: cute.Tensor, used: cute.Tensor, g: int) -> list:
-        """This lane's partial scores of group ``g``: ``Σ a·re + b·im + m·|k|`` over its frequencies,
-        for each token ``t`` and head ``h`` at ``t·padded_heads + h`` (0 for a token not read)."""
-        ppl, H, T = self.pairs_per_lane, self.padded_heads, self.tokens_per_group
-        pieces = self.lane_elems // self.vec
-        partials = []
-        for t in range(T):   # plain Python: unrolled at trace time
-            values = self.load_f32(rows, (g * T + t) * pieces, pieces)
-            if self.pairing == "half":
-                pairs = [(values[e], values[ppl + e]) for e in range(ppl)]
-            else:
-                pairs = [(values[2 * e], values[2 * e + 1]) for e in range(ppl)]
-            sums = [Float32(0.0)] * H
-            for e, (re, im) in enumerate(pairs):
-                magnitude = cute.math.sqrt(re * re + im * im, approx=True)   # as accumulate_pair
-                sums = [sums[h] + coef[h, 0, e] * re + coef[h, 1, e] * im + coef[h, 2, e] * magnitude
-                        for h in range(H)]
-            read = used[g * T + t] != 0
-            partials += [Float32(cutlass.select_(read, sums[h], Float32(0.0))) for h in range(H)]
-        return partials
 
     # ------------------------------------------------------------------ ahead-of-time compile
 
