@@ -242,19 +242,12 @@ __host__ __device__ inline TileVector tile_vector(int i, int row_vectors) {
   return TileVector{i / (2 * row_vectors), (i / row_vectors) & 1, i % row_vectors};
 }
 
-// A move as the packer wrote it (src, dst tokens), read a tile before it is resolved.
-struct FetchedMove {
-  int32_t src = kMoveFill;
-  int32_t dst = kMoveFill;
-};
-
-// The registers of one thread: the tile being stored, the tile being loaded, its move of the tile
-// after the one being resolved, and the moves it skipped.
+// The registers of one thread: the tile being stored, the tile being loaded, and the moves it
+// skipped.
 template <int kPer>
 struct TileRegs {
   uint4 cur[kPer];
   uint4 next[kPer];
-  FetchedMove fetched;
   SkippedMoves skipped;
 
   __host__ __device__ void advance() {
@@ -284,22 +277,16 @@ struct Walk {
   const CtaTask& task;
   int tile;
 
-  // Threads 0 .. tile-1 read one move each of tile k (a slot past the request's last move is a
-  // fill, which copies nothing) ...
-#pragma nv_exec_check_disable
-  __host__ __device__ void fetch(int t, int k) const {
-    if (t >= tile) return;
-    const int m = k * tile + t;
-    ex.regs(t).fetched = m < task.count ? FetchedMove{task.src[m], task.dst[m]} : FetchedMove{};
-  }
-
-  // ... and resolve it, fetched one phase earlier, through the page table.
+  // Threads 0 .. tile-1 resolve one move each of tile k through the page table.
 #pragma nv_exec_check_disable
   __host__ __device__ void resolve(int t, int k) const {
     if (t >= tile) return;
-    TileRegs<kPer>& r = ex.regs(t);
-    ex.moves(k % 3)[t] =
-        resolve_move(g, task.table_row, task.head, r.fetched.src, r.fetched.dst, task.limits, r.skipped);
+    const int m = k * tile + t;
+    ResolvedMove rm = kNoMove;
+    if (m < task.count) {
+      rm = resolve_move(g, task.table_row, task.head, task.src[m], task.dst[m], task.limits, ex.regs(t).skipped);
+    }
+    ex.moves(k % 3)[t] = rm;
   }
 
 #pragma nv_exec_check_disable
@@ -341,15 +328,12 @@ struct Walk {
   __host__ __device__ void advance(int t) const { ex.regs(t).advance(); }
 };
 
-// One CTA's moves, tile after tile. Per tile k:
-//   barrier | load(k+1) || store(k) | resolve(k+2), fetch(k+3)
+// One CTA's moves, tile after tile. Per tile k:  barrier | load(k+1) || store(k) | resolve(k+2);
 // then each thread reports the moves it skipped.
-// Resolving tile k+2 after issuing tile k+1's loads overlaps their latencies instead of adding
-// them, and its moves were fetched in the previous phase, so the only load resolve waits for is
-// the page id (none for a move that copies nothing): a tile's critical path is one dependent
-// load, not two, and a run of fill moves waits for nothing but the barrier.  Move addresses are
-// triple-buffered: resolve writes buffer (k+2) % 3 after barrier k, when every thread is done with
-// tile k-1's buffer, and tiles k and k+1 (read in this phase) use the other two.
+// Resolving tile k+2 (two dependent loads: the move, then its page) after issuing tile k+1's loads
+// overlaps the two latencies instead of adding them.  Move addresses are triple-buffered: resolve
+// writes buffer (k+2) % 3 after barrier k, when every thread is done with tile k-1's buffer, and
+// tiles k and k+1 (read in this phase) use the other two.
 #pragma nv_exec_check_disable
 template <int kThreads, int kPer, class Exec>
 __host__ __device__ inline void walk_moves(Exec& ex, const Geometry& g, const CtaTask& task, int tile) {
@@ -357,10 +341,8 @@ __host__ __device__ inline void walk_moves(Exec& ex, const Geometry& g, const Ct
   if (tiles == 0) return;
   const Walk<kThreads, kPer, Exec> w{ex, g, task, tile};
   ex.each_thread([&](int t) {
-    for (int k = 0; k < 3 && k < tiles; ++k) {
-      w.fetch(t, k);
-      if (k < 2) w.resolve(t, k);
-    }
+    w.resolve(t, 0);
+    if (tiles > 1) w.resolve(t, 1);
   });
   ex.barrier();
   ex.each_thread([&](int t) {
@@ -372,12 +354,7 @@ __host__ __device__ inline void walk_moves(Exec& ex, const Geometry& g, const Ct
     ex.barrier();  // tile k loaded by every thread (b); tile k+1 resolved
     ex.overlap([&](int t) { if (more) w.load(t, k + 1); },  // (c): disjoint from tile k's stores
                [&](int t) { w.store(t, k); });
-    if (k + 2 < tiles) {
-      ex.each_thread([&](int t) {
-        w.resolve(t, k + 2);
-        if (k + 3 < tiles) w.fetch(t, k + 3);
-      });
-    }
+    if (k + 2 < tiles) ex.each_thread([&](int t) { w.resolve(t, k + 2); });
     if (more) ex.each_thread([&](int t) { w.advance(t); });
   }
   ex.each_thread([&](int t) { w.report(t); });
