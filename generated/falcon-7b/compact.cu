@@ -2,13 +2,13 @@
 // family:   falcon-7b
 // op:       compact
 // template: compact.cu.j2
-// plan key: 04bf9d1a06f1f61d9e2680076563055996ef3add207eb4dbc079b58cafc5a42b
+// plan key: 4a6d1db21fae46d5960464e78147e0c7aa6a5f7e3d469d3604c763d4807f014a
 //
 // TriAttention compaction of family falcon-7b (TRIATTENTION.md §7, C ABI kvgen_compact.h).
 // This file only describes the family; the kernel is kvgen/kernels/cuda/compact_kernels.cuh.
 //
 // Pages: NHD [tokens_per_block][kv_heads][head_dim] = [64][1][64] of bf16 (2 bytes), 32 layers, K and V pools per layer.
-// Launch: one CTA of 128 threads per (request, KV head, layer), tiles of up to 32 moves, requests fastest in CTA order.
+// Launch: one CTA of 128 threads per (request, KV head, layer), tiles of up to 32 moves.
 #include "compact_host.cuh"
 
 namespace kvgen {
@@ -17,7 +17,6 @@ namespace compact_family {
 struct Family {
   static constexpr int kThreads = 128;
   static constexpr int kTileTokens = 32;
-  static constexpr int kLayerFastest = 0;  // CTA order (compact_kernels.cuh cta_index)
 
   __host__ __device__ static constexpr compact::Geometry geometry() {
     return compact::Geometry{/*layout=*/compact::kNHD, /*kv_heads=*/1,

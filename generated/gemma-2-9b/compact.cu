@@ -2,13 +2,13 @@
 // family:   gemma-2-9b
 // op:       compact
 // template: compact.cu.j2
-// plan key: ee43280f148c68433894b11c2aabd29eac8fcd9680ecda437effcf5dcd2ee0df
+// plan key: f0d9c0a49627af17c2b923698f3c4ba41308614677c04fcdbb8fc003b520a6bd
 //
 // TriAttention compaction of family gemma-2-9b (TRIATTENTION.md §7, C ABI kvgen_compact.h).
 // This file only describes the family; the kernel is kvgen/kernels/cuda/compact_kernels.cuh.
 //
 // Pages: HND [kv_heads][tokens_per_block][head_dim] = [8][32][256] of bf16 (2 bytes), 42 layers, K and V pools per layer.
-// Launch: one CTA of 128 threads per (request, KV head, layer), tiles of up to 32 moves, requests fastest in CTA order.
+// Launch: one CTA of 128 threads per (request, KV head, layer), tiles of up to 32 moves.
 #include "compact_host.cuh"
 
 namespace kvgen {
@@ -17,7 +17,6 @@ namespace compact_family {
 struct Family {
   static constexpr int kThreads = 128;
   static constexpr int kTileTokens = 32;
-  static constexpr int kLayerFastest = 0;  // CTA order (compact_kernels.cuh cta_index)
 
   __host__ __device__ static constexpr compact::Geometry geometry() {
     return compact::Geometry{/*layout=*/compact::kHND, /*kv_heads=*/8,

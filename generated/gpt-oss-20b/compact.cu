@@ -2,13 +2,13 @@
 // family:   gpt-oss-20b
 // op:       compact
 // template: compact.cu.j2
-// plan key: 8ac6ee947a29ff84f369764a41620e5d8111df513212f167bdf2e86388a64425
+// plan key: 470dda8108fe4bade056cd55841ae5151e0ce7714352f03d9158a60c4b870b1d
 //
 // TriAttention compaction of family gpt-oss-20b (TRIATTENTION.md §7, C ABI kvgen_compact.h).
 // This file only describes the family; the kernel is kvgen/kernels/cuda/compact_kernels.cuh.
 //
 // Pages: HND [kv_heads][tokens_per_block][head_dim] = [8][32][64] of bf16 (2 bytes), 24 layers, K and V pools per layer.
-// Launch: one CTA of 128 threads per (request, KV head, layer), tiles of up to 32 moves, requests fastest in CTA order.
+// Launch: one CTA of 128 threads per (request, KV head, layer), tiles of up to 32 moves.
 #include "compact_host.cuh"
 
 namespace kvgen {
@@ -17,7 +17,6 @@ namespace compact_family {
 struct Family {
   static constexpr int kThreads = 128;
   static constexpr int kTileTokens = 32;
-  static constexpr int kLayerFastest = 0;  // CTA order (compact_kernels.cuh cta_index)
 
   __host__ __device__ static constexpr compact::Geometry geometry() {
     return compact::Geometry{/*layout=*/compact::kHND, /*kv_heads=*/8,

@@ -2,13 +2,13 @@
 // family:   mistral-7b
 // op:       compact
 // template: compact.cu.j2
-// plan key: 8c6eb0f00a0c3a46b2e0ce7e58a1b21490e5d56fc7e4b33e48014e5a935969f8
+// plan key: f44fdb9fb47d1074d823b544bfa8d6b73d689427872524274cd2ff30391ed57a
 //
 // TriAttention compaction of family mistral-7b (TRIATTENTION.md §7, C ABI kvgen_compact.h).
 // This file only describes the family; the kernel is kvgen/kernels/cuda/compact_kernels.cuh.
 //
 // Pages: NHD [tokens_per_block][kv_heads][head_dim] = [16][8][128] of fp16 (2 bytes), 32 layers, K and V pools per layer.
-// Launch: one CTA of 128 threads per (request, KV head, layer), tiles of up to 32 moves, requests fastest in CTA order.
+// Launch: one CTA of 128 threads per (request, KV head, layer), tiles of up to 32 moves.
 #include "compact_host.cuh"
 
 namespace kvgen {
@@ -17,7 +17,6 @@ namespace compact_family {
 struct Family {
   static constexpr int kThreads = 128;
   static constexpr int kTileTokens = 32;
-  static constexpr int kLayerFastest = 0;  // CTA order (compact_kernels.cuh cta_index)
 
   __host__ __device__ static constexpr compact::Geometry geometry() {
     return compact::Geometry{/*layout=*/compact::kNHD, /*kv_heads=*/8,

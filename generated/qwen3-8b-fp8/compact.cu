@@ -2,13 +2,13 @@
 // family:   qwen3-8b-fp8
 // op:       compact
 // template: compact.cu.j2
-// plan key: 656bb26140844eb362fe72a72a01f9052a1932dd599f111467d0187030920057
+// plan key: dfc26f501bc939dbf06764a4ca1380a9b4f3a86f0f50ea54a43633c30b41af5a
 //
 // TriAttention compaction of family qwen3-8b-fp8 (TRIATTENTION.md §7, C ABI kvgen_compact.h).
 // This file only describes the family; the kernel is kvgen/kernels/cuda/compact_kernels.cuh.
 //
 // Pages: HND [kv_heads][tokens_per_block][head_dim] = [8][32][128] of fp8_e4m3 (1 bytes), 36 layers, K and V pools per layer.
-// Launch: one CTA of 128 threads per (request, KV head, layer), tiles of up to 32 moves, requests fastest in CTA order.
+// Launch: one CTA of 128 threads per (request, KV head, layer), tiles of up to 32 moves.
 #include "compact_host.cuh"
 
 namespace kvgen {
@@ -17,7 +17,6 @@ namespace compact_family {
 struct Family {
   static constexpr int kThreads = 128;
   static constexpr int kTileTokens = 32;
-  static constexpr int kLayerFastest = 0;  // CTA order (compact_kernels.cuh cta_index)
 
   __host__ __device__ static constexpr compact::Geometry geometry() {
     return compact::Geometry{/*layout=*/compact::kHND, /*kv_heads=*/8,

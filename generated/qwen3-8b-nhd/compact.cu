@@ -2,13 +2,13 @@
 // family:   qwen3-8b-nhd
 // op:       compact
 // template: compact.cu.j2
-// plan key: 1363b0abddc46833b892b93a67a501a0d4c873a8ecf2f05f162e6c8aaedde578
+// plan key: 4831b7e65eafb79ec5e43de91b63e1da709fb6b27b230d472640dccee1a89b1c
 //
 // TriAttention compaction of family qwen3-8b-nhd (TRIATTENTION.md §7, C ABI kvgen_compact.h).
 // This file only describes the family; the kernel is kvgen/kernels/cuda/compact_kernels.cuh.
 //
 // Pages: NHD [tokens_per_block][kv_heads][head_dim] = [32][8][128] of bf16 (2 bytes), 36 layers, K and V pools per layer.
-// Launch: one CTA of 128 threads per (request, KV head, layer), tiles of up to 32 moves, requests fastest in CTA order.
+// Launch: one CTA of 128 threads per (request, KV head, layer), tiles of up to 32 moves.
 #include "compact_host.cuh"
 
 namespace kvgen {
@@ -17,7 +17,6 @@ namespace compact_family {
 struct Family {
   static constexpr int kThreads = 128;
   static constexpr int kTileTokens = 32;
-  static constexpr int kLayerFastest = 0;  // CTA order (compact_kernels.cuh cta_index)
 
   __host__ __device__ static constexpr compact::Geometry geometry() {
     return compact::Geometry{/*layout=*/compact::kNHD, /*kv_heads=*/8,

@@ -2,13 +2,13 @@
 // family:   qwen3-8b
 // op:       compact
 // template: compact.cu.j2
-// plan key: 85a406dfcea4c6b26faded8ae85bf44d0a7a61a67e44e80c60f158462e3e1f9c
+// plan key: 3da248e6bd5d9f5e2d0bd0d9c22f6d28f90915c0c6adb7534ecb69cd3dc581d7
 //
 // TriAttention compaction of family qwen3-8b (TRIATTENTION.md §7, C ABI kvgen_compact.h).
 // This file only describes the family; the kernel is kvgen/kernels/cuda/compact_kernels.cuh.
 //
 // Pages: HND [kv_heads][tokens_per_block][head_dim] = [8][32][128] of bf16 (2 bytes), 36 layers, K and V pools per layer.
-// Launch: one CTA of 128 threads per (request, KV head, layer), tiles of up to 32 moves, requests fastest in CTA order.
+// Launch: one CTA of 128 threads per (request, KV head, layer), tiles of up to 32 moves.
 #include "compact_host.cuh"
 
 namespace kvgen {
@@ -17,7 +17,6 @@ namespace compact_family {
 struct Family {
   static constexpr int kThreads = 128;
   static constexpr int kTileTokens = 32;
-  static constexpr int kLayerFastest = 0;  // CTA order (compact_kernels.cuh cta_index)
 
   __host__ __device__ static constexpr compact::Geometry geometry() {
     return compact::Geometry{/*layout=*/compact::kHND, /*kv_heads=*/8,

@@ -68,11 +68,6 @@ TUNABLES: dict[str, dict[str, tuple[tuple[int, ...], int]]] = {
         # tile_moves() still caps a tile at 16 vectors per thread, so long rows do not spill.
         "threads": ((64, 128, 256, 512), 128),
         "tile_tokens": ((8, 16, 32, 64, 128), 32),
-        # CTA order (compact_kernels.cuh cta_index): 1 runs consecutive layers side by side, so
-        # layers whose moves are mostly fill (sliding-window layers; the benchmark's layers that do
-        # not fit at batch 256) overlap layers that move bytes. Same bytes. Default 0 (the order
-        # measured so far); 1 is unmeasured (scripts/compact_device_check.py measures both).
-        "layer_fastest": ((0, 1), 0),
     },
     "pack": {
         "block": ((64, 128, 256, 512), 256),

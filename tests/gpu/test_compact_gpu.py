@@ -139,9 +139,6 @@ SYNTHETIC = {
 }
 
 
-DEFAULT_PARAMS = {"threads": 128, "tile_tokens": 32, "layer_fastest": 0}
-
-
 def _render_synthetic(name: str, geometry_: dict, params: dict | None = None) -> str:
     """compact.cu.j2 with the context kvgen.render.source gives it (that module needs the spec, so pydantic)."""
     import jinja2
@@ -150,7 +147,7 @@ def _render_synthetic(name: str, geometry_: dict, params: dict | None = None) ->
                              undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True,
                              keep_trailing_newline=True)
     plan = SimpleNamespace(family=name)
-    context = {"plan": plan, "g": geometry_, "p": {**DEFAULT_PARAMS, **(params or {})}, "symbol": "kvgen_test",
+    context = {"plan": plan, "g": geometry_, "p": params or {"threads": 128, "tile_tokens": 32}, "symbol": "kvgen_test",
                "header": f"// test library {name}"}
     return env.get_template("compact.cu.j2").render(context)
 
@@ -175,9 +172,8 @@ def synthetic_libraries(tmp_path_factory) -> dict[str, CompactLibrary]:
 
 
 # The compaction tunables' larger values (more bytes in flight per CTA), on bf16 rows of 256 and
-# 512 bytes: every (threads, tile_tokens) pair with 512 threads or 128-move tiles, layers fastest in
-# CTA order (layer_fastest 1) with 256 threads and 32-move tiles.
-BIG_TILES = [(t, k, 0) for t in (256, 512) for k in (32, 64, 128) if t == 512 or k == 128] + [(256, 32, 1)]
+# 512 bytes: every (threads, tile_tokens) pair with 512 threads or 128-move tiles.
+BIG_TILES = [(t, k) for t in (256, 512) for k in (32, 64, 128) if t == 512 or k == 128]
 BF16_GEOMETRIES = {
     "bf16-hnd-d128-tpb64": {"dtype": "bf16", "layout": "HND", "elem_bytes": 2, "kv_heads": 8, "head_dim": 128,
                             "tokens_per_block": 64, "layers": 3},
@@ -197,22 +193,20 @@ def tile_libraries(tmp_path_factory) -> dict[tuple, CompactLibrary]:
     work = tmp_path_factory.mktemp("compact_tiles")
     libraries = {}
     for name, geometry_ in BF16_GEOMETRIES.items():
-        for threads, tile, layer_fastest in BIG_TILES:
-            stem = f"{name}-t{threads}x{tile}-l{layer_fastest}"
-            source = work / f"{stem}.cu"
-            params = {"threads": threads, "tile_tokens": tile, "layer_fastest": layer_fastest}
-            source.write_text(_render_synthetic(name, geometry_, params))
-            out = work / f"lib{stem}.so"
+        for threads, tile in BIG_TILES:
+            source = work / f"{name}-t{threads}x{tile}.cu"
+            source.write_text(_render_synthetic(name, geometry_, {"threads": threads, "tile_tokens": tile}))
+            out = work / f"lib{name}-t{threads}x{tile}.so"
             compile_shared_library([source], "sm_90a", list(INCLUDE_DIRS), out, toolchain)
-            libraries[(name, threads, tile, layer_fastest)] = CompactLibrary(out)
+            libraries[(name, threads, tile)] = CompactLibrary(out)
     return libraries
 
 
-@pytest.mark.parametrize("threads, tile, layer_fastest", BIG_TILES)
+@pytest.mark.parametrize("threads, tile", BIG_TILES)
 @pytest.mark.parametrize("name", sorted(BF16_GEOMETRIES))
-def test_big_tiles_equal_oracle(tile_libraries: dict, name: str, threads: int, tile: int, layer_fastest: int) -> None:
-    """threads 512 / tile_tokens 128 and the layers-fastest CTA order move exactly the oracle's bytes."""
-    library = tile_libraries[(name, threads, tile, layer_fastest)]
+def test_big_tiles_equal_oracle(tile_libraries: dict, name: str, threads: int, tile: int) -> None:
+    """threads 512 / tile_tokens 128 (the new choices) move exactly the oracle's bytes."""
+    library = tile_libraries[(name, threads, tile)]
     for i, mode in enumerate(MODES):
         _check_compaction(library, mode, seed=300 + i, combined=(i == 2))
 

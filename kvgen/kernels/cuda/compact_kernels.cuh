@@ -406,27 +406,8 @@ struct ThreadExec {
   __device__ __forceinline__ void store16(uint8_t* p, uint4 v) { __stcs(reinterpret_cast<uint4*>(p), v); }
 };
 
-// The (request, KV head, layer within the launch) of this CTA.  The grid is always (max_requests,
-// kv_heads, layers of the launch); CTAs start roughly in ascending linear block index, so the order
-// decides which CTAs share the GPU at a time.  layer_fastest 0: the grid's own order (every
-// request of one head and layer, then the next head, then the next layer); 1: consecutive CTAs
-// take consecutive layers, so a layer whose moves are mostly fill (a sliding-window layer's
-// leading slots, or the benchmark's layers that do not fit) runs beside layers that move bytes
-// instead of after them, where its latency-bound walk would leave the DRAM idle.
-struct CtaIndex {
-  int request;
-  int head;
-  int layer;  // within the launch's LaunchPools
-};
-
-__device__ inline CtaIndex cta_index(bool layer_fastest) {
-  if (!layer_fastest) return CtaIndex{(int)blockIdx.x, (int)blockIdx.y, (int)blockIdx.z};
-  const uint64_t layers = gridDim.z, heads = gridDim.y;
-  const uint64_t linear = blockIdx.x + (uint64_t)gridDim.x * (blockIdx.y + heads * blockIdx.z);
-  return CtaIndex{(int)(linear / (layers * heads)), (int)((linear / layers) % heads), (int)(linear % layers)};
-}
-
-// F (generated) provides: static geometry(), kThreads, kTileTokens, kLayerFastest.
+// F (generated) provides: static geometry(), kThreads, kTileTokens.
+// Grid: x = request, y = KV head, z = layer within this launch's LaunchPools.
 template <class F>
 __global__ void __launch_bounds__(F::kThreads)
     compact_kernel(LaunchPools pools, const int32_t* __restrict__ page_table, int64_t page_table_stride,
@@ -439,13 +420,15 @@ __global__ void __launch_bounds__(F::kThreads)
   static_assert(g.row_bytes % 16 == 0, "rows are copied in 16-byte vectors");
   static_assert(kPer <= 2 * kMaxVectorsPerThread, "rows too long for the register tiles");
 
-  const CtaIndex cta = cta_index(F::kLayerFastest != 0);
-  const RequestRange range = request_range(offsets, cta.request, moves_per_head);
+  const int request = blockIdx.x;
+  const int head = blockIdx.y;
+  const int layer = pools.first_layer + (int)blockIdx.z;
+  const RequestRange range = request_range(offsets, request, moves_per_head);
   if (range.count == 0) return;  // uniform over the CTA: padded or inactive request
 
-  const MoveLimits limits = move_limits(table_tokens, pools.num_pages[cta.layer], errors);
-  const CtaTask task = cta_task(g, pools.layers[cta.layer], page_table, page_table_stride, src, dst, moves_per_head,
-                                range, cta.request, cta.head, pools.first_layer + cta.layer, limits);
+  const MoveLimits limits = move_limits(table_tokens, pools.num_pages[blockIdx.z], errors);
+  const CtaTask task = cta_task(g, pools.layers[blockIdx.z], page_table, page_table_stride, src, dst, moves_per_head,
+                                range, request, head, layer, limits);
   __shared__ ResolvedMove tiles[3][kTile];
   ThreadExec<kPer, kTile> ex{tiles, {}};
   walk_moves<F::kThreads, kPer>(ex, g, task, kTile);
