@@ -9,16 +9,17 @@ Two halves:
 ``build`` makes, under DIR, one xz bundle per variant (qwen3-8b's compaction library, sm_90a), all
 at qwen3-8b's tuned shape (threads 256, tile_tokens 32) unless said.  Kernels of a git revision
 (each step of this branch, so every change is measured alone) or of this tree:
-  ``main``        ``--base`` (default main): clamped loads, every move loads its row and reads its
-                  page ids,
+  ``main``        ``--base`` (default 2efb532, before these changes): clamped loads, every move
+                  loads its row and reads its page ids,
   ``loads``       c5968fa: row loads predicated on the move storing (fill, identity, skipped moves
                   read no pool byte),
-  ``pages``       c853c7b: also no page-id reads for moves that copy nothing,
-  ``new``         this tree: also each tile's moves fetched one phase before they are resolved,
-  ``new-lf1``     this tree, layer_fastest 1 (CTAs of consecutive layers side by side),
+  ``new``         this tree: also no page-id reads for moves that copy nothing (what ships),
   ``new-t16``     this tree, tile_tokens 16 (the tuner's batch-32 best),
   ``new-128x64``  this tree, threads 128, tile_tokens 64 (twice the bytes in flight per CTA, but
                   252 registers: 2 CTAs per SM where 256x32 fits 3).
+Measured on the H200 (results/2026-12-02-h200-s3/call3/): two more variants of that run, a tile's
+moves fetched one phase ahead (8d7db07: batch 1 0.85 -> 0.80) and CTAs of consecutive layers side by
+side (c853c7b's layer_fastest 1: 0.56 / 0.83 / 0.76), lost and were reverted.
 
 ``measure`` measures the ceilings once, then per variant: an oracle check (4 requests, pools of
 random bytes, the last half of the layers given fill moves, every pool byte against the oracle's
@@ -48,9 +49,7 @@ FAMILY = "qwen3-8b"
 VARIANTS = {
     "main": ("base", {"threads": 256, "tile_tokens": 32}),
     "loads": ("c5968fa", {"threads": 256, "tile_tokens": 32}),
-    "pages": ("c853c7b", {"threads": 256, "tile_tokens": 32}),
     "new": (None, {"threads": 256, "tile_tokens": 32}),
-    "new-lf1": (None, {"threads": 256, "tile_tokens": 32, "layer_fastest": 1}),
     "new-t16": (None, {"threads": 256, "tile_tokens": 16}),
     "new-128x64": (None, {"threads": 128, "tile_tokens": 64}),
 }
@@ -207,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("what", choices=("build", "measure"))
     parser.add_argument("dir", type=Path)
     parser.add_argument("--out", type=Path, default=Path("compact-device-check"))
-    parser.add_argument("--base", default="main", help="build: revision of the shipped kernels (variant main)")
+    parser.add_argument("--base", default="2efb532", help="build: revision of the kernels before these changes (variant main)")
     parser.add_argument("--batches", default="1,32,256")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--budget-s", type=float, default=100.0, help="measure: start no row after this long")

@@ -13,9 +13,10 @@ error is recorded), so one command gives everything:
   (qwen3.5-397b-a17b-lossless-rope); then a continued generate() whose logits must equal those of a
   ``DynamicCache`` holding the oracle's decoded history (relative error bound 0, see
   docs/transformers.md), and their relative error against the uncompressed history (reported).
-  Every bit-for-bit comparison runs with SDPA's math backend (``deterministic``): on the H200 the
-  default attention kernels are not bit-reproducible run to run at batch 4 (``DynamicCache`` against
-  itself differs), which the section records as the floor (``default_backends``).
+  Every bit-for-bit comparison runs with SDPA's math backend
+  (``tests.hf_models.deterministic_attention``): on the H200 the default attention kernels are not
+  bit-reproducible run to run at batch 4 (``DynamicCache`` against itself differs), which the
+  section records as the floor (``default_backends``).
 - ``shared-pool/qwen3-8b``: two conversations on one ``PagePool`` that holds one: the paused one
   waits in cold pages on the host and continues with logits equal to the oracle's decoded history.
 - ``triattention/qwen3-8b``: ``kvgen calibrate`` of the random-init model first (4096 random token
@@ -50,6 +51,7 @@ from kvgen.runtime.lookup import RuntimeRegistry  # noqa: E402
 from tests.hf_models import (  # noqa: E402
     RoundOracle,
     calibrate_random_tokens,
+    deterministic_attention,
     offload_round_trip,
     oracle_history,
     tiny_model,
@@ -59,12 +61,6 @@ SIZES = {"hidden": 1024, "intermediate": 2048, "vocab": 8192}
 RUNS = 5       # timed generate() runs per cache (offload sections)
 TRI_RUNS = 2   # the TriAttention section's (batch 1: each run is ~15 s of Python-bound decoding)
 
-
-def deterministic():  # noqa: ANN201
-    """SDPA's math backend: bit-reproducible attention, for every bit-for-bit comparison (the
-    flash / efficient kernels chosen by default are not, at batch 4 on the H200:
-    scripts/hf_diagnose.py, results/2026-12-02-h200-s3/hf_diagnose.json)."""
-    return torch.nn.attention.sdpa_kernel([torch.nn.attention.SDPBackend.MATH])
 CALIBRATION_TOKENS, CALIBRATION_CHUNK = 4096, 2048
 
 
@@ -110,7 +106,7 @@ def offload_section(registry: RuntimeRegistry, arch: str, family: str, batch: in
         runs["dynamic"].append(timed(lambda: generate(model, ids, DynamicCache(), new))[1])
         runs["kvgen"].append(timed(lambda: generate(model, ids, kvgen_cache(), new))[1])
     floor = [generate(model, ids, DynamicCache(), new) for _ in range(2)]
-    with deterministic():
+    with deterministic_attention():
         ref = generate(model, ids, DynamicCache(), new)
         cache = kvgen_cache()
         mine = generate(model, ids, cache, new)
@@ -140,7 +136,7 @@ def offload_section(registry: RuntimeRegistry, arch: str, family: str, batch: in
     cache.offload()
     oracle_cache = oracle_history(cache)
     turn = torch.cat([mine.sequences, torch.randint(0, SIZES["vocab"], (batch, 64), device="cuda", generator=gen)], 1)
-    with deterministic():
+    with deterministic_attention():
         again = generate(model, turn, cache, 16)
         oracle = generate(model, turn, oracle_cache, 16)
         raw_cache = DynamicCache()
@@ -180,7 +176,7 @@ def shared_pool_section(registry: RuntimeRegistry, arch: str, family: str, batch
     (_, offload_b_s) = timed(b.offload)
     history = oracle_history(a)
     turn = torch.cat([first.sequences, ids[1][:, :64]], dim=1)
-    with deterministic():
+    with deterministic_attention():
         again = generate(model, turn, a, 16)       # onboards a into free pages first
         oracle = generate(model, turn, history, 16)
     per_conversation = a.cached_bytes()

@@ -47,6 +47,13 @@ def tiny_model(family: EvictionConfig, device: str | torch.device, seed: int = 0
     return model.to(device).eval()
 
 
+def deterministic_attention():  # noqa: ANN201 - a context manager
+    """SDPA's math backend, for comparisons bit for bit: the flash / efficient CUDA kernels chosen
+    by default are not reproducible run to run at batch 4 with a 1024-token prompt on the H200
+    (``scripts/hf_diagnose.py``, ``results/2026-12-02-h200-s3/call1/hf_diagnose.json``)."""
+    return torch.nn.attention.sdpa_kernel([torch.nn.attention.SDPBackend.MATH])
+
+
 def synchronize() -> None:
     """Wait for the GPU where there is one (the CPU tests run the same helpers with stand-ins)."""
     if torch.cuda.is_available():

@@ -35,6 +35,7 @@ from ..conftest import SPECS_DIR  # noqa: E402
 from ..hf_models import (  # noqa: E402
     RoundOracle,
     calibrate_random_tokens,
+    deterministic_attention,
     offload_round_trip,
     oracle_history,
     tiny_model,
@@ -56,8 +57,9 @@ def _family(name: str):
 
 
 def _generate(model, ids, cache, new: int):
-    return model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, past_key_values=cache,
-                          output_logits=True, return_dict_in_generate=True)
+    with deterministic_attention():   # the comparisons are bit for bit
+        return model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, past_key_values=cache,
+                              output_logits=True, return_dict_in_generate=True)
 
 
 @pytest.mark.parametrize("family", ["qwen3-8b", "qwen3.5-397b-a17b-lossless-rope"])
