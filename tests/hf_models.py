@@ -218,7 +218,7 @@ def oracle_history(cache):  # noqa: ANN001, ANN201 - an offloaded KvgenOffloaded
     so this is read from the cold pages themselves, not from an earlier restore)."""
     from transformers import DynamicCache
 
-    from kvgen.integrations.transformers import reference_record, token_index
+    from kvgen.integrations.transformers import gather_rows, reference_record, token_rows
     from kvgen.reference.codec import decode_records
 
     synchronize()
@@ -227,10 +227,10 @@ def oracle_history(cache):  # noqa: ANN001, ANN201 - an offloaded KvgenOffloaded
     device = cache.pool.device
     cold = cache.cold[slots.long()].to(device).view(len(slots), g.num_layers, record.bytes)
     table = torch.arange(len(slots), dtype=torch.int32, device=device).view(-1, row_pages)   # slots are row-major
-    index = token_index(table, 0, cache.length, g.kv_heads, g.tokens_per_block, g.layout)
+    rows = token_rows(table, 0, cache.length, g.kv_heads, g.tokens_per_block, g.layout)
     history = DynamicCache()
     for layer in range(g.num_layers):
         decoded, _ = decode_records(record, cold[:, layer].contiguous(), cache.family.dtype)
         k, v = (decoded[name].view(len(slots), *g.page_shape) for name in ("k", "v"))
-        history.update(k[index], v[index], layer)
+        history.update(gather_rows(k, rows), gather_rows(v, rows), layer)
     return history
