@@ -323,8 +323,10 @@ def fake_nvcc(tmp_path: Path) -> tuple[Path, Path]:
 def test_a_killed_build_leaves_no_compiler_behind(fake_nvcc, tmp_path: Path, sig: signal.Signals) -> None:
     nvcc, pids_file = fake_nvcc
     env = {**os.environ, "KVGEN_TEST_PIDS": str(pids_file), "PYTHONPATH": str(SPECS_DIR.parent)}
+    # SIGINT as at a terminal: a background job of a non-interactive shell (CI started with `&`)
+    # inherits SIGINT ignored, and Python then never raises KeyboardInterrupt.
     build = subprocess.Popen([sys.executable, "-c", COMPILE, str(nvcc), str(tmp_path)], env=env,
-                             stderr=subprocess.PIPE)
+                             stderr=subprocess.PIPE, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     pids = _compiler_pids(pids_file)
     assert all(_alive(p) for p in pids)
     assert os.getpgid(pids[0]) != os.getpgid(build.pid)   # the compiler has a group of its own
