@@ -20,8 +20,11 @@ import collections
 import json
 import re
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
 
 SMS, CLOCK_GHZ = 132, 1.97   # H200; gpc__cycles_elapsed.avg.per_second of ncu_score.csv
 ROW = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
@@ -92,20 +95,24 @@ def analyse(bundle: Path, candidate: dict, result: dict, tmp: Path) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("bundle", type=Path)
+    parser.add_argument("bundle", type=Path, help="directory with score-variants.tar.xz (or an unpacked bundle)")
     parser.add_argument("variants", type=Path)
     parser.add_argument("--family", action="append")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    bundle = json.loads((args.bundle / "bundle.json").read_text())
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from score_variants import unpack
+
     measured = json.loads(args.variants.read_text())["families"]
     report = []
     with tempfile.TemporaryDirectory() as tmp:
+        libs = unpack(args.bundle, Path(tmp) / "bundle")
+        bundle = json.loads((libs / "bundle.json").read_text())
         for candidate in bundle["candidates"]:
             family = candidate["family"]
             if args.family and family not in args.family or candidate["config"] not in measured.get(family, {}):
                 continue
-            row = {"family": family, **analyse(args.bundle, candidate, measured[family][candidate["config"]],
+            row = {"family": family, **analyse(libs, candidate, measured[family][candidate["config"]],
                                                Path(tmp))}
             report.append(row)
             mix = row["warp_instructions_per_token"]
