@@ -72,9 +72,10 @@ def analyse(bundle: Path, candidate: dict, result: dict, tmp: Path) -> dict:
     sass = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True).stdout
     rows = [(int(m.group(1), 16), m.group(2), m.group(3)) for m in ROW.finditer(sass)]
     p, g = candidate["params"], result["geometry"]
-    lean = not (p["reduce"] or p["tokens_per_thread"] > 1 or p["prefetch"] or p["smem_stages"])
+    lean = not (p.get("reduce") or p["tokens_per_thread"] > 1 or p["prefetch"] or p["smem_stages"]
+                or p.get("bulk_stages"))
     body = None if lean else stage_loop(rows)   # the lean form's stages are unrolled (its loop is the prologue's)
-    if p["reduce"]:
+    if p.get("reduce"):
         padded = 1 << (g["heads_per_pass"] - 1).bit_length()
         per_iteration = p["tokens_per_thread"] * 32 // padded      # tokens a warp scores per stage
     else:

@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-FAMILIES = ("qwen3-8b", "gpt-oss-20b", "gemma-2-9b", "qwen3.5-397b-a17b")
+FAMILIES = ("qwen3-8b", "gpt-oss-20b", "gemma-2-9b", "qwen3.5-397b-a17b", "qwen3-8b-fp8")
 ARCHIVE = "score-variants.tar.xz"
 INDEX = "variants.json"
 
@@ -67,7 +67,7 @@ def load_changes(path: Path) -> dict[str, list[dict[str, int]]]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=ROOT / "build" / "device" / "scorer")
-    parser.add_argument("--family", action="append", choices=FAMILIES, help="default: all four")
+    parser.add_argument("--family", action="append", choices=FAMILIES, help="default: all five")
     parser.add_argument("--arch", default="sm_90a")
     parser.add_argument("--changes", type=Path, help="JSON {family: [change, ...]} instead of CHANGES")
     args = parser.parse_args(argv)

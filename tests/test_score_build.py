@@ -346,7 +346,9 @@ VARIANTS = [{"lanes": 4, "token_tiles": 4},
             {"tokens_per_thread": 4, "prefetch": 0, "token_tiles": 2},
             {"smem_stages": 2, "token_tiles": 4},
             {"smem_stages": 3, "tokens_per_thread": 2, "token_tiles": 2},
-            {"smem_stages": 4, "lanes": 1}]
+            {"smem_stages": 4, "lanes": 1},
+            {"bulk_stages": 2, "token_tiles": 4},
+            {"bulk_stages": 3, "lanes": 1, "token_tiles": 2}]
 
 
 def _tokens_per_cta(lib: ScoreLibrary, params: dict) -> int:
@@ -387,6 +389,7 @@ def test_pipelined_variants_do_not_spill(tmp_path: Path, toolchain) -> None:
     params = [{"threads": 256, "max_heads": 4, "token_tiles": 4, "prefetch": 1},
               {"threads": 128, "token_tiles": 2, "tokens_per_thread": 2},
               {"threads": 128, "token_tiles": 4, "smem_stages": 3},
+              {"threads": 128, "token_tiles": 4, "bulk_stages": 3},
               {"threads": 256, "token_tiles": 2, "tokens_per_thread": 2, "unpack": 1}]   # bf16 shift / mask
     for variant in params:
         (build,) = compile_scores([ALL_SPECS[PROBE_FAMILY]], "sm_90a", tmp_path / "cache", toolchain, variant)

@@ -48,9 +48,14 @@ def test_space_folds_configurations_that_compile_to_the_same_kernel() -> None:
     configs = configurations("score", QWEN)
     # threads x lanes x token_tiles x tokens_per_thread x (prefetch 0/1 without the shared-memory ring, or
     # a ring of 2, 3 or 4 stages, which folds prefetch to 0) x unpack 0/1: 3 x 3 x 3 x 3 x 5 x 2; max_heads
-    # folds to one
-    assert len(configs) == 810 and len({config_id("score", c) for c in configs}) == 810
+    # folds to one; plus the bulk ring (2, 3 or 4 stages) for one token per thread: 3 x 3 x 3 x 3 x 2
+    assert len(configs) == 810 + 162 and len({config_id("score", c) for c in configs}) == 972
     assert canonical("score", {**default_params("score"), "smem_stages": 2, "prefetch": 1}, QWEN)["prefetch"] == 0
+    bulk = canonical("score", {**default_params("score"), "bulk_stages": 2, "smem_stages": 3, "prefetch": 1}, QWEN)
+    assert (bulk["bulk_stages"], bulk["smem_stages"], bulk["prefetch"]) == (2, 0, 0)
+    # the bulk ring holds one token per thread: with more it is not that kernel
+    assert canonical("score", {**default_params("score"), "bulk_stages": 2, "tokens_per_thread": 2},
+                     QWEN)["bulk_stages"] == 0
     # bf16's shift / mask widening: one kernel for fp8 K whatever unpack says
     fp8 = load_spec(SPECS_DIR / "qwen3-8b-fp8.yaml")
     assert canonical("score", {**default_params("score"), "unpack": 1}, fp8)["unpack"] == 0

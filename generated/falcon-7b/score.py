@@ -2,7 +2,7 @@
 # family:   falcon-7b
 # op:       score
 # template: score.py.j2
-# plan key: acd7b30529e769684fb834098f09e274774fd86ff352041f0d767161316ba807
+# plan key: 46916d2d7814f7a0576de42ed197a1e8249e7c9fe1711c8f655c415e92807329
 """TriAttention scorer of family falcon-7b (TRIATTENTION.md §3), CuTe DSL, compiled ahead of time.
 
 This file only fixes the family's constants; the kernel is ``kvgen.kernels.cute.score_kernel.TriScoreKernel``.
@@ -32,7 +32,7 @@ GEOMETRY = {
 # Tunable launch parameters: threads per CTA, query heads accumulated per pass over K, threads
 # per token, stages per CTA, tokens per thread and stage, next stage's loads issued ahead (0/1),
 # stages of the cp.async ring in shared memory (0: K loads into registers), bf16 widened from
-# 32-bit words by shift/mask (0/1).
+# 32-bit words by shift/mask (0/1), stages of the ring of rows copied by cp.async.bulk (0: none).
 PARAMS = {
     "threads": 128,
     "max_heads": 16,
@@ -42,6 +42,7 @@ PARAMS = {
     "prefetch": 0,
     "smem_stages": 0,
     "unpack": 0,
+    "bulk_stages": 0,
 }
 
 # Cache layers the kernel is launched for, in the order of its layer grid dimension.

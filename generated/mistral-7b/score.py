@@ -2,7 +2,7 @@
 # family:   mistral-7b
 # op:       score
 # template: score.py.j2
-# plan key: bdf93509efe46b906b109a708ad479460ba25c3e1fa4ee6218a0fd740c324e04
+# plan key: 1326389f98f870b40a404d86c2988a0ee2f76308969d9c825ff881d215a59655
 """TriAttention scorer of family mistral-7b (TRIATTENTION.md §3), CuTe DSL, compiled ahead of time.
 
 This file only fixes the family's constants; the kernel is ``kvgen.kernels.cute.score_kernel.TriScoreKernel``.
@@ -32,7 +32,7 @@ GEOMETRY = {
 # Tunable launch parameters: threads per CTA, query heads accumulated per pass over K, threads
 # per token, stages per CTA, tokens per thread and stage, next stage's loads issued ahead (0/1),
 # stages of the cp.async ring in shared memory (0: K loads into registers), bf16 widened from
-# 32-bit words by shift/mask (0/1).
+# 32-bit words by shift/mask (0/1), stages of the ring of rows copied by cp.async.bulk (0: none).
 PARAMS = {
     "threads": 128,
     "max_heads": 16,
@@ -42,6 +42,7 @@ PARAMS = {
     "prefetch": 0,
     "smem_stages": 0,
     "unpack": 0,
+    "bulk_stages": 0,
 }
 
 # Cache layers the kernel is launched for, in the order of its layer grid dimension.

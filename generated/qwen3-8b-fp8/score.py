@@ -2,7 +2,7 @@
 # family:   qwen3-8b-fp8
 # op:       score
 # template: score.py.j2
-# plan key: b2ccfb6eef1f98ef94404f1a71ccf0f7218fb12b40f099b4423db9dfec137a14
+# plan key: 517c29b62735c278b0be0d9d7b0109a635cd834c86d7722cbc2af01a82ec4b94
 """TriAttention scorer of family qwen3-8b-fp8 (TRIATTENTION.md §3), CuTe DSL, compiled ahead of time.
 
 This file only fixes the family's constants; the kernel is ``kvgen.kernels.cute.score_kernel.TriScoreKernel``.
@@ -32,7 +32,7 @@ GEOMETRY = {
 # Tunable launch parameters: threads per CTA, query heads accumulated per pass over K, threads
 # per token, stages per CTA, tokens per thread and stage, next stage's loads issued ahead (0/1),
 # stages of the cp.async ring in shared memory (0: K loads into registers), bf16 widened from
-# 32-bit words by shift/mask (0/1).
+# 32-bit words by shift/mask (0/1), stages of the ring of rows copied by cp.async.bulk (0: none).
 PARAMS = {
     "threads": 128,
     "max_heads": 16,
@@ -42,6 +42,7 @@ PARAMS = {
     "prefetch": 0,
     "smem_stages": 0,
     "unpack": 0,
+    "bulk_stages": 0,
 }
 
 # Cache layers the kernel is launched for, in the order of its layer grid dimension.

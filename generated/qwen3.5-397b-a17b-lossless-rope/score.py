@@ -2,7 +2,7 @@
 # family:   qwen3.5-397b-a17b-lossless-rope
 # op:       score
 # template: score.py.j2
-# plan key: 943ac434a948177dff14cb84c1fbbff16060451b53cea90bb1e05fa3816d51d4
+# plan key: 392e48c6f0c20f3a829ce53061a5ffdbda57a011657330436d4d000cc7c303ef
 """TriAttention scorer of family qwen3.5-397b-a17b-lossless-rope (TRIATTENTION.md §3), CuTe DSL, compiled ahead of time.
 
 This file only fixes the family's constants; the kernel is ``kvgen.kernels.cute.score_kernel.TriScoreKernel``.
@@ -32,7 +32,7 @@ GEOMETRY = {
 # Tunable launch parameters: threads per CTA, query heads accumulated per pass over K, threads
 # per token, stages per CTA, tokens per thread and stage, next stage's loads issued ahead (0/1),
 # stages of the cp.async ring in shared memory (0: K loads into registers), bf16 widened from
-# 32-bit words by shift/mask (0/1).
+# 32-bit words by shift/mask (0/1), stages of the ring of rows copied by cp.async.bulk (0: none).
 PARAMS = {
     "threads": 128,
     "max_heads": 16,
@@ -42,6 +42,7 @@ PARAMS = {
     "prefetch": 0,
     "smem_stages": 0,
     "unpack": 0,
+    "bulk_stages": 0,
 }
 
 # Cache layers the kernel is launched for, in the order of its layer grid dimension.

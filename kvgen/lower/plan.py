@@ -89,6 +89,11 @@ TUNABLES: dict[str, dict[str, tuple[tuple[int, ...], int]]] = {
         # (smem_stages - 1 stages in flight while one is computed; no registers hold them in flight);
         # replaces prefetch (folded to 0 by the tuner). Unmeasured: 0 until the H200 says otherwise.
         "smem_stages": ((0, 2, 3, 4), 0),
+        # > 0: each token's rotated span by one cp.async.bulk into a ring of that many stages of rows
+        # in shared memory (no load-pipe wavefronts for K, which the L1 data pipe spends today:
+        # docs/tuning-evidence/scorer-warp-form-postmortem.md); one token per thread, no prefetch, no
+        # cp.async ring (folded by the tuner); 16-byte pieces only. Unmeasured: 0 until the H200 says.
+        "bulk_stages": ((0, 2, 3, 4), 0),
         # 1: bf16 K widened to f32 from its 32-bit words (shift / mask: one instruction per element
         # instead of PRMT + SHF for the high half; the scorer is issue- and shared-load-bound for
         # heads >= 8, scripts/score_variants_coef_reuse.json). Same values, same scores; folded

@@ -38,6 +38,13 @@ Work decomposition (memory bound: every K row is read once per pass, see below):
   before waiting for stage ``s`` (``cp.async.wait_group``) and reads its pieces back with volatile
   loads; no thread reads another's pieces, so no barrier. The accumulation order of a token is the
   same in every variant: the scores are identical, bit for bit.
+- ``bulk_stages``: the ring above still spends a load-pipe wavefront per row a warp load touches
+  (the L1 data pipe is what binds the thread form: docs/tuning-evidence/scorer-warp-form-postmortem.md).
+  Here lane 0 of each token copies the token's whole rotated span with one ``cp.async.bulk`` (the
+  SM's copy engine) into a ring of rows in shared memory, padded so a warp's 16-byte reads of it
+  are conflict-free; every thread arrives on its warp's mbarrier of the stage (the copy's bytes
+  complete it), stage ``s + bulk_stages - 1`` is issued before stage ``s`` is waited for, and a
+  warp barrier keeps a slot from being overwritten before every lane of the warp has read it.
 - page ids from the page table outside ``[0, num_pages)``, and positions outside the page table's
   row, are never dereferenced: the token is scored 0 and the value recorded in ``errors`` (the C
   shim fails the next call with it).
@@ -118,6 +125,39 @@ def cp_async(shared: Int32, source: Int64, size: int, read: Int32, *, loc=None, 
                            Int32(read).ir_value(loc=loc, ip=ip)],
                     f"cp.async.{cache}.shared.global [$0], [$1], {size}, $2;", "r,l,r", has_side_effects=True,
                     is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def mbarrier_init(address: Int32, count: int, *, loc=None, ip=None) -> None:
+    """Initialize the mbarrier at a shared byte address for ``count`` arrivals per phase."""
+    llvm.inline_asm(None, [Int32(address).ir_value(loc=loc, ip=ip)],
+                    f"mbarrier.init.shared::cta.b64 [$0], {count};", "r", has_side_effects=True,
+                    is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def bulk_row(shared: Int32, source: Int64, size: int, barrier: Int32, copies: Int32, *, loc=None, ip=None) -> None:
+    """Arrive on the mbarrier expecting ``size`` bytes and, if ``copies`` is not 0, copy ``size``
+    bytes from global ``source`` to shared ``shared`` by ``cp.async.bulk`` (the copy engine of the
+    SM, not the load pipe), completing them on that barrier; else arrive expecting nothing. One
+    branch-free sequence, so the rows of a stage go out back to back."""
+    llvm.inline_asm(None, [Int32(shared).ir_value(loc=loc, ip=ip), Int64(source).ir_value(loc=loc, ip=ip),
+                           Int32(barrier).ir_value(loc=loc, ip=ip), Int32(copies).ir_value(loc=loc, ip=ip)],
+                    "{ .reg .pred p; .reg .b32 tx; setp.ne.b32 p, $3, 0; "
+                    f"selp.b32 tx, {size}, 0, p; "
+                    "mbarrier.arrive.expect_tx.shared::cta.b64 _, [$2], tx; "
+                    f"@p cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [$1], {size}, [$2]; }}",
+                    "r,l,r,r", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+                    loc=loc, ip=ip)
+
+
+@dsl_user_op
+def mbarrier_wait(address: Int32, parity: Int32, *, loc=None, ip=None) -> None:
+    """Wait until the phase of the mbarrier with this parity has completed (its copies landed)."""
+    llvm.inline_asm(None, [Int32(address).ir_value(loc=loc, ip=ip), Int32(parity).ir_value(loc=loc, ip=ip)],
+                    "{ .reg .pred done; WAIT: mbarrier.try_wait.parity.shared::cta.b64 done, [$0], $1; "
+                    "@!done bra WAIT; }", "r,r", has_side_effects=True, is_align_stack=False,
+                    asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
 
 
 class RowSource:
@@ -222,7 +262,8 @@ class TriScoreKernel:
     def __init__(self, *, dtype: str, layout: str, head_dim: int, query_heads: int, kv_heads: int,
                  rotary_start: int, rotary_dim: int, pairing: str, tokens_per_block: int,
                  threads: int = 128, max_heads: int = 16, lanes: int = 1, token_tiles: int = 1,
-                 tokens_per_thread: int = 1, prefetch: int = 0, smem_stages: int = 0, unpack: int = 0):
+                 tokens_per_thread: int = 1, prefetch: int = 0, smem_stages: int = 0, unpack: int = 0,
+                 bulk_stages: int = 0):
         if dtype not in ELEMENT_TYPES:
             raise ValueError(f"score kernel: dtype {dtype!r}; accepted: {', '.join(ELEMENT_TYPES)}")
         if layout not in ("HND", "NHD") or pairing not in ("half", "interleaved"):
@@ -237,6 +278,9 @@ class TriScoreKernel:
         if smem_stages not in (0, 2, 3, 4) or (smem_stages and prefetch):
             raise ValueError(f"score kernel: smem_stages {smem_stages} (0, 2, 3 or 4; > 0 needs prefetch 0: the "
                              "shared-memory ring replaces the register prefetch)")
+        if bulk_stages not in (0, 2, 3, 4) or (bulk_stages and (smem_stages or prefetch or tokens_per_thread > 1)):
+            raise ValueError(f"score kernel: bulk_stages {bulk_stages} (0, 2, 3 or 4; > 0 needs smem_stages 0, "
+                             "prefetch 0 and tokens_per_thread 1: the bulk-copy ring replaces them)")
         if unpack not in (0, 1) or (unpack and dtype != "bf16"):
             raise ValueError(f"score kernel: unpack {unpack} (0 or 1; 1 needs bf16 K, not {dtype})")
         self.dtype = dtype
@@ -276,7 +320,10 @@ class TriScoreKernel:
         # memory; stages s + 1 .. s + smem_stages - 1 are in flight while stage s is computed.
         self.smem_stages = smem_stages
         # The pipelined forms: loads of several tokens in flight, coefficients read once per chunk.
-        self.pipelined = tokens_per_thread > 1 or prefetch == 1 or smem_stages > 0
+        # bulk_stages > 0: each token's rotated span travels by one cp.async.bulk (the SM's copy
+        # engine: no load-pipe wavefronts) into a ring of that many stages of rows in shared memory.
+        self.bulk_stages = bulk_stages
+        self.pipelined = tokens_per_thread > 1 or prefetch == 1 or smem_stages > 0 or bulk_stages > 0
         self.tokens_per_cta = self.tokens_per_tile * tokens_per_thread * token_tiles
         self.vectors_per_chunk = 2 if pairing == "half" else max(2 * self.pairs_per_chunk // self.vec, 1)
         self.row_elems = self.steps * self.vectors_per_chunk * self.vec   # K elements a lane holds per token
@@ -292,6 +339,17 @@ class TriScoreKernel:
         if smem_stages and self.piece_bytes < 4:
             raise ValueError(f"score kernel: smem_stages needs K loads of at least 4 bytes, not {self.piece_bytes}")
         self.ring_words = smem_stages * tokens_per_thread * threads * (self.pieces * self.piece_bytes // 4 + 1)
+        self.span_bytes = rotary_dim * self.elem_bytes
+        if bulk_stages:
+            self.check_bulk_geometry()
+        # The bulk ring: [stage][token][row_stride bytes], then a used flag per [stage][thread], and
+        # one mbarrier per [stage][warp]. Rows are padded so that row r starts 16·lanes·r bytes (mod
+        # 128) into the banks: the 8 threads of a quarter warp (8 / lanes tokens × lanes pieces) read
+        # 8 different 16-byte bank groups, so a warp's LDS.128 takes the minimum 4 wavefronts while
+        # the coefficient loads stay broadcast.
+        self.row_stride = self.span_bytes + (16 * self.lanes - self.span_bytes) % 128
+        self.warps = threads // 32
+        self.bulk_ring_bytes = bulk_stages * (self.tokens_per_tile * self.row_stride + threads * 4)
         # Element offsets inside one page of the pool.
         if layout == "HND":   # [Hkv][tokens_per_block][head_dim]
             self.head_stride = tokens_per_block * head_dim
@@ -299,6 +357,14 @@ class TriScoreKernel:
         else:                 # NHD: [tokens_per_block][Hkv][head_dim]
             self.head_stride = head_dim
             self.slot_stride = kv_heads * head_dim
+
+    def check_bulk_geometry(self) -> None:
+        """The bulk ring's requirements: rows of 16-byte pieces (a bulk copy moves multiples of 16
+        bytes between 16-byte aligned addresses) and at most 4 lanes (the padding gives 8 bank
+        groups)."""
+        if self.piece_bytes != 16 or self.lanes > 4:
+            raise ValueError(f"score kernel: bulk_stages needs 16-byte K pieces and lanes <= 4, not "
+                             f"{self.piece_bytes} bytes and {self.lanes} lanes")
 
     def coefficient_layout(self) -> cute.Layout:
         H, ppc = self.heads, self.pairs_per_chunk
@@ -353,6 +419,15 @@ class TriScoreKernel:
         smem = cutlass.memory.SmemAllocator()
         coef = smem.allocate_tensor(Float32, self.coefficient_layout(), 16)
         ring = Int32(0)
+        barriers = Int32(0)
+        if cutlass.const_expr(self.bulk_stages > 0):
+            # the first bulk_stages - 1 stages' copies go out before the coefficient prologue
+            barriers = smem.allocate_tensor(Int64, cute.make_layout(self.bulk_stages * self.warps), 8)
+            barriers = barriers.iterator.toint()
+            ring = smem.allocate_tensor(Int32, cute.make_layout(self.bulk_ring_bytes // 4), 128).iterator.toint()
+            self.init_barriers(barriers, tid)
+            for ahead in cutlass.range_constexpr(self.bulk_stages - 1):
+                self.issue_bulk_stage(token, ring, barriers, tile, tid, Int32(ahead), ahead < self.token_tiles, ahead)
         if cutlass.const_expr(self.smem_stages > 0):
             # the first smem_stages - 1 stages' copies go out before the coefficient prologue
             ring = smem.allocate_tensor(Int32, cute.make_layout(self.ring_words), 16).iterator.toint()
@@ -368,6 +443,8 @@ class TriScoreKernel:
         for stage in cutlass.range(self.token_tiles, unroll=1 if self.pipelined else -1):
             if cutlass.const_expr(self.smem_stages > 0):
                 self.run_ring_stage(token, ring, acc, coef, scores, tile, tid, first, width, stage)
+            elif cutlass.const_expr(self.bulk_stages > 0):
+                self.run_bulk_stage(token, ring, barriers, acc, coef, scores, tile, tid, first, width, stage)
             else:
                 self.run_stage(token, rows, used, acc, coef, scores, tile, tid, first, width, stage)
         if cutlass.const_expr(self.smem_stages > 0):
@@ -450,6 +527,62 @@ class TriScoreKernel:
             for k in cutlass.range_constexpr(self.pieces):
                 for w, value in enumerate(volatile_shared_load(self.ring_piece(ring, slot, t, k, tid), words, Int32)):
                     raw[(t * self.pieces + k) * words + w] = value
+        self.score_stage(acc, coef, cute.recast_tensor(raw, self.element), used, scores, token, first,
+                         self.columns(tile, tid, stage), width)
+
+    def bulk_barrier(self, barriers: Int32, slot, warp) -> Int32:
+        """Shared byte address of the mbarrier of ``warp``'s rows in ring ``slot``."""
+        return barriers + (slot * self.warps + warp) * 8
+
+    def bulk_row_address(self, ring: Int32, slot, tid) -> Int32:
+        """Shared byte address of the row of this thread's token in ring ``slot``."""
+        return ring + (slot * self.tokens_per_tile + tid // self.lanes) * self.row_stride
+
+    def bulk_flag(self, ring: Int32, slot, tid) -> Int32:
+        """Shared byte address of this thread's used flag in ring ``slot``."""
+        rows = self.bulk_stages * self.tokens_per_tile * self.row_stride
+        return ring + rows + (slot * self.threads + tid) * 4
+
+    @cute.jit
+    def init_barriers(self, barriers: Int32, tid: Int32) -> None:
+        """Lane 0 of each warp initializes its warp's mbarriers (32 arrivals a phase): the warps of
+        a CTA never wait for each other's rows."""
+        if tid % 32 == 0:
+            for slot in cutlass.range_constexpr(self.bulk_stages):
+                mbarrier_init(self.bulk_barrier(barriers, slot, tid // 32), 32)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_warp()
+
+    def issue_bulk_stage(self, token: "RowSource", ring: Int32, barriers: Int32, tile, tid, stage, live,
+                         slot) -> None:
+        """``stage``'s row of this thread's token into ring ``slot``: lane 0 of the token copies its
+        rotated span if it is used; every thread arrives once on its warp's barrier of the slot and
+        records the used flag. Unused tokens copy nothing (``live`` false: none is used)."""
+        use, span = token.locate(self, self.columns(tile, tid, stage)[0], live)
+        volatile_shared_store(self.bulk_flag(ring, slot, tid), cutlass.select_(use, Int32(1), Int32(0)))
+        copies = cutlass.select_(use & (token.lane == 0), Int32(1), Int32(0))
+        bulk_row(self.bulk_row_address(ring, slot, tid), span.iterator.toint(), self.span_bytes,
+                 self.bulk_barrier(barriers, slot, tid // 32), copies)
+
+    @cute.jit
+    def run_bulk_stage(self, token: "RowSource", ring: Int32, barriers: Int32, acc: cute.Tensor, coef: cute.Tensor,
+                       scores: cute.Tensor, tile: Int32, tid: Int32, first: Int32, width: Int32, stage: Int32):
+        """One stage of the bulk ring: once every lane of the warp is past stage ``stage - 1``
+        (its rows may then be overwritten), issue stage ``stage + bulk_stages - 1`` into that slot,
+        wait for this stage's rows, read this thread's pieces (volatile: after the wait) and score."""
+        cute.arch.sync_warp()
+        ahead = stage + self.bulk_stages - 1
+        self.issue_bulk_stage(token, ring, barriers, tile, tid, ahead, ahead < self.token_tiles,
+                              ahead % self.bulk_stages)
+        slot = stage % self.bulk_stages
+        mbarrier_wait(self.bulk_barrier(barriers, slot, tid // 32), (stage // self.bulk_stages) % 2)
+        raw = cute.make_rmem_tensor(cute.make_layout(self.pieces * 4), Int32)
+        used = cute.make_rmem_tensor(cute.make_layout(1), Int32)
+        used[0] = volatile_shared_load(self.bulk_flag(ring, slot, tid), 1, Int32)[0]
+        row = self.bulk_row_address(ring, slot, tid)
+        for k, piece in enumerate(self.row_pieces(token.lane)):
+            for w, value in enumerate(volatile_shared_load(row + piece * 16, 4, Int32)):
+                raw[k * 4 + w] = value
         self.score_stage(acc, coef, cute.recast_tensor(raw, self.element), used, scores, token, first,
                          self.columns(tile, tid, stage), width)
 
