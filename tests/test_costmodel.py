@@ -287,9 +287,9 @@ def test_tune_measurements_replace_the_models_pick_and_record_how_far_off_it_was
 # ---------------------------------------------------------------- kvgen tune --model
 
 
-def _validation(tmp_path: Path, passes: bool) -> Path:
+def _validation(tmp_path: Path, passes: bool, version: str = VERSION) -> Path:
     path = tmp_path / "validation.json"
-    path.write_text(json.dumps({"model_version": "1", "ops": {"compact": {"passes": passes,
+    path.write_text(json.dumps({"model_version": version, "ops": {"compact": {"passes": passes,
                                                                           "failed": [] if passes else ["x/b1"]}}}))
     return path
 
@@ -301,6 +301,16 @@ def test_tune_model_refuses_an_op_that_failed_validation(tmp_path: Path, capsys)
                "--validation", str(_validation(tmp_path, False)), "--tuning", str(tmp_path / "tuning")])
     assert rc == 1
     assert "failed its H200 validation" in capsys.readouterr().out
+    assert not (tmp_path / "tuning").exists()
+
+
+def test_tune_model_refuses_a_validation_of_another_model_version(tmp_path: Path, capsys) -> None:
+    from kvgen.cli import main
+
+    rc = main(["tune", "--model", "--family", "qwen3-8b", "--op", "compact", "--arch", "sm_100a",
+               "--validation", str(_validation(tmp_path, True, version="2")), "--tuning", str(tmp_path / "tuning")])
+    assert rc == 1
+    assert f"validates cost model '2', this is model {VERSION!r}" in capsys.readouterr().out
     assert not (tmp_path / "tuning").exists()
 
 
