@@ -141,8 +141,8 @@ def test_the_l1_data_pipe_counts_rows_per_warp_load_and_broadcast_coefficients()
     assert per_token[2] == pytest.approx(8 + 12 + 2 * 2 / 32)          # K rows + coefficients + 2 others
     assert per_token[1] == pytest.approx(16 + 12 + 2 / 32)             # an LDS.128 costs at least two
     assert per_token[4] == pytest.approx(4 + 24 + 2 * 4 / 32)          # four distinct coefficient addresses
-    # without a workload count: the shared loads' bytes at 128 B a wavefront (model 2's shared pipe)
-    assert l1_wavefronts(_scorer_mix(2), H200) == pytest.approx(32 * 16 * 96 / 128)
+    # without a workload count: the shared loads' and global accesses' bytes at 128 B a wavefront
+    assert l1_wavefronts(_scorer_mix(2), H200) == pytest.approx(32 * (16 * 96 + 128) / 128)
 
 
 def test_an_l1_bound_phase_takes_the_wavefronts_at_one_per_clock() -> None:

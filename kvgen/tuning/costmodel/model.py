@@ -11,8 +11,9 @@ built from three terms, each a plain bound:
 - **issue**, per pipe: the warp instructions of every iteration over the SMs that hold CTAs, at the
   pipe's rate (``targets.Target.issue``), and the same over the schedulers' total rate; model 3
   adds the **L1 data pipe** (``issue:l1``): the wavefronts of every warp iteration (shared-memory
-  and global accesses share it, ``l1_wavefronts_per_clk``), by default the shared loads' bytes at
-  128 B a wavefront (model 2's shared pipe), or the workload's own count where the access pattern
+  and global accesses share it, ``l1_wavefronts_per_clk``), by default the bytes of the shared
+  loads (model 2's shared pipe) and the global accesses at 128 B a wavefront, or the workload's
+  own count where the access pattern
   sets it (the scorer: one wavefront per K row a warp load touches, one per distinct coefficient
   address of a broadcast shared load, ``workload.score_wavefronts``);
 - **latency**, for phases whose loads are waited on: in a loop, each warp's iteration is a round
@@ -131,10 +132,11 @@ def walk_time(walk: Walk, step: Mix, launch: Launch, resident: int, t: Target) -
 
 def l1_wavefronts(loop: Mix, t: Target) -> float:
     """L1 data-pipe wavefronts of one warp iteration when every access is conflict-free and coalesced:
-    its shared-memory loads' bytes, 32 threads' worth, at ``shared_bytes_per_clk`` (128 B, one
-    wavefront each; model 2's shared pipe). A workload whose accesses the SASS alone cannot size
-    (broadcast shared loads, a warp load spread over many rows) gives ``Phase.l1_wavefronts``."""
-    return 32 * loop.shared_load_bytes / t.shared_bytes_per_clk
+    the bytes of its shared-memory loads (model 2's shared pipe) and of its global loads and stores
+    (they pass the same L1TEX data pipe), 32 threads' worth, 128 B (``shared_bytes_per_clk``) a
+    wavefront. A workload whose accesses the SASS alone cannot size (broadcast shared loads, a warp
+    load spread over many rows) gives ``Phase.l1_wavefronts``."""
+    return 32 * (loop.shared_load_bytes + loop.global_bytes) / t.shared_bytes_per_clk
 
 
 def phase_terms(phase: Phase, launch: Launch, resident: int, t: Target) -> dict[str, float]:
