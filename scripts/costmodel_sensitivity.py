@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""How much model 2's compaction verdicts hang on its two least-sourced numbers: the bytes a warp of
+"""How much the cost model's compaction verdicts hang on its two least-sourced numbers: the bytes a warp of
 the tile walk keeps in flight (``warp_inflight_bytes``, calibrated in-sample) and the L2 hit
 latency of the page-table load (``l2_latency_ns``, an estimate). Re-runs the compaction validation
 over a grid of both and writes Spearman / pick gap per study.
@@ -19,6 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from kvgen.tuning.costmodel import targets  # noqa: E402
+from kvgen.tuning.costmodel.model import VERSION  # noqa: E402
 from kvgen.tuning.costmodel.validate import SPEARMAN_GOAL, TOP_PICK_GOAL, validate  # noqa: E402
 
 WARP_INFLIGHT = (1950, 2600, 3250, 5200)     # 3, 4, 5 and 8 B/ns per warp x 650 ns
@@ -47,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
                 lines.append(f"| {inflight} | {l2} | " + " | ".join(cells) + " |")
     finally:
         targets.TARGETS["sm_90a"] = base
-    text = ["Compaction under cost model 2 with the walk's two least-sourced numbers varied: Spearman / the "
+    text = [f"Compaction under cost model {VERSION} with the walk's two least-sourced numbers varied: Spearman / the "
             "model pick's gap to the measured best per study ('x': misses a goal). The committed table uses "
             f"{base.warp_inflight_bytes} B and {base.l2_latency_ns} ns.", "",
             "| warp in-flight bytes | L2 latency ns | " + " | ".join(header) + " |",

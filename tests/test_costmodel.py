@@ -22,9 +22,10 @@ import pytest
 from kvgen.lower.plan import default_params
 from kvgen.lower.tuned import MEASURED, MODEL, BuildEnvironment, load_tuned, tuning_path
 from kvgen.tuning.costmodel.features import Mix, kernel_features, parse_resources, parse_sass
-from kvgen.tuning.costmodel.model import VERSION, Launch, Phase, Walk, estimate, resident_ctas
+from kvgen.tuning.costmodel.model import VERSION, Launch, Phase, Walk, estimate, l1_wavefronts, resident_ctas
 from kvgen.tuning.costmodel.targets import TARGETS, target
 from kvgen.tuning.costmodel.validate import noise_band, spearman, spearman_ceiling, study_verdict
+from kvgen.tuning.costmodel.workload import score_wavefronts
 from kvgen.tuning.space import config_id
 
 from .tuning_data import use_grid_space, write_codec_measurements
@@ -120,6 +121,40 @@ def test_a_dependent_chain_walk_pays_its_latency_per_tile_and_little_per_warp() 
     crowded = estimate([_walk(256, 32, ctas=9216)], H200).seconds
     floor = 4.0 * 9216 * 2048 * 256 / (H200.hbm_gbs * H200.hbm_efficiency * 1e9)
     assert floor <= crowded <= 1.6 * floor
+
+
+def _scorer_mix(lanes: int, span: int = 256) -> Mix:
+    """One thread's iteration of a scorer: its LDG.128 share of the span, 192 / lanes coefficient
+    LDS.128 (the thread's chunks), a page-table load and a score store."""
+    k_loads, lds = span // 16 // lanes, 192 // lanes
+    per_pipe = {"alu": 10, "fma": 40, "imad": 0, "conversion": 0, "mufu": 0, "memory": k_loads + lds + 2,
+                "uniform": 0, "control": 1, "other": 0}
+    return Mix(sum(per_pipe.values()), per_pipe,
+               {"global_load": k_loads + 1, "global_store": 1, "shared_load": lds, "shared_store": 0, "local": 0},
+               span // lanes, span // lanes, 0, 16 * lds)
+
+
+def test_the_l1_data_pipe_counts_rows_per_warp_load_and_broadcast_coefficients() -> None:
+    """Model 3 (docs/tuning-evidence/scorer-warp-form-postmortem.md, qwen3-8b thread form, lanes=2:
+    8 K wavefronts and 12 coefficient wavefronts per token, 2.0 per broadcast LDS.128)."""
+    per_token = {lanes: score_wavefronts(_scorer_mix(lanes), 256 // lanes, lanes) * lanes / 32 for lanes in (1, 2, 4)}
+    assert per_token[2] == pytest.approx(8 + 12 + 2 * 2 / 32)          # K rows + coefficients + 2 others
+    assert per_token[1] == pytest.approx(16 + 12 + 2 / 32)             # an LDS.128 costs at least two
+    assert per_token[4] == pytest.approx(4 + 24 + 2 * 4 / 32)          # four distinct coefficient addresses
+    # without a workload count: the shared loads' and global accesses' bytes at 128 B a wavefront
+    assert l1_wavefronts(_scorer_mix(2), H200) == pytest.approx(32 * (16 * 96 + 128) / 128)
+
+
+def test_an_l1_bound_phase_takes_the_wavefronts_at_one_per_clock() -> None:
+    mix = _scorer_mix(2)
+    kernel = _launch().kernel
+    phase = Phase("scores", 1e9, "hbm", mix, 128.0, l1_wavefronts=score_wavefronts(mix, 128, 2))
+    e = estimate([Launch("score", kernel, 100_000, 256, 0, (phase,))], H200)
+    terms = e.terms["score/scores"]
+    warp_iterations = 1e9 / 128 / 32
+    assert terms["issue:l1"] == pytest.approx(
+        warp_iterations * score_wavefronts(mix, 128, 2) / (H200.sms * H200.clock_ghz * 1e9))
+    assert terms["issue"] == terms["issue:l1"] > terms["memory"]
 
 
 def test_a_launch_that_does_not_fit_an_sm_is_infinitely_slow() -> None:
@@ -252,9 +287,9 @@ def test_tune_measurements_replace_the_models_pick_and_record_how_far_off_it_was
 # ---------------------------------------------------------------- kvgen tune --model
 
 
-def _validation(tmp_path: Path, passes: bool) -> Path:
+def _validation(tmp_path: Path, passes: bool, version: str = VERSION) -> Path:
     path = tmp_path / "validation.json"
-    path.write_text(json.dumps({"model_version": "1", "ops": {"compact": {"passes": passes,
+    path.write_text(json.dumps({"model_version": version, "ops": {"compact": {"passes": passes,
                                                                           "failed": [] if passes else ["x/b1"]}}}))
     return path
 
@@ -266,6 +301,16 @@ def test_tune_model_refuses_an_op_that_failed_validation(tmp_path: Path, capsys)
                "--validation", str(_validation(tmp_path, False)), "--tuning", str(tmp_path / "tuning")])
     assert rc == 1
     assert "failed its H200 validation" in capsys.readouterr().out
+    assert not (tmp_path / "tuning").exists()
+
+
+def test_tune_model_refuses_a_validation_of_another_model_version(tmp_path: Path, capsys) -> None:
+    from kvgen.cli import main
+
+    rc = main(["tune", "--model", "--family", "qwen3-8b", "--op", "compact", "--arch", "sm_100a",
+               "--validation", str(_validation(tmp_path, True, version="2")), "--tuning", str(tmp_path / "tuning")])
+    assert rc == 1
+    assert f"validates cost model '2', this is model {VERSION!r}" in capsys.readouterr().out
     assert not (tmp_path / "tuning").exists()
 
 

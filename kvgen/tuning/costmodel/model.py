@@ -9,8 +9,13 @@ built from three terms, each a plain bound:
 - **memory**: the bytes over the bandwidth of where they live (HBM or the host link), divided by
   the share of each 32-byte sector the access pattern uses;
 - **issue**, per pipe: the warp instructions of every iteration over the SMs that hold CTAs, at the
-  pipe's rate (``targets.Target.issue``), and the same over the schedulers' total rate; model 2
-  adds shared-memory loads as a pipe of their own (every thread's bytes at ``shared_bytes_per_clk``);
+  pipe's rate (``targets.Target.issue``), and the same over the schedulers' total rate; model 3
+  adds the **L1 data pipe** (``issue:l1``): the wavefronts of every warp iteration (shared-memory
+  and global accesses share it, ``l1_wavefronts_per_clk``), by default the bytes of the shared
+  loads (model 2's shared pipe) and the global accesses at 128 B a wavefront, or the workload's
+  own count where the access pattern
+  sets it (the scorer: one wavefront per K row a warp load touches, one per distinct coefficient
+  address of a broadcast shared load, ``workload.score_wavefronts``);
 - **latency**, for phases whose loads are waited on: in a loop, each warp's iteration is a round
   trip (the load latency, then its instructions a dependency step apart) and the SM's resident warps
   take turns (Hong & Kim's memory-warp parallelism), plus one latency per wave of CTAs (the loop's
@@ -40,7 +45,8 @@ from typing import Literal, Sequence
 from kvgen.tuning.costmodel.features import KernelFeatures, Mix
 from kvgen.tuning.costmodel.targets import Target
 
-VERSION = "2"   # 2: the walk term (dependent chain, per-warp bytes in flight), noise-aware validation
+VERSION = "3"   # 2: the walk term (dependent chain, per-warp bytes in flight), noise-aware validation
+#                 3: the L1 data-pipe wavefront term; the scorer's K bytes are the rotated span it reads
 
 
 @dataclass(frozen=True)
@@ -65,6 +71,7 @@ class Phase:
     rounds: int = 0                    # loopless copies: round trips one CTA waits for, one after another
     sector_efficiency: float = 1.0     # useful share of the 32-byte DRAM sectors a warp's accesses touch
     walk: Walk | None = None           # a dependent-chain loop: its latency term is ``walk_time``
+    l1_wavefronts: float | None = None  # L1 data-pipe wavefronts of one warp iteration (None: ``l1_wavefronts``)
 
 
 @dataclass(frozen=True)
@@ -123,6 +130,15 @@ def walk_time(walk: Walk, step: Mix, launch: Launch, resident: int, t: Target) -
     return waves * (walk.steps * step_time + walk.prologue * dram)
 
 
+def l1_wavefronts(loop: Mix, t: Target) -> float:
+    """L1 data-pipe wavefronts of one warp iteration when every access is conflict-free and coalesced:
+    the bytes of its shared-memory loads (model 2's shared pipe) and of its global loads and stores
+    (they pass the same L1TEX data pipe), 32 threads' worth, 128 B (``shared_bytes_per_clk``) a
+    wavefront. A workload whose accesses the SASS alone cannot size (broadcast shared loads, a warp
+    load spread over many rows) gives ``Phase.l1_wavefronts``."""
+    return 32 * (loop.shared_load_bytes + loop.global_bytes) / t.shared_bytes_per_clk
+
+
 def phase_terms(phase: Phase, launch: Launch, resident: int, t: Target) -> dict[str, float]:
     """The phase's memory, issue (per pipe, and their maximum) and latency times, all CTAs together."""
     busy_sms = min(t.sms, launch.ctas)
@@ -138,10 +154,9 @@ def phase_terms(phase: Phase, launch: Launch, resident: int, t: Target) -> dict[
         issue = {f"issue:{pipe}": warp_iterations * n / (busy_sms * t.issue[pipe] * clock)
                  for pipe, n in phase.loop.per_pipe.items() if n}
         issue["issue:total"] = warp_iterations * phase.loop.total / (busy_sms * t.issue["total"] * clock)
-        # model 2: shared-memory loads as their own pipe, every thread's bytes through the SM's 32 banks
-        # (128 B/clk, CUDA C++ Programming Guide, shared memory of compute capability 9.0 / 10.x)
-        issue["issue:shared"] = warp_iterations * 32 * phase.loop.shared_load_bytes / (
-            busy_sms * t.shared_bytes_per_clk * clock)
+        # model 3: the L1 data pipe (shared-memory and global accesses share it), one wavefront per clock
+        wavefronts = phase.l1_wavefronts if phase.l1_wavefronts is not None else l1_wavefronts(phase.loop, t)
+        issue["issue:l1"] = warp_iterations * wavefronts / (busy_sms * t.l1_wavefronts_per_clk * clock)
         terms.update(issue)
         terms["issue"] = max(issue.values())
         if phase.walk is not None:

@@ -32,7 +32,8 @@ class Target:
     ctas_per_sm: int
     # warp instructions per SM per clock, per pipe class (kvgen.tuning.costmodel.features.PIPES)
     issue: dict[str, float]
-    shared_bytes_per_clk: int        # shared-memory bandwidth per SM (32 banks x 4 bytes)
+    shared_bytes_per_clk: int        # shared-memory bandwidth per SM (32 banks x 4 bytes): one L1 wavefront
+    l1_wavefronts_per_clk: float     # L1 data-pipe wavefronts per SM per clock (model 3)
     dram_latency_ns: float           # load-to-use latency of an HBM access
     l2_latency_ns: float             # load-to-use latency of an L2 hit
     warp_inflight_bytes: float       # bytes one warp of a scattered row copy keeps in flight (model 2's walk)
@@ -56,24 +57,28 @@ TARGETS: dict[str, Target] = {
         arch="sm_90a", gpu="NVIDIA H200 SXM", sms=132, clock_ghz=1.98, hbm_gbs=4800, hbm_efficiency=0.85,
         host_link_gbs=64, l2_mib=50, registers_per_sm=65536, register_granule=8, max_registers_per_thread=255,
         shared_per_sm=228 * 1024, warps_per_sm=64, ctas_per_sm=32, issue=_ISSUE_SM90_SM100, shared_bytes_per_clk=128,
+        l1_wavefronts_per_clk=1.0,
         dram_latency_ns=650, l2_latency_ns=200, warp_inflight_bytes=2600,
         dependent_issue_cycles=2.0, host_latency_ns=1500, launch_us=2.5),
     "sm_100a": Target(
         arch="sm_100a", gpu="NVIDIA B200", sms=148, clock_ghz=1.965, hbm_gbs=8000, hbm_efficiency=0.85,
         host_link_gbs=64, l2_mib=126, registers_per_sm=65536, register_granule=8, max_registers_per_thread=255,
         shared_per_sm=228 * 1024, warps_per_sm=64, ctas_per_sm=32, issue=_ISSUE_SM90_SM100, shared_bytes_per_clk=128,
+        l1_wavefronts_per_clk=1.0,
         dram_latency_ns=700, l2_latency_ns=200, warp_inflight_bytes=2600,
         dependent_issue_cycles=2.0, host_latency_ns=1500, launch_us=2.5),
     "sm_103a": Target(
         arch="sm_103a", gpu="NVIDIA B300 (Blackwell Ultra)", sms=148, clock_ghz=1.965, hbm_gbs=8000,
         hbm_efficiency=0.85, host_link_gbs=128, l2_mib=126, registers_per_sm=65536, register_granule=8,
         max_registers_per_thread=255, shared_per_sm=228 * 1024, warps_per_sm=64, ctas_per_sm=32,
-        issue=_ISSUE_SM90_SM100, shared_bytes_per_clk=128, dram_latency_ns=700, l2_latency_ns=200, warp_inflight_bytes=2600,
+        issue=_ISSUE_SM90_SM100, shared_bytes_per_clk=128,
+        l1_wavefronts_per_clk=1.0, dram_latency_ns=700, l2_latency_ns=200, warp_inflight_bytes=2600,
         dependent_issue_cycles=2.0, host_latency_ns=1500, launch_us=2.5),
     "sm_107a": Target(
         arch="sm_107a", gpu="NVIDIA Rubin", sms=224, clock_ghz=1.9, hbm_gbs=22000, hbm_efficiency=0.85,
         host_link_gbs=128, l2_mib=126, registers_per_sm=65536, register_granule=8, max_registers_per_thread=255,
         shared_per_sm=228 * 1024, warps_per_sm=64, ctas_per_sm=32, issue=_ISSUE_SM90_SM100, shared_bytes_per_clk=128,
+        l1_wavefronts_per_clk=1.0,
         dram_latency_ns=700, l2_latency_ns=200, warp_inflight_bytes=2600,
         dependent_issue_cycles=2.0, host_latency_ns=1500, launch_us=2.5),
 }
@@ -95,27 +100,37 @@ SOURCES: dict[str, str] = {
                        "picked from 3, 4, 5 and 8 B/ns on the same studies the validation judges; b1 meets both "
                        "goals at every value tried, with L2 latencies of 100-400 ns: "
                        "docs/tuning-evidence/costmodel-walk-sensitivity.md)",
+    "l1-pipe": "Nsight Compute on the H200, thread-form scorer (docs/tuning-evidence/scorer-warp-form-postmortem.md): "
+               "l1tex__data_pipe_lsu_wavefronts 90.9 % busy = 21.4 wavefronts/token at 23.6 clk/token, i.e. one "
+               "wavefront per SM per clock; 2.0 wavefronts per broadcast LDS.128",
     "l2": "estimate: ~200 ns for an L2 hit (a few hundred cycles, well below the HBM latency, as Luo et al. "
           "IPDPS 2024 measure on H100); not measured here",
 }
 
 ESTIMATES: dict[str, dict[str, str]] = {
-    "sm_90a": {"hbm_efficiency": "calibrated", "launch_us": "calibrated", "dram_latency_ns": "latency",
+    "sm_90a": {"hbm_efficiency": "calibrated", "l1_wavefronts_per_clk": "l1-pipe", "launch_us": "calibrated",
+               "dram_latency_ns": "latency",
                "l2_latency_ns": "l2", "warp_inflight_bytes": "calibrated-walk",
                "host_latency_ns": "estimate: PCIe Gen5 round trip, not measured here"},
-    "sm_100a": {"l2_latency_ns": "estimate: the H200 value", "warp_inflight_bytes": "estimate: the H200 calibration",
+    "sm_100a": {"l2_latency_ns": "estimate: the H200 value",
+                "l1_wavefronts_per_clk": "estimate: the H200 value",
+                "warp_inflight_bytes": "estimate: the H200 calibration",
                 "sms": "estimate: 148 SMs as reported by deviceQuery on B200, not in a datasheet",
                 "clock_ghz": "estimate: B200 boost clock as reported by nvidia-smi, not in a datasheet",
                 "l2_mib": "estimate: deviceQuery on B200", "dram_latency_ns": "estimate: H100 value + 50 ns",
                 "host_link_gbs": "estimate: HGX B200 host link taken as PCIe Gen5 x16",
                 "hbm_efficiency": "estimate: the H200 calibration", "launch_us": "estimate: the H200 calibration",
                 "host_latency_ns": "estimate: the H200 value"},
-    "sm_103a": {"l2_latency_ns": "estimate: the H200 value", "warp_inflight_bytes": "estimate: the H200 calibration",
+    "sm_103a": {"l2_latency_ns": "estimate: the H200 value",
+                "l1_wavefronts_per_clk": "estimate: the H200 value",
+                "warp_inflight_bytes": "estimate: the H200 calibration",
                 "sms": "estimate: 148 of the 160 SMs enabled, as on B200", "clock_ghz": "estimate: the B200 value",
                 "l2_mib": "estimate: the B200 value", "dram_latency_ns": "estimate: the B200 value",
                 "hbm_efficiency": "estimate: the H200 calibration", "launch_us": "estimate: the H200 calibration",
                 "host_latency_ns": "estimate: the H200 value"},
-    "sm_107a": {"l2_latency_ns": "estimate: the H200 value", "warp_inflight_bytes": "estimate: the H200 calibration",
+    "sm_107a": {"l2_latency_ns": "estimate: the H200 value",
+                "l1_wavefronts_per_clk": "estimate: the H200 value",
+                "warp_inflight_bytes": "estimate: the H200 calibration",
                 "sms": "estimate: 224 SMs (press reports of the Rubin die; no NVIDIA document)",
                 "clock_ghz": "estimate", "l2_mib": "estimate: the B200 value",
                 "registers_per_sm": "estimate: unchanged since Volta", "shared_per_sm": "estimate: the 10.x value",

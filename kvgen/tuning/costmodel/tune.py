@@ -40,10 +40,15 @@ class NotValidated(RuntimeError):
 
 def require_validated(validation: Path, op: str) -> dict[str, Any]:
     try:
-        verdict = json.loads(Path(validation).read_text())["ops"][op]
+        data = json.loads(Path(validation).read_text())
+        verdict = data["ops"][op]
     except (OSError, ValueError, KeyError):
         raise NotValidated(f"{validation}: no validation of op {op!r}; model-tuned files need one that "
                            "passed (python -m kvgen.tuning.costmodel.validate)") from None
+    if str(data.get("model_version")) != VERSION:
+        # a verdict on another model's formulas says nothing about this one's picks
+        raise NotValidated(f"{validation}: validates cost model {data.get('model_version')!r}, this is model "
+                           f"{VERSION!r}; re-run python -m kvgen.tuning.costmodel.validate")
     if not verdict.get("passes"):
         raise NotValidated(f"{op}: the cost model failed its H200 validation ({validation}: failed studies "
                            f"{', '.join(verdict.get('failed', [])) or '-'}); no model-tuned file written")

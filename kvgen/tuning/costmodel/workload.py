@@ -99,14 +99,30 @@ def score_launches(features: Mapping[str, KernelFeatures], params: Mapping[str, 
     layers = len(geometry["scored_layers"])
     ctas = math.ceil(width / tokens_per_cta) * geometry["kv_heads"] * passes * layers * batch
     elem = 1 if geometry["dtype"].startswith("fp8") else 2
-    k_bytes = float(batch) * width * geometry["kv_heads"] * passes * layers * geometry["head_dim"] * elem
+    span = geometry["rotary_dim"] * elem   # model 3: a thread reads only the row's rotated span
+    k_bytes = float(batch) * width * geometry["kv_heads"] * passes * layers * span
     tile_loop = pick_loop(kernel, "global_load")
     per_token = tile_loop if params["token_tiles"] > 1 and tile_loop is not None and \
         tile_loop.total > kernel.static.total / 2 else kernel.static
     # model 2: an iteration's K bytes per thread are its share of one row (the page-table loads and
     # score stores of the same SASS do not scale with the work); the loop's rates follow from them
-    k_share = geometry["head_dim"] * elem // lanes
+    k_share = span // lanes
     per_token = replace(per_token, global_bytes=k_share, load_bytes=k_share)
     return [Launch("score", kernel, ctas, params["threads"], 0,
                    (Phase("scores", k_bytes, "hbm", per_token, float(per_token.load_bytes),
-                          sector_efficiency=min(1.0, 16 * lanes / 32)),))]
+                          sector_efficiency=min(1.0, 16 * lanes / 32),
+                          l1_wavefronts=score_wavefronts(per_token, k_share, lanes)),))]
+
+
+def score_wavefronts(per_token: Mix, k_share: int, lanes: int) -> float:
+    """L1 data-pipe wavefronts of one warp iteration of the scorer (model 3; the post-mortem's
+    ncu-checked count, docs/tuning-evidence/scorer-warp-form-postmortem.md): a warp's 16-byte K
+    load touches 32 / ``lanes`` rows, one wavefront each; a coefficient load (LDS.128) reads the
+    ``lanes`` distinct addresses of the lanes' chunks (every token of the warp uses the same
+    coefficients), one wavefront each but never fewer than two (ncu: 2.0 per LDS.128 at lanes=2;
+    "an LDS.128 costs 2 wavefronts whatever it carries"); every other memory instruction (page
+    table, score stores, staging) one."""
+    k_loads = k_share / 16
+    memory = per_token.memory
+    others = memory["global_load"] + memory["global_store"] + memory["shared_store"] - k_loads
+    return k_loads * 32 / lanes + memory["shared_load"] * max(2, lanes) + max(0.0, others)
