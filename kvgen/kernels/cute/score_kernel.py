@@ -576,15 +576,30 @@ class TriScoreKernel:
                               ahead % self.bulk_stages)
         slot = stage % self.bulk_stages
         mbarrier_wait(self.bulk_barrier(barriers, slot, tid // 32), (stage // self.bulk_stages) % 2)
-        raw = cute.make_rmem_tensor(cute.make_layout(self.pieces * 4), Int32)
-        used = cute.make_rmem_tensor(cute.make_layout(1), Int32)
-        used[0] = volatile_shared_load(self.bulk_flag(ring, slot, tid), 1, Int32)[0]
+        used = volatile_shared_load(self.bulk_flag(ring, slot, tid), 1, Int32)[0]
+        acc.fill(0.0)
+        self.accumulate(acc, VolatileCoefficients(self, coef), self.shared_chunks(ring, slot, tid, token.lane), 1,
+                        token.lane)
+        self.finish_token(acc, scores, token, first, 0, self.columns(tile, tid, stage)[0], used != 0, width)
+
+    def shared_chunks(self, ring: Int32, slot, tid, lane):
+        """``chunk(t, step)``: the f32 values of this lane's chunk ``step`` of its token's row in
+        ring ``slot``, read where the arithmetic needs them (volatile 16-byte loads: after the
+        barrier wait, and never all of the row live in registers at once)."""
         row = self.bulk_row_address(ring, slot, tid)
-        for k, piece in enumerate(self.row_pieces(token.lane)):
-            for w, value in enumerate(volatile_shared_load(row + piece * 16, 4, Int32)):
-                raw[k * 4 + w] = value
-        self.score_stage(acc, coef, cute.recast_tensor(raw, self.element), used, scores, token, first,
-                         self.columns(tile, tid, stage), width)
+        pieces = self.row_pieces(lane)
+        per_step = len(pieces) // self.steps
+
+        def chunk(t: int, step: int) -> list:
+            values = []
+            for piece in pieces[step * per_step:(step + 1) * per_step]:
+                words = cute.make_rmem_tensor(cute.make_layout(4), Int32)
+                for w, value in enumerate(volatile_shared_load(row + piece * 16, 4, Int32)):
+                    words[w] = value
+                values += self.load_f32(cute.recast_tensor(words, self.element), 0, 1)
+            return values
+
+        return chunk
 
     @cute.jit
     def accumulate_if_readable(self, acc: cute.Tensor, coef: cute.Tensor, token: "RowSource", j: Int32):
@@ -700,15 +715,19 @@ class TriScoreKernel:
             coef[h, 1, e, lane, step] = Float32(cutlass.select_(live, s * (re * df + im * cf), zero))
             coef[h, 2, e, lane, step] = Float32(cutlass.select_(live, s * mlr[layer, head, f], zero))
 
-    def accumulate(self, acc: cute.Tensor, coefficients, rows: cute.Tensor, tokens: int, lane) -> None:
+    def accumulate(self, acc: cute.Tensor, coefficients, rows, tokens: int, lane) -> None:
         """``acc[t·heads + h] += Σ a·re + b·im + m·|k|`` over this lane's chunks of the K rows of
         tokens ``t < tokens`` (chunk ``step·lanes + lane``: the lanes of a token read adjacent
-        16-byte pieces), from the pieces ``load_row`` left in registers (decoded to f32 here: fp8
-        and 16-bit alike). Chunk by chunk, each pair's coefficients read once for every token."""
+        16-byte pieces), from the pieces ``load_row`` left in registers (a tensor) or from
+        ``rows(t, step)`` (a function giving the f32 values of one chunk), decoded to f32: fp8 and
+        16-bit alike. Chunk by chunk, each pair's coefficients read once for every token."""
         per_step = self.row_elems // self.steps
+        if not callable(rows):
+            registers = rows
+            rows = lambda t, step: self.load_f32(registers, (t * self.row_elems + step * per_step) // self.vec,  # noqa: E731
+                                                 per_step // self.vec)
         for step in range(self.steps):   # plain Python: unrolled at trace time
-            values = [self.load_f32(rows, (t * self.row_elems + step * per_step) // self.vec, per_step // self.vec)
-                      for t in range(tokens)]
+            values = [rows(t, step) for t in range(tokens)]
             for e in range(self.pairs_per_chunk):
                 a, b, m = (coefficients.read(k, e, lane, step) for k in range(3))
                 for t in range(tokens):
