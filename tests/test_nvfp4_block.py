@@ -729,6 +729,27 @@ def test_packed_f16_fp8_encode_equals_oracle_for_every_scale_and_element(host_ch
     assert bad.size == 0, f"block {got['x'][bad[0][0]].tolist()} G {got['G'][bad[0][0]]}"
 
 
+def test_packed_bf16_encode_equals_oracle_for_every_scale_and_element(host_check):
+    """Rounding::PackedBF16 (bf16 blocks, binary32 products, codes on packed fp16 lanes, Q = 1).
+    Exhaustive for the route's one rounding decision: the host build runs every (E4M3 scale byte,
+    bf16 pattern) pair, both signs, through the route's packer and multiplier against the
+    contract's code of fl32(x * fl32(1/S)) (exit status); then blocks whose maximum is every finite
+    bf16 magnitude (scale, masking) and blocks holding NaN/Inf (the fallback), for each G, against
+    the integer route there and against kvgen.reference.encode_blocks here, bit for bit."""
+    r = subprocess.run([str(host_check), "--sweep-bf16", *FP8_SWEEP_G], capture_output=True)
+    assert r.returncode == 0 and b"pairs=8257536 " in r.stderr and b" mismatches=0" in r.stderr, r.stderr.decode()
+    rec = np.dtype([("x", "<u2", 16), ("G", "<f4"), ("scale", "u1"), ("packed", "u1", 8)])
+    got = np.frombuffer(r.stdout, dtype=rec)
+    assert got.size == len(FP8_SWEEP_G) * (0x7F80 + 64)
+    assert set(np.unique(got["G"]).tolist()) == {fl32(float(g)) for g in FP8_SWEEP_G}
+    x = bits_to_f32(got["x"].astype(np.uint32) << 16)
+    codes, scales = R.encode_blocks(x, torch.from_numpy(got["G"].copy()), 1.0)
+    assert (scales.numpy() == got["scale"]).all()
+    packed = R.pack_nibbles(codes).numpy()
+    bad = np.argwhere((packed != got["packed"]).any(axis=1))
+    assert bad.size == 0, f"block {got['x'][bad[0][0]].tolist()} G {got['G'][bad[0][0]]}"
+
+
 def test_header_scale_is_exhaustive_near_e4m3_range(host_check):
     """Every float32 in [2^-11, 2^-6] (the whole E4M3 subnormal range and the 2^-10 tie) and
     every float32 in [416, 480] (the top binade and saturation), through the scale rounding of

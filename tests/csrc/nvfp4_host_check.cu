@@ -18,6 +18,15 @@
 //                                      byte pair at every position, for each G (default 1); prints
 //                                      "mismatches=N" to stderr, exit 1 if any, and writes the blocks
 //                                      (u8 x[16], f32 G, u8 scale, u8 packed[8]) to stdout
+//   nvfp4_host_check --sweep-bf16 [G..] the bf16 encode with codes on fp16 pairs (Rounding::PackedBF16,
+//                                      Q = 1): every (E4M3 scale byte, bf16 element) pair through its
+//                                      packer against the contract's code (and the device's refined
+//                                      reciprocal against 1/S), then blocks whose maximum
+//                                      runs through every finite bf16 magnitude (position and other
+//                                      elements varied, NaN/Inf blocks too) against the general route,
+//                                      for each G (default 1); prints "mismatches=N" to stderr, exit 1
+//                                      if any, and writes the blocks (u16 x[16], f32 G, u8 scale,
+//                                      u8 packed[8]) to stdout
 //   nvfp4_host_check --sweep-decode    every (code byte, E4M3 scale byte) pair through the packed
 //                                      decode route (DecodeRoute::Lut, Q = 1) at every byte position
 //                                      of a block, against the float route; prints "mismatches=N",
@@ -313,6 +322,97 @@ int sweep_fp8(const std::vector<float>& gs) {
   return mismatches ? 1 : 0;
 }
 
+// Rounding::PackedBF16 over every (scale, element) pair, then over blocks (see the usage above).
+int sweep_bf16(const std::vector<float>& gs) {
+  uint64_t mismatches = 0, pairs = 0, blocks = 0;
+  // Element level: for every non-zero, non-NaN scale byte, every finite bf16 pattern (both signs),
+  // eight at a time, through the route's packer with the route's multiplier, against the contract's
+  // code of fl32(x * fl32(1/S)).
+  for (uint32_t sb = 1; sb < 0x7F; ++sb) {
+    const float S = kn::e4m3_to_f32(sb);
+    const float m = kn::div_rn(1.0f, S);
+    const float c = kn::tie_scaled_multiplier(S, m);
+    // The device's m: the corrected approximate reciprocal, from any start within two ulps.
+    for (int32_t d = -2; d <= 2; ++d) {
+      const float y = kn::bits_f32((uint32_t)((int32_t)kn::f32_bits(m) + d));
+      if (kn::recip_refined(y, S) != m && mismatches++ < 8)
+        fprintf(stderr, "scale 0x%02X: refined reciprocal from %+d ulps is not 1/S\n", sb, d);
+    }
+    for (uint32_t base = 0; base < 0x10000u; base += 8) {
+      uint32_t w[4];
+      uint32_t want = 0;
+      for (int k = 0; k < 8; ++k) {
+        uint32_t b = base + (uint32_t)k;
+        if ((b & 0x7F80u) == 0x7F80u) b &= 0x8000u;  // NaN/Inf patterns: the block falls back; test 0
+        const uint32_t half = b << (16 * (k & 1));
+        w[k >> 1] = (k & 1) ? (w[k >> 1] | half) : half;
+        want |= kn::e2m1_from_f32_sw(kn::mul_rn(kn::bits_f32(b << 16), m)) << (4 * k);
+      }
+      const uint32_t got = kn::e2m1x8_bf16(w, c);
+      pairs += 8;
+      if (got != want && mismatches++ < 8)
+        fprintf(stderr, "scale 0x%02X bf16 0x%04X..: packed %08X, contract %08X\n", sb, base, got, want);
+    }
+  }
+  // Block level: the scale, the fallback and the masking, against the general route.
+  std::vector<unsigned char> out;
+  uint64_t state = 0x9E3779B97F4A7C15ull;
+  auto next = [&]() {
+    state = state * 6364136223846793005ull + 1442695040888963407ull;
+    return (uint32_t)(state >> 33);
+  };
+  auto check = [&](const uint16_t (&e)[16], float G) {
+    uint32_t w[8];
+    float x[16];
+    for (int j = 0; j < 8; ++j) w[j] = e[2 * j] | ((uint32_t)e[2 * j + 1] << 16);
+    for (int i = 0; i < 16; ++i) x[i] = kn::bits_f32((uint32_t)e[i] << 16);
+    const kn::Block got = kn::encode_block_bf16x16(w, G);
+    const kn::Block want = kn::encode_block_path<kn::Path::Software, kn::Rounding::Integer>(x, G, 1.0f);
+    ++blocks;
+    if ((got.scale != want.scale || got.packed[0] != want.packed[0] || got.packed[1] != want.packed[1]) &&
+        mismatches++ < 8) {
+      fprintf(stderr, "G %g bf16", G);
+      for (int i = 0; i < 16; ++i) fprintf(stderr, " %04X", e[i]);
+      fprintf(stderr, ": packed %02X %08X %08X, general %02X %08X %08X\n", got.scale, got.packed[1], got.packed[0],
+              want.scale, want.packed[1], want.packed[0]);
+    }
+    for (int i = 0; i < 16; ++i) {
+      out.push_back((unsigned char)(e[i] & 0xFFu));
+      out.push_back((unsigned char)(e[i] >> 8));
+    }
+    const uint32_t g = kn::f32_bits(G);
+    for (int k = 0; k < 4; ++k) out.push_back((unsigned char)(g >> (8 * k)));
+    out.push_back(got.scale);
+    for (int i = 0; i < 8; ++i) out.push_back((unsigned char)(got.packed[i / 4] >> (8 * (i % 4))));
+  };
+  for (const float G : gs) {
+    for (uint32_t a = 0; a < 0x7F80u; ++a) {  // the block maximum: every finite magnitude
+      uint16_t e[16];
+      const int p = (int)(a % 16);
+      for (int i = 0; i < 16; ++i) {
+        const uint32_t r = next();
+        const uint32_t mag = (r & 0x7FFFu) % (a + 1);  // magnitude <= a (ties to the maximum too)
+        e[i] = (uint16_t)((r & 0x8000u) | mag);
+      }
+      e[p] = (uint16_t)(a | ((a & 1u) << 15));
+      check(e, G);
+    }
+    // NaN and Inf patterns at every position, beside large and tiny values: the fallback.
+    for (int p = 0; p < 16; ++p) {
+      for (const uint16_t bad : {(uint16_t)0x7FC0, (uint16_t)0xFF81, (uint16_t)0x7F80, (uint16_t)0xFF80}) {
+        uint16_t e[16];
+        for (int i = 0; i < 16; ++i) e[i] = (uint16_t)((next() & 0xFFFFu) % 0x7F80u);
+        e[p] = bad;
+        check(e, G);
+      }
+    }
+  }
+  fwrite(out.data(), 1, out.size(), stdout);
+  fprintf(stderr, "pairs=%llu blocks=%llu mismatches=%llu\n", (unsigned long long)pairs, (unsigned long long)blocks,
+          (unsigned long long)mismatches);
+  return mismatches ? 1 : 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -333,6 +433,11 @@ int main(int argc, char** argv) {
     }
     if (strcmp(argv[a], "--sweep-e2m1") == 0) return sweep_e2m1(a + 1 < argc ? strtoull(argv[a + 1], nullptr, 10) : 1);
     if (strcmp(argv[a], "--sweep-decode") == 0) return sweep_decode();
+    if (strcmp(argv[a], "--sweep-bf16") == 0) {
+      std::vector<float> gs;
+      for (int g = a + 1; g < argc; ++g) gs.push_back(strtof(argv[g], nullptr));
+      return sweep_bf16(gs.empty() ? std::vector<float>{1.0f} : gs);
+    }
     if (strcmp(argv[a], "--sweep-fp8") == 0) {
       std::vector<float> gs;
       for (int g = a + 1; g < argc; ++g) gs.push_back(strtof(argv[g], nullptr));
