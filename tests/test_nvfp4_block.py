@@ -904,8 +904,8 @@ def test_sm100a_hw_path_assembles(probe_src):
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.gpu
-def test_header_on_device_matches_oracle(tmp_path):
+def _device_check(tmp_path) -> Path:
+    """The check program built for this GPU (its kernels run the header's device code)."""
     nvcc = _nvcc()
     major, minor = torch.cuda.get_device_capability()
     arch = f"sm_{major}{minor}" + ("a" if major >= 9 else "")
@@ -913,6 +913,21 @@ def test_header_on_device_matches_oracle(tmp_path):
     r = subprocess.run([nvcc, "-x", "cu", "-std=c++17", *_include_flags(nvcc), "-DKVGEN_CHECK_DEVICE", f"-arch={arch}",
                         str(CHECK_SRC), "-o", str(exe)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+    return exe
+
+
+@pytest.mark.gpu
+def test_packed_bf16_encode_on_device_matches_the_contract(tmp_path):
+    """Rounding::PackedBF16 computed by the GPU (its multiplier from rcp.approx, cvt.rn.f16x2.f32,
+    the packed fp16 rounding, the packed bf16 maximum): the host sweep's inputs, both levels."""
+    r = subprocess.run([str(_device_check(tmp_path)), "--sweep-bf16", *FP8_SWEEP_G, "--device"], capture_output=True)
+    assert r.returncode == 0 and b" mismatches=0" in r.stderr, r.stderr.decode()
+
+
+@pytest.mark.gpu
+def test_header_on_device_matches_oracle(tmp_path):
+    exe = _device_check(tmp_path)
+    major, _ = torch.cuda.get_device_capability()
     # the kernel reports the path its own compilation pass took (hardware on Blackwell)
     hw = int(major >= 10 and major < 13)
     for name, make in INPUT_SETS.items():

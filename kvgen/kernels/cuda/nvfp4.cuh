@@ -810,10 +810,10 @@ KVGEN_NVFP4_HD float bf16_block_amax(const uint32_t (&w)[8]) {
 }
 
 // Two binary32 values rounded to an fp16 pair (lo in the low half): one cvt.rn.f16x2.f32 (no .ftz
-// whatever the flags) on the device, __float2half_rn per lane on the host; both round to nearest
-// even, keep subnormals and overflow to Inf.
+// whatever the flags) on sm_80+, __float2half_rn per lane elsewhere; both round to nearest even,
+// keep subnormals and overflow to Inf.
 KVGEN_NVFP4_HD uint32_t f16x2_rn(float lo, float hi) {
-#if defined(__CUDA_ARCH__)
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   uint32_t r;
   asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
   return r;
