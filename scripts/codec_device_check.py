@@ -9,7 +9,8 @@ Two halves:
 ``build`` makes, under DIR, xz archives of bundles (unpacked by ``measure``): ``codec-variants``
 (scripts/codec_variants_bundle.py ``--codec-set``, default ``defaults``: the previous codec defaults
 and today's, for ``--codec-family`` (default qwen3-8b and deepseek-v3); ``routes`` with all four
-families was the set of results/2026-12-02-h200/codec_device_check.json) and one compaction bundle
+families was the set of results/2026-12-02-h200/codec_device_check.json; ``--no-compact``: this one
+only, and ``measure`` then skips compaction) and one compaction bundle
 per way of checking device indices, each built from its own copy of the kernels:
   ``compact-on``   the kernels of ``--base`` (default: main, the checks as shipped),
   ``compact-off``  this tree with in_range/in_range32 forced true (checks compiled out: the
@@ -90,7 +91,7 @@ def checks_off(tree: Path) -> None:
     header.write_text(text)
 
 
-def build(out: Path, base: str, codec: bool, codec_set: str, codec_families: list[str]) -> int:
+def build(out: Path, base: str, codec: bool, codec_set: str, codec_families: list[str], compact: bool = True) -> int:
     out.mkdir(parents=True, exist_ok=True)
     status = 0
     if codec:
@@ -98,7 +99,7 @@ def build(out: Path, base: str, codec: bool, codec_set: str, codec_families: lis
         status = subprocess.call([sys.executable, str(ROOT / "scripts" / "codec_variants_bundle.py"), "--set",
                                   codec_set, *families, "--out", str(out / "codec-variants")])
     with tempfile.TemporaryDirectory() as tmp:
-        for way in CHECKS:
+        for way in CHECKS if compact else ():
             tree = tree_copy(Path(tmp) / way, base if way == "on" else None)
             if way == "off":
                 checks_off(tree)
@@ -109,7 +110,7 @@ def build(out: Path, base: str, codec: bool, codec_set: str, codec_families: lis
                                        COMPACT_FAMILY], env={"PYTHONPATH": str(tree), "PATH": _path()}, cwd=tree)
     from kvgen.tuning.candidates import pack_bundle
 
-    for name in BUNDLES:
+    for name in [n for n in BUNDLES if (codec if n == "codec-variants" else compact)]:
         pack_bundle(out / name, out / f"{name}.tar.xz")
         shutil.rmtree(out / name)
     return status
@@ -240,7 +241,8 @@ def measure(root: Path, out: Path, hot_gib: float) -> int:
     require_cuda("codec_device_check")
     out.mkdir(parents=True, exist_ok=True)
     unpacked = Path(tempfile.mkdtemp(prefix="codec-device-check-"))
-    for name in BUNDLES:
+    present = [name for name in BUNDLES if (root / f"{name}.tar.xz").exists()]  # built with --no-compact: codec only
+    for name in present:
         unpack_bundle(root / f"{name}.tar.xz", unpacked / name)
     root = unpacked
     ceilings = measure_ceilings(pinned=False)
@@ -250,7 +252,8 @@ def measure(root: Path, out: Path, hot_gib: float) -> int:
     for family in families:
         report["codec"].append(guarded(measure_codec, root / "codec-variants", family, ceilings, hot_gib))
         (out / "codec_device_check.json").write_text(json.dumps(report, indent=1, default=str))
-    report["compact"] = guarded(measure_compact, root, ceilings)
+    if "compact-on" in present:
+        report["compact"] = guarded(measure_compact, root, ceilings)
     (out / "codec_device_check.json").write_text(json.dumps(report, indent=1, default=str))
     print("wrote", out / "codec_device_check.json")
     return 0
@@ -300,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--base", default="main", help="revision of the shipped checks (compact-on)")
     parser.add_argument("--hot-gib", type=float, default=1.2)
     parser.add_argument("--no-codec", action="store_true", help="build: the compaction bundles only")
+    parser.add_argument("--no-compact", action="store_true", help="build: the codec bundle only (measure skips compaction)")
     parser.add_argument("--codec-set", default="defaults", help="build: scripts/codec_variants_bundle.py --set")
     parser.add_argument("--codec-family", action="append", choices=CODEC_FAMILIES,
                         help="build: a codec family (repeatable; default qwen3-8b and deepseek-v3)")
@@ -309,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT))
     if args.what == "build":
         return build(args.dir, args.base, not args.no_codec, args.codec_set,
-                     args.codec_family or ["qwen3-8b", "deepseek-v3"])
+                     args.codec_family or ["qwen3-8b", "deepseek-v3"], not args.no_compact)
     if args.what == "profile":
         return profile(args.dir, args.results, args.family)
     return measure(args.dir, args.out, args.hot_gib)

@@ -17,7 +17,9 @@ results/2026-12-02-h200/codec_device_check.json). ``defaults``: the previous def
 (``rounding`` 3, built as 2 off fp8, ``decode_split`` 2, chosen from that measurement and
 results/2026-12-02-h200/codec3/), to confirm them. ``packed``: ``rounding`` 2; the default ``rounding`` 3
 (FP8 hot pages on packed fp16 lanes; other families build 2); the same at 512 threads with min_blocks 3
-(40 registers instead of 47).
+(40 registers instead of 47). ``bf16packed``: ``rounding`` 2 (what bf16 families build today), then
+``rounding`` 4 (BF16 hot pages: binary32 products, codes on packed fp16 lanes; fp8 builds 3) at the
+default launch and at 512 threads with min_blocks 3.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 FAMILIES = ("qwen3-8b", "deepseek-v3", "deepseek-v4-csa", "qwen3-8b-fp8")
-SETS = ("launch", "routes", "defaults", "packed")
+SETS = ("launch", "routes", "defaults", "packed", "bf16packed")
 # The codec defaults before results/2026-12-02-h200/codec_device_check.json chose rounding 2, decode_split 2.
 PREVIOUS_DEFAULTS = {"rounding": 1, "decode_split": 1}
 
@@ -42,6 +44,8 @@ def variants(which: str = "launch") -> list[dict[str, int]]:
         return [{**base, **PREVIOUS_DEFAULTS}, base]
     if which == "packed":
         changes = [{"rounding": 2}, {}, {"threads": 512, "min_blocks": 3}]
+    elif which == "bf16packed":
+        changes = [{"rounding": 2}, {"rounding": 4}, {"rounding": 4, "threads": 512, "min_blocks": 3}]
     elif which == "routes":
         base = {**base, **PREVIOUS_DEFAULTS}
         changes = [{}, {"hot_batch": 2}, {"hot_batch": 4}, {"rounding": 2}, {"decode_split": 2},

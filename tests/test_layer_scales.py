@@ -214,18 +214,21 @@ def test_refused_scale_arrays_name_the_value(driver) -> None:
 # The same record code with compiled-in unit scales (G = Q = 1, as every shipped spec): the Lut
 # decode route with half blocks (decode_split 2) and the fused FMA-pipe rounding (rounding 3 folded
 # to 2 for 16-bit hot dtypes), the defaults, which a per-layer or Q != 1 buffer never takes; and
-# hot_batch 2 and 4. FP8: the packed fp16 encode (rounding 3, the default), with hot_batch 2.
-UNIT_VARIANTS = {"bf16": {"hot_batch": 2}, "fp16": {"hot_batch": 4}, "fp8_e4m3": {"hot_batch": 2}}
+# hot_batch 2 and 4. FP8: the packed fp16 encode (rounding 3, the default), with hot_batch 2. BF16
+# also with its packed encode (rounding 4, codes on fp16 pairs), which fp16 folds to 2.
+# (dtype, variant, the rounding it builds)
+UNIT_VARIANTS = [("bf16", {"hot_batch": 2}, 2), ("bf16", {"rounding": 4}, 4), ("fp16", {"hot_batch": 4}, 2),
+                 ("fp16", {"rounding": 4}, 2), ("fp8_e4m3", {"hot_batch": 2}, 3)]
 
 
-@pytest.mark.parametrize("dtype", sorted(UNIT_VARIANTS))
+@pytest.mark.parametrize(("dtype", "variant", "rounding"), UNIT_VARIANTS)
 def test_kernel_record_code_with_unit_scales_and_codec_variants_matches_the_oracle(
-        dtype: str, tmp_path: Path) -> None:
+        dtype: str, variant: dict[str, int], rounding: int, tmp_path: Path) -> None:
     text = compiled_twin(PER_LAYER_SPEC.read_text(encoding="utf-8")).replace("dtype: bf16", f"dtype: {dtype}")
     spec = parse_spec(text.replace("name: per-layer-scales", f"name: unit-scales-{dtype}"), "unit-scales")
-    params = fold_codec_params(spec, {**default_params("codec"), **UNIT_VARIANTS[dtype]})
+    params = fold_codec_params(spec, {**default_params("codec"), **variant})
     fp8 = dtype == "fp8_e4m3"
-    assert params["decode_split"] == 2 and params["rounding"] == (3 if fp8 else 2) and lut_decode_buffers(spec) != fp8
+    assert params["decode_split"] == 2 and params["rounding"] == rounding and lut_decode_buffers(spec) != fp8
     exe = compile_driver(spec, tmp_path, params)
     layout = family_layout(spec)
     pools = hot_pages(spec, 1, 5)

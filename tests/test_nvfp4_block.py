@@ -729,6 +729,27 @@ def test_packed_f16_fp8_encode_equals_oracle_for_every_scale_and_element(host_ch
     assert bad.size == 0, f"block {got['x'][bad[0][0]].tolist()} G {got['G'][bad[0][0]]}"
 
 
+def test_packed_bf16_encode_equals_oracle_for_every_scale_and_element(host_check):
+    """Rounding::PackedBF16 (bf16 blocks, binary32 products, codes on packed fp16 lanes, Q = 1).
+    Exhaustive for the route's one rounding decision: the host build runs every (E4M3 scale byte,
+    bf16 pattern) pair, both signs, through the route's packer and multiplier against the
+    contract's code of fl32(x * fl32(1/S)) (exit status); then blocks whose maximum is every finite
+    bf16 magnitude (scale, masking) and blocks holding NaN/Inf (the fallback), for each G, against
+    the integer route there and against kvgen.reference.encode_blocks here, bit for bit."""
+    r = subprocess.run([str(host_check), "--sweep-bf16", *FP8_SWEEP_G], capture_output=True)
+    assert r.returncode == 0 and b"pairs=8257536 " in r.stderr and b" mismatches=0" in r.stderr, r.stderr.decode()
+    rec = np.dtype([("x", "<u2", 16), ("G", "<f4"), ("scale", "u1"), ("packed", "u1", 8)])
+    got = np.frombuffer(r.stdout, dtype=rec)
+    assert got.size == len(FP8_SWEEP_G) * (0x7F80 + 64)
+    assert set(np.unique(got["G"]).tolist()) == {fl32(float(g)) for g in FP8_SWEEP_G}
+    x = bits_to_f32(got["x"].astype(np.uint32) << 16)
+    codes, scales = R.encode_blocks(x, torch.from_numpy(got["G"].copy()), 1.0)
+    assert (scales.numpy() == got["scale"]).all()
+    packed = R.pack_nibbles(codes).numpy()
+    bad = np.argwhere((packed != got["packed"]).any(axis=1))
+    assert bad.size == 0, f"block {got['x'][bad[0][0]].tolist()} G {got['G'][bad[0][0]]}"
+
+
 def test_header_scale_is_exhaustive_near_e4m3_range(host_check):
     """Every float32 in [2^-11, 2^-6] (the whole E4M3 subnormal range and the 2^-10 tie) and
     every float32 in [416, 480] (the top binade and saturation), through the scale rounding of
@@ -883,8 +904,8 @@ def test_sm100a_hw_path_assembles(probe_src):
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.gpu
-def test_header_on_device_matches_oracle(tmp_path):
+def _device_check(tmp_path) -> Path:
+    """The check program built for this GPU (its kernels run the header's device code)."""
     nvcc = _nvcc()
     major, minor = torch.cuda.get_device_capability()
     arch = f"sm_{major}{minor}" + ("a" if major >= 9 else "")
@@ -892,6 +913,21 @@ def test_header_on_device_matches_oracle(tmp_path):
     r = subprocess.run([nvcc, "-x", "cu", "-std=c++17", *_include_flags(nvcc), "-DKVGEN_CHECK_DEVICE", f"-arch={arch}",
                         str(CHECK_SRC), "-o", str(exe)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+    return exe
+
+
+@pytest.mark.gpu
+def test_packed_bf16_encode_on_device_matches_the_contract(tmp_path):
+    """Rounding::PackedBF16 computed by the GPU (its multiplier from rcp.approx, cvt.rn.f16x2.f32,
+    the packed fp16 rounding, the packed bf16 maximum): the host sweep's inputs, both levels."""
+    r = subprocess.run([str(_device_check(tmp_path)), "--sweep-bf16", *FP8_SWEEP_G, "--device"], capture_output=True)
+    assert r.returncode == 0 and b" mismatches=0" in r.stderr, r.stderr.decode()
+
+
+@pytest.mark.gpu
+def test_header_on_device_matches_oracle(tmp_path):
+    exe = _device_check(tmp_path)
+    major, _ = torch.cuda.get_device_capability()
     # the kernel reports the path its own compilation pass took (hardware on Blackwell)
     hw = int(major >= 10 and major < 13)
     for name, make in INPUT_SETS.items():

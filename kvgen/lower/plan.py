@@ -41,7 +41,12 @@ TUNABLES: dict[str, dict[str, tuple[tuple[int, ...], int]]] = {
         # codec_device_check.json), cold bytes equal (results/2026-12-02-h200/codec3/); bf16 families
         # keep route 2: qwen3-8b 0.773 -> 0.785, deepseek-v3 0.769 -> 0.811, deepseek-v4-csa
         # 0.555 -> 0.582 from 1 to 2 (results/2026-12-02-h200/codec_device_check.json).
-        "rounding": ((0, 1, 2, 3), 3),
+        # 4 = bf16 hot pages (compiled Q = 1): binary32 products, codes on packed fp16 lanes (one
+        # cvt per two products, then route 3's fp16 rounding; packed bf16 block maximum; exact by
+        # nvfp4_host_check --sweep-bf16): 171 instead of 257 SASS instructions per qwen3-8b encode
+        # block, 47 registers both (40, no spills, at 512 threads with min_blocks 3; scripts/codec_sass.py).
+        # fp8 pages build 3, other families 2. Unmeasured on the H200: not the default until it is.
+        "rounding": ((0, 1, 2, 3, 4), 3),
         # Decode of plain blocks: 0 = binary32 multiply then per-pair rounding cvt, 1 = PRMT table
         # lookup of the codes as fp16/bf16 pairs times the scale in one packed FMA (exact: Q = 1
         # products are representable; another compiled Q, or per-layer scales, compile route 0). Same bytes.
@@ -117,23 +122,26 @@ def default_params(op: Op) -> dict[str, int]:
     return {name: default for name, (_, default) in TUNABLES[op].items()}
 
 
-def packed_encode_buffers(spec: FamilySpec, layout: FamilyLayout | None = None) -> bool:
-    """Whether some quantized buffer can take rounding 3 (codec_kernels.cuh kPackedF16): an fp8
-    hot dtype and a compiled Q of 1. A per-layer buffer (Q known at run time) or another Q takes
-    route 2."""
-    if spec.elem_bytes != 1:
-        return False
+def packed_encode_route(spec: FamilySpec, layout: FamilyLayout | None = None) -> int | None:
+    """The packed rounding route the family's quantized buffers can take: 3 (codec_kernels.cuh
+    kPackedF16) for an fp8 hot dtype, 4 (kPackedBF16) for bf16, where some buffer has a compiled Q
+    of 1; None otherwise (fp16, or only per-layer buffers or other Qs: those take route 2)."""
+    route = {"fp8_e4m3": 3, "bf16": 4}.get(spec.dtype)
+    if route is None:
+        return None
     one = f32_literal(1.0)
     layout = layout or family_layout(spec)
-    return any(b.Q is not None and f32_literal(b.Q) == one for b in layout.record.buffers)
+    return route if any(b.Q is not None and f32_literal(b.Q) == one for b in layout.record.buffers) else None
 
 
 def fold_codec_params(spec: FamilySpec, params: Mapping[str, int], layout: FamilyLayout | None = None) -> dict[str, int]:
-    """Codec params with rounding 3 folded onto 2 where no buffer has the packed route: the
-    kernel would compile route 2 there anyway, and 16-bit families render what they always did."""
+    """Codec params with a packed rounding (3, 4) folded onto the route the kernel compiles for this
+    family: 4 is 3 on fp8 hot pages, and either is 2 where no buffer has its packed route, so
+    16-bit families render what they always did with 3."""
     out = dict(params)
-    if out.get("rounding") == 3 and not packed_encode_buffers(spec, layout):
-        out["rounding"] = 2
+    if out.get("rounding") in (3, 4):
+        route = packed_encode_route(spec, layout)
+        out["rounding"] = 3 if route == 3 else (4 if route == out["rounding"] else 2)
     return out
 
 

@@ -18,6 +18,16 @@
 //                                      byte pair at every position, for each G (default 1); prints
 //                                      "mismatches=N" to stderr, exit 1 if any, and writes the blocks
 //                                      (u8 x[16], f32 G, u8 scale, u8 packed[8]) to stdout
+//   nvfp4_host_check --sweep-bf16 [G..] the bf16 encode with codes on fp16 pairs (Rounding::PackedBF16,
+//                                      Q = 1): every (E4M3 scale byte, bf16 element) pair through its
+//                                      packer against the contract's code (and the device's refined
+//                                      reciprocal against 1/S), then blocks whose maximum
+//                                      runs through every finite bf16 magnitude (position and other
+//                                      elements varied, NaN/Inf blocks too) against the general route,
+//                                      for each G (default 1); prints "mismatches=N" to stderr, exit 1
+//                                      if any, and writes the blocks (u16 x[16], f32 G, u8 scale,
+//                                      u8 packed[8]) to stdout.  With --device among the arguments (a
+//                                      device build) the GPU computes the route's side of both levels.
 //   nvfp4_host_check --sweep-decode    every (code byte, E4M3 scale byte) pair through the packed
 //                                      decode route (DecodeRoute::Lut, Q = 1) at every byte position
 //                                      of a block, against the float route; prints "mismatches=N",
@@ -313,6 +323,156 @@ int sweep_fp8(const std::vector<float>& gs) {
   return mismatches ? 1 : 0;
 }
 
+// Rounding::PackedBF16 over every (scale, element) pair, then over blocks (see the usage above).
+// Group g of the element level: scale byte 1 + g / 8192, the eight bf16 patterns from 8 (g % 8192);
+// NaN/Inf patterns become a zero of their sign (a block holding one takes the fallback).
+constexpr uint32_t kBF16Groups = 0x7Eu * 8192u;
+
+__host__ __device__ uint32_t bf16_group_pattern(uint32_t g, int k) {
+  const uint32_t b = (g % 8192u) * 8u + (uint32_t)k;
+  return (b & 0x7F80u) == 0x7F80u ? b & 0x8000u : b;
+}
+
+// The route's eight codes of group g, with this side's multiplier (the device's from rcp.approx).
+__host__ __device__ uint32_t bf16_group_codes(uint32_t g) {
+  const float S = kn::e4m3_to_f32(1u + g / 8192u);
+  uint32_t w[4];
+  for (int j = 0; j < 4; ++j) w[j] = bf16_group_pattern(g, 2 * j) | (bf16_group_pattern(g, 2 * j + 1) << 16);
+  return kn::e2m1x8_bf16(w, kn::tie_scaled_multiplier(S, kn::recip_e4m3(S)));
+}
+
+struct BF16Block {
+  uint32_t w[8];
+  float G;
+};
+
+#if defined(KVGEN_CHECK_DEVICE)
+__global__ void bf16_groups_kernel(uint32_t* got) {
+  const uint32_t g = blockIdx.x * blockDim.x + threadIdx.x;
+  if (g < kBF16Groups) got[g] = bf16_group_codes(g);
+}
+
+__global__ void bf16_blocks_kernel(const BF16Block* in, kn::Block* out, size_t n) {
+  const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) out[i] = kn::encode_block_bf16x16(in[i].w, in[i].G);
+}
+
+// Both sweeps' results computed by the GPU.
+bool bf16_on_device(std::vector<uint32_t>& groups, const std::vector<BF16Block>& in, std::vector<kn::Block>& out) {
+  uint32_t* d_groups = nullptr;
+  BF16Block* d_in = nullptr;
+  kn::Block* d_out = nullptr;
+  CK(cudaMalloc(&d_groups, groups.size() * sizeof(uint32_t)));
+  CK(cudaMalloc(&d_in, in.size() * sizeof(BF16Block)));
+  CK(cudaMalloc(&d_out, in.size() * sizeof(kn::Block)));
+  CK(cudaMemcpy(d_in, in.data(), in.size() * sizeof(BF16Block), cudaMemcpyHostToDevice));
+  bf16_groups_kernel<<<(kBF16Groups + 255) / 256, 256>>>(d_groups);
+  bf16_blocks_kernel<<<(unsigned)((in.size() + 255) / 256), 256>>>(d_in, d_out, in.size());
+  CK(cudaGetLastError());
+  CK(cudaMemcpy(groups.data(), d_groups, groups.size() * sizeof(uint32_t), cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(out.data(), d_out, in.size() * sizeof(kn::Block), cudaMemcpyDeviceToHost));
+  CK(cudaFree(d_groups));
+  CK(cudaFree(d_in));
+  CK(cudaFree(d_out));
+  return true;
+}
+#endif
+
+int sweep_bf16(const std::vector<float>& gs, bool device) {
+  uint64_t mismatches = 0, blocks = 0;
+  // The device's m: the corrected approximate reciprocal, from any start within two ulps.
+  for (uint32_t sb = 1; sb < 0x7F; ++sb) {
+    const float S = kn::e4m3_to_f32(sb);
+    const float m = kn::div_rn(1.0f, S);
+    for (int32_t d = -2; d <= 2; ++d) {
+      const float y = kn::bits_f32((uint32_t)((int32_t)kn::f32_bits(m) + d));
+      if (kn::recip_refined(y, S) != m && mismatches++ < 8)
+        fprintf(stderr, "scale 0x%02X: refined reciprocal from %+d ulps is not 1/S\n", sb, d);
+    }
+  }
+  // Block level inputs: the block maximum runs through every finite magnitude (position, signs and
+  // the other elements varied), then NaN and Inf patterns at every position (the fallback).
+  std::vector<BF16Block> in;
+  uint64_t state = 0x9E3779B97F4A7C15ull;
+  auto next = [&]() {
+    state = state * 6364136223846793005ull + 1442695040888963407ull;
+    return (uint32_t)(state >> 33);
+  };
+  auto add = [&](const uint16_t (&e)[16], float G) {
+    BF16Block b;
+    for (int j = 0; j < 8; ++j) b.w[j] = e[2 * j] | ((uint32_t)e[2 * j + 1] << 16);
+    b.G = G;
+    in.push_back(b);
+  };
+  for (const float G : gs) {
+    for (uint32_t a = 0; a < 0x7F80u; ++a) {
+      uint16_t e[16];
+      for (int i = 0; i < 16; ++i) {
+        const uint32_t r = next();
+        e[i] = (uint16_t)((r & 0x8000u) | ((r & 0x7FFFu) % (a + 1)));  // magnitude <= a
+      }
+      e[a % 16] = (uint16_t)(a | ((a & 1u) << 15));
+      add(e, G);
+    }
+    for (int p = 0; p < 16; ++p) {
+      for (const uint16_t bad : {(uint16_t)0x7FC0, (uint16_t)0xFF81, (uint16_t)0x7F80, (uint16_t)0xFF80}) {
+        uint16_t e[16];
+        for (int i = 0; i < 16; ++i) e[i] = (uint16_t)((next() & 0xFFFFu) % 0x7F80u);
+        e[p] = bad;
+        add(e, G);
+      }
+    }
+  }
+  std::vector<uint32_t> groups(kBF16Groups);
+  std::vector<kn::Block> got(in.size());
+  if (device) {
+#if defined(KVGEN_CHECK_DEVICE)
+    if (!bf16_on_device(groups, in, got)) return 4;
+#else
+    fprintf(stderr, "built without -DKVGEN_CHECK_DEVICE\n");
+    return 5;
+#endif
+  } else {
+    for (uint32_t g = 0; g < kBF16Groups; ++g) groups[g] = bf16_group_codes(g);
+    for (size_t i = 0; i < in.size(); ++i) got[i] = kn::encode_block_bf16x16(in[i].w, in[i].G);
+  }
+  // Element level: against the contract's code of fl32(x * fl32(1/S)).
+  for (uint32_t g = 0; g < kBF16Groups; ++g) {
+    const float m = kn::div_rn(1.0f, kn::e4m3_to_f32(1u + g / 8192u));
+    uint32_t want = 0;
+    for (int k = 0; k < 8; ++k)
+      want |= kn::e2m1_from_f32_sw(kn::mul_rn(kn::bits_f32(bf16_group_pattern(g, k) << 16), m)) << (4 * k);
+    if (groups[g] != want && mismatches++ < 8)
+      fprintf(stderr, "scale 0x%02X bf16 0x%04X..: packed %08X, contract %08X\n", 1u + g / 8192u,
+              (g % 8192u) * 8u, groups[g], want);
+  }
+  // Block level: against the general route; every block to stdout for the oracle.
+  std::vector<unsigned char> out;
+  for (size_t i = 0; i < in.size(); ++i) {
+    float x[16];
+    for (int e = 0; e < 16; ++e) x[e] = kn::bits_f32((in[i].w[e / 2] >> (16 * (e % 2))) << 16);
+    const kn::Block want = kn::encode_block_path<kn::Path::Software, kn::Rounding::Integer>(x, in[i].G, 1.0f);
+    ++blocks;
+    if ((got[i].scale != want.scale || got[i].packed[0] != want.packed[0] || got[i].packed[1] != want.packed[1]) &&
+        mismatches++ < 8) {
+      fprintf(stderr, "G %g bf16 pairs", in[i].G);
+      for (int j = 0; j < 8; ++j) fprintf(stderr, " %08X", in[i].w[j]);
+      fprintf(stderr, ": packed %02X %08X %08X, general %02X %08X %08X\n", got[i].scale, got[i].packed[1],
+              got[i].packed[0], want.scale, want.packed[1], want.packed[0]);
+    }
+    for (int j = 0; j < 8; ++j)
+      for (int k = 0; k < 4; ++k) out.push_back((unsigned char)(in[i].w[j] >> (8 * k)));
+    const uint32_t g = kn::f32_bits(in[i].G);
+    for (int k = 0; k < 4; ++k) out.push_back((unsigned char)(g >> (8 * k)));
+    out.push_back(got[i].scale);
+    for (int k = 0; k < 8; ++k) out.push_back((unsigned char)(got[i].packed[k / 4] >> (8 * (k % 4))));
+  }
+  fwrite(out.data(), 1, out.size(), stdout);
+  fprintf(stderr, "pairs=%llu blocks=%llu mismatches=%llu\n", (unsigned long long)kBF16Groups * 8ull,
+          (unsigned long long)blocks, (unsigned long long)mismatches);
+  return mismatches ? 1 : 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -333,6 +493,15 @@ int main(int argc, char** argv) {
     }
     if (strcmp(argv[a], "--sweep-e2m1") == 0) return sweep_e2m1(a + 1 < argc ? strtoull(argv[a + 1], nullptr, 10) : 1);
     if (strcmp(argv[a], "--sweep-decode") == 0) return sweep_decode();
+    if (strcmp(argv[a], "--sweep-bf16") == 0) {
+      std::vector<float> gs;
+      bool on_device = false;
+      for (int g = a + 1; g < argc; ++g) {
+        if (strcmp(argv[g], "--device") == 0) on_device = true;
+        else gs.push_back(strtof(argv[g], nullptr));
+      }
+      return sweep_bf16(gs.empty() ? std::vector<float>{1.0f} : gs, on_device);
+    }
     if (strcmp(argv[a], "--sweep-fp8") == 0) {
       std::vector<float> gs;
       for (int g = a + 1; g < argc; ++g) gs.push_back(strtof(argv[g], nullptr));

@@ -125,6 +125,7 @@ struct BufferScales<B, Scales::PerLayer> {
 
 struct HotBF16 {
   static constexpr int kBytes = 2;
+  static constexpr bool kBF16 = true;
   static KVGEN_CODEC_HD float2 widen2(uint32_t bits) {
     return make_float2(nvfp4::bits_f32(bits << 16), nvfp4::bits_f32(bits & 0xFFFF0000u));
   }
@@ -142,6 +143,7 @@ struct HotBF16 {
 
 struct HotFP16 {
   static constexpr int kBytes = 2;
+  static constexpr bool kBF16 = false;
   static KVGEN_CODEC_HD float2 widen2(uint32_t bits) {
     return __half22float2(*reinterpret_cast<const __half2*>(&bits));
   }
@@ -159,6 +161,7 @@ struct HotFP16 {
 
 struct HotFP8E4M3 {
   static constexpr int kBytes = 1;
+  static constexpr bool kBF16 = false;
   // E4M3 -> f16 is exact (every E4M3 value, subnormals included, is an f16), and one cvt does two.
   static KVGEN_CODEC_HD float2 widen2(uint32_t bits) {
     const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(bits & 0xFFFFu), __NV_E4M3);
@@ -337,12 +340,17 @@ struct Quantized {
   // Rounding::PackedF16 quantizes FP8 hot words on packed fp16 lanes (software path, compiled
   // Q == 1). A per-layer buffer (Q known at run time only) or another Q takes the general route,
   // which for PackedF16 is the FusedFma one (nvfp4::encode_block_path).
-  static constexpr bool kPackedF16 = R == nvfp4::Rounding::PackedF16 && Hot::kBytes == 1 &&
-                                     nvfp4::kPath == nvfp4::Path::Software && Scale::kUnitQ;
+  // Rounding::PackedBF16 does the same for FP8 and, with the codes on fp16 pairs, for BF16 hot words.
+  static constexpr bool kPackedRoute = nvfp4::kPath == nvfp4::Path::Software && Scale::kUnitQ;
+  static constexpr bool kPackedF16 = (R == nvfp4::Rounding::PackedF16 || R == nvfp4::Rounding::PackedBF16) &&
+                                     Hot::kBytes == 1 && kPackedRoute;
+  static constexpr bool kPackedBF16 = R == nvfp4::Rounding::PackedBF16 && Hot::kBF16 && kPackedRoute;
 
   static KVGEN_CODEC_HD nvfp4::Block quantize_plain(const HotBlock<Hot>& hot, LayerScale gq) {
     if constexpr (kPackedF16) {
       return nvfp4::encode_block_e4m3x16(hot.w, gq.G);
+    } else if constexpr (kPackedBF16) {
+      return nvfp4::encode_block_bf16x16(hot.w, gq.G);
     } else {
       float x[16];
       hot.widen(x);

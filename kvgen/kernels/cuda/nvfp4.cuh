@@ -391,7 +391,9 @@ KVGEN_NVFP4_HD uint32_t e2m1x8_path(const float (&p)[8]) {
 // PackedF16: FP8 E4M3 hot pages at Q == 1 take encode_block_e4m3x16 (packed fp16 arithmetic on
 // two elements per instruction, see there); every other input takes the FusedFma route (a
 // per-layer or other Q, 16-bit hot dtypes), so those buffers compile what rounding 2 compiles.
-enum class Rounding { Integer = 0, Fma = 1, FusedFma = 2, PackedF16 = 3 };
+// PackedBF16: the same for BF16 hot pages at Q == 1 (encode_block_bf16x16: binary32 products, codes
+// on fp16 pairs), and PackedF16's route for FP8 ones; FusedFma for every other input.
+enum class Rounding { Integer = 0, Fma = 1, FusedFma = 2, PackedF16 = 3, PackedBF16 = 4 };
 
 constexpr float kRoundMagic = 8388608.0f;  // 2^23: adding it rounds [0, 2^23) to an integer
 
@@ -513,9 +515,8 @@ KVGEN_NVFP4_HD void pack_codes(Block& blk, const float (&x)[16], float m) {
   }
 }
 
-// Rounding::Fma, FusedFma and PackedF16 (software path only; the hardware path has its cvt) take the
-// FMA-pipe route when
-// every x_i is finite and m is finite: then no product is NaN (one may still overflow to +-Inf,
+// Rounding::Fma, FusedFma, PackedF16 and PackedBF16 (software path only; the hardware path has its
+// cvt) take the FMA-pipe route when every x_i is finite and m is finite: then no product is NaN (one may still overflow to +-Inf,
 // which rounds right).  Any other block -- garbage rows, or a tiny Q making S * Q underflow --
 // takes the integer route, which handles everything.  Both routes give the same bytes.
 template <Path P, Rounding R = Rounding::Integer>
@@ -538,7 +539,7 @@ KVGEN_NVFP4_HD Block encode_block_path(const float (&x)[16], float G, float Q) {
   // below instead of branching, so every lane does the same work.
   const float m = div_rn(1.0f, mul_rn(e4m3_to_f32(sb), Q));
   if (kFmaRoute && all_finite && is_finite(m)) {
-    pack_codes<P, true, R == Rounding::FusedFma || R == Rounding::PackedF16>(blk, x, m);
+    pack_codes<P, true, R == Rounding::FusedFma || R == Rounding::PackedF16 || R == Rounding::PackedBF16>(blk, x, m);
   } else {
     pack_codes<P, false>(blk, x, m);
   }
@@ -642,6 +643,18 @@ KVGEN_NVFP4_HD uint32_t max_nan_f16x2(uint32_t a, uint32_t b) {
 #endif
 }
 
+// The E2M1 magnitude codes of a pair of non-negative, non-NaN fp16 values q, as 0x6400 | code per
+// lane: min(rne(2q), rne(q) + 2, rne(q/2) + 4, 7), each line one packed fused op with the magic
+// 2^10 + k (see the section comment), then packed mins.
+KVGEN_NVFP4_HD uint32_t e2m1x2_codes_f16(uint32_t q) {
+  constexpr uint32_t kTwo = 0x40004000u, kOne = 0x3C003C00u, kHalf = 0x38003800u;
+  constexpr uint32_t kMagic0 = 0x64006400u, kMagic2 = 0x64026402u, kMagic4 = 0x64046404u, kSeven = 0x64076407u;
+  const uint32_t by_half = fma_rn_f16x2(q, kTwo, kMagic0);
+  const uint32_t by_one = fma_rn_f16x2(q, kOne, kMagic2);
+  const uint32_t by_two = fma_rn_f16x2(q, kHalf, kMagic4);
+  return min_f16x2(min_f16x2(by_half, by_one), min_f16x2(by_two, kSeven));
+}
+
 // Eight codes in one word (element k in nibble k) from four fp16 pairs holding 0x6400 | code per
 // lane (pair j: elements 2j, 2j+1) and the raw E4M3 bytes of the same elements (lo: 0..3, hi: 4..7),
 // whose bit 7 is the sign: a sign survives only where its magnitude is non-zero (no negative zero).
@@ -649,7 +662,7 @@ KVGEN_NVFP4_HD uint32_t max_nan_f16x2(uint32_t a, uint32_t b) {
 KVGEN_NVFP4_HD uint32_t e2m1x8_from_f16_codes(const uint32_t (&r)[4], uint32_t lo, uint32_t hi) {
   const uint32_t a = byte_perm(r[0], r[1], 0x6240u);  // codes 0, 2, 1, 3
   const uint32_t b = byte_perm(r[2], r[3], 0x6240u);  // codes 4, 6, 5, 7
-  const uint32_t mags = byte_perm(a, b, 0x5410u) | (byte_perm(a, b, 0x7632u) << 4);
+  const uint32_t mags = byte_perm(a, b, 0x5410u) + byte_perm(a, b, 0x7632u) * 16u;  // no overlap: one IMAD
   const uint32_t even = byte_perm(lo, hi, 0x6420u);   // bytes of elements 0, 2, 4, 6
   const uint32_t odd = byte_perm(lo, hi, 0x7531u);    // bytes of elements 1, 3, 5, 7
   const uint32_t signs = ((even >> 4) & 0x08080808u) | (odd & 0x80808080u);
@@ -695,24 +708,161 @@ KVGEN_NVFP4_HD Block encode_block_e4m3x16(const uint32_t (&w)[4], float G) {
   // S through the fp16 cvt (exact, and sb is never a NaN byte here) instead of e4m3_to_f32's branches.
   const float S = __half2float(__ushort_as_half((unsigned short)(e4m3x2_to_f16x2(sb) & 0xFFFFu)));
   const uint32_t c = recip_f16(S) * 0x10001u;
-  constexpr uint32_t kTwo = 0x40004000u, kOne = 0x3C003C00u, kHalf = 0x38003800u;
-  constexpr uint32_t kMagic0 = 0x64006400u, kMagic2 = 0x64026402u, kMagic4 = 0x64046404u, kSeven = 0x64076407u;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     uint32_t r[4];
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const uint32_t q = mul_rn_f16x2(h[4 * half + j], c);
-      const uint32_t by_half = fma_rn_f16x2(q, kTwo, kMagic0);
-      const uint32_t by_one = fma_rn_f16x2(q, kOne, kMagic2);
-      const uint32_t by_two = fma_rn_f16x2(q, kHalf, kMagic4);
-      r[j] = min_f16x2(min_f16x2(by_half, by_one), min_f16x2(by_two, kSeven));
-    }
+    for (int j = 0; j < 4; ++j) r[j] = e2m1x2_codes_f16(mul_rn_f16x2(h[4 * half + j], c));
     blk.packed[half] = e2m1x8_from_f16_codes(r, w[2 * half], w[2 * half + 1]);
   }
   const uint32_t keep = sb != 0u ? 0xFFFFFFFFu : 0u;
   blk.packed[0] &= keep;
   blk.packed[1] &= keep;
+  return blk;
+}
+
+// ---------------------------------------------------------------------------------------------
+// BF16 hot blocks with the codes on packed fp16 lanes (Rounding::PackedBF16, software path, Q == 1)
+// ---------------------------------------------------------------------------------------------
+// The products stay binary32 (bf16 does not fit fp16's range), one multiply per element, but
+// everything after them works on fp16 pairs: one cvt.rn.f16x2.f32 packs two products and
+// e2m1x2_codes_f16 rounds both, instead of three sums and three mins per element.
+//   q = fl16(fl32(|x| * c)),   c = m (1 + 2^13 (S m - 1)),   m = fl32(1/S) the contract's multiplier
+// Why this gives the contract's code of p = fl32(x * m): x has 8 significant bits and t * S (t an
+// E2M1 decision point, 3 bits; S 4 bits) at most 7, so either x = t * S or x / S lies at least
+// 2^-8 (relative) away from t, far beyond q's error (|2^13 (S m - 1)| <= 2^-11, plus two roundings),
+// and q and p then round alike.  At x = t * S, x m = t (1 + e) with e = S m - 1, and p is t or its
+// binary32 neighbour depending on whether |t e| exceeds half a binary32 ulp of t; x c = t (1 + 2^13 e)
+// (to first order) against half an fp16 ulp, 2^13 binary32 ulps: the same test, so q is t exactly
+// when p is, and otherwise t's fp16 neighbour on p's side.  (With c = m, q would be t at every such
+// x and take the tie-to-even where p does not.)  nvfp4_host_check --sweep-bf16 proves it for every
+// (scale byte, bf16 element) pair, products that overflow fp16 (code 7) and subnormals included.
+// S m - 1 is exact in one fma (at most 4 significant bits near 2^-24); c needs a second one.  A
+// zero scale makes c NaN and its codes garbage, masked as usual.  Blocks holding a NaN or an Inf
+// take the FusedFma route (encode_block_path), like every FMA-pipe route.
+
+// m = fl32(1/S) for a non-zero E4M3 scale S: on the device the approximate reciprocal
+// (rcp.approx.ftz.f32, at most one binary32 ulp off; S is normal, so ftz changes nothing) and one
+// fma-based correction, which nvfp4_host_check --sweep-bf16 proves lands on div_rn(1, S) from every
+// start within two ulps of it, for every scale byte; div_rn itself on the host.  No FCHK slow path.
+KVGEN_NVFP4_HD float recip_refined(float y, float S) { return fma_rn(y, fma_rn(-S, y, 1.0f), y); }
+
+KVGEN_NVFP4_HD float recip_e4m3(float S) {
+#if defined(__CUDA_ARCH__)
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(S));
+  return recip_refined(y, S);
+#else
+  return div_rn(1.0f, S);
+#endif
+}
+
+// The multiplier of the packed route for a non-zero E4M3 scale S and m = fl32(1/S).
+KVGEN_NVFP4_HD float tie_scaled_multiplier(float S, float m) {
+  return fma_rn(m, mul_rn(fma_rn(S, m, -1.0f), 8192.0f), m);
+}
+
+// Packed bf16 max / min propagating NaN (max.NaN.bf16x2, min.NaN.bf16x2): a lane is NaN when either
+// operand's is.  Host: per lane in binary32 (bf16 widens exactly), the NaN as 0x7FFF.
+KVGEN_NVFP4_HD uint32_t minmax_nan_bf16x2_host(uint32_t a, uint32_t b, bool max) {
+  uint32_t r = 0;
+  for (int k = 0; k < 2; ++k) {
+    const uint32_t ha = (a >> (16 * k)) & 0xFFFFu, hb = (b >> (16 * k)) & 0xFFFFu;
+    const float x = bits_f32(ha << 16), y = bits_f32(hb << 16);
+    const uint32_t lane = is_nan(x) || is_nan(y) ? 0x7FFFu : ((x >= y) == max ? ha : hb);
+    r |= lane << (16 * k);
+  }
+  return r;
+}
+
+KVGEN_NVFP4_HD uint32_t max_nan_bf16x2(uint32_t a, uint32_t b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  uint32_t r;
+  asm("max.NaN.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+#else
+  return minmax_nan_bf16x2_host(a, b, true);
+#endif
+}
+
+KVGEN_NVFP4_HD uint32_t min_nan_bf16x2(uint32_t a, uint32_t b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  uint32_t r;
+  asm("min.NaN.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+#else
+  return minmax_nan_bf16x2_host(a, b, false);
+#endif
+}
+
+// max |x_i| of 16 bf16 elements as binary32, NaN when some element is NaN (an Inf stays Inf): raw_amax
+// of the widened block, from packed maxima and minima of the raw pairs (max(max x, -min x), no
+// per-element abs).  The sign is cleared last: a block of zeros may give -0 there, the contract +0.
+KVGEN_NVFP4_HD float bf16_block_amax(const uint32_t (&w)[8]) {
+  uint32_t hi = w[0], lo = w[0];
+#pragma unroll
+  for (int j = 1; j < 8; ++j) {
+    hi = max_nan_bf16x2(hi, w[j]);
+    lo = min_nan_bf16x2(lo, w[j]);
+  }
+  const uint32_t m = max_nan_bf16x2(hi, lo ^ 0x80008000u);
+  return bits_f32((max_nan_bf16x2(m, m >> 16) & 0x7FFFu) << 16);
+}
+
+// Two binary32 values rounded to an fp16 pair (lo in the low half): one cvt.rn.f16x2.f32 (no .ftz
+// whatever the flags) on sm_80+, __float2half_rn per lane elsewhere; both round to nearest even,
+// keep subnormals and overflow to Inf.
+KVGEN_NVFP4_HD uint32_t f16x2_rn(float lo, float hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  uint32_t r;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+#else
+  return (uint32_t)__half_as_ushort(__float2half_rn(lo)) | ((uint32_t)__half_as_ushort(__float2half_rn(hi)) << 16);
+#endif
+}
+
+// Eight codes (element k in nibble k) of four bf16 pairs w (pair j: elements 2j, 2j+1) under the
+// multiplier c, for finite elements: the sign bits of the pairs (bits 15, 31) gathered so element k's
+// is bit 7 of byte k % 4 of lo (k < 4) or hi, which e2m1x8_from_f16_codes expects.
+KVGEN_NVFP4_HD uint32_t e2m1x8_bf16(const uint32_t (&w)[4], float c) {
+  uint32_t r[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float2 x = make_float2(bits_f32(w[j] << 16), bits_f32(w[j] & 0xFFFF0000u));
+    r[j] = e2m1x2_codes_f16(f16x2_rn(mul_rn(fabsf(x.x), c), mul_rn(fabsf(x.y), c)));
+  }
+  return e2m1x8_from_f16_codes(r, byte_perm(w[0], w[1], 0x7531u), byte_perm(w[2], w[3], 0x7531u));
+}
+
+// One block of 16 bf16 elements (element 2j + k in half k of w[j]) at Q == 1: the bytes of
+// encode_block(widened x, G, 1) on every input (see the section comment).
+KVGEN_NVFP4_HD Block encode_block_bf16x16(const uint32_t (&w)[8], float G) {
+  const float amax = bf16_block_amax(w);
+  if (!is_finite(amax)) {
+    float x[16];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      x[2 * j] = bits_f32(w[j] << 16);
+      x[2 * j + 1] = bits_f32(w[j] & 0xFFFF0000u);
+    }
+    return encode_block_path<Path::Software, Rounding::FusedFma>(x, G, 1.0f);
+  }
+  Block blk;
+  // s = fl(fl(amax * SIXTH) * G) >= 0, finite or +Inf (x * 1 is exact: skipped for the default G);
+  // min(s, 448) is e4m3_cvt_operand(s) for such s, and the cvt (sm_89+) rounds it like the contract.
+  const float s6 = mul_rn(amax, kSixth);
+  const uint32_t sb = e4m3_cvt_raw(fminf(G == 1.0f ? s6 : mul_rn(s6, G), kE4M3Max));
+  blk.scale = (uint8_t)sb;
+  // S through the fp16 cvt (exact, and sb is never a NaN byte here) instead of e4m3_to_f32's branches.
+  const float S = __half2float(__ushort_as_half((unsigned short)(e4m3x2_to_f16x2(sb) & 0xFFFFu)));
+  const float c = tie_scaled_multiplier(S, recip_e4m3(S));
+  const uint32_t keep = sb != 0u ? 0xFFFFFFFFu : 0u;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const uint32_t(&words)[4] = *reinterpret_cast<const uint32_t(*)[4]>(w + 4 * half);
+    blk.packed[half] = e2m1x8_bf16(words, c) & keep;
+  }
   return blk;
 }
 
