@@ -121,7 +121,8 @@ def _spec():
 
 
 def codec_defaults() -> dict[str, int]:
-    """The declared codec defaults as this (bf16) family compiles them (rounding 3 folds onto 2)."""
+    """The declared codec defaults as this family compiles them (fold_codec_params: the packed rounding
+    route its hot dtype has)."""
     return fold_codec_params(_spec(), default_params("codec"))
 
 

@@ -2,7 +2,7 @@
 // family:   deepseek-v3
 // op:       codec
 // template: codec.cu.j2
-// plan key: 657394d98533a83fbbef6a763c173d158acdb9f79298a63c3a72f8411be43d67
+// plan key: 0a1881bf9ce7c89b2b95545a7b84ac1551d6987ea21978ed0d5e1410f7e68bd4
 //
 // Cold-page codec of family deepseek-v3 (COLD_PAGE_FORMAT.md, version 1).
 // This file only describes the family; the kernels are kvgen/kernels/cuda/codec_kernels.cuh.
@@ -10,7 +10,7 @@
 // Layer record: 20736 bytes (20736 before padding), hot dtype bf16, layout HND.
 // Launch: 256 threads per CTA (min_blocks 0), one CTA per (page pair, layer), the record staged in shared memory;
 // 4 16-byte loads in flight per thread when the record crosses the bus;
-// E2M1 rounding route 2 of the software path (nvfp4::Rounding), decode route 1 of plain blocks (nvfp4::DecodeRoute);
+// E2M1 rounding route 4 of the software path (nvfp4::Rounding), decode route 1 of plain blocks (nvfp4::DecodeRoute);
 // encode loads 1 plain block(s) per thread before quantizing them; decode splits a plain block over 2 thread(s).
 #include "codec_host.cuh"
 
@@ -18,7 +18,7 @@ namespace kvgen {
 namespace family {
 
 using Hot = codec::HotBF16;
-constexpr auto kRounding = static_cast<nvfp4::Rounding>(2);
+constexpr auto kRounding = static_cast<nvfp4::Rounding>(4);
 constexpr auto kDecodeRoute = static_cast<nvfp4::DecodeRoute>(1);
 constexpr int kHotBatch = 1;  // plain blocks a thread loads before encoding them
 constexpr int kDecodeSplit = 2;  // threads per plain block in decode (2: half blocks)

@@ -2,7 +2,7 @@
 // family:   qwen3-8b
 // op:       codec
 // template: codec.cu.j2
-// plan key: b834377baa26e8eeb5c374270939b1179a80491cef3b9644df0d203e1829f908
+// plan key: 67a4d8e2dbf2c72367fe3d31bbba35babfcfd19b748ac25fa02442f7b24a67db
 //
 // Cold-page codec of family qwen3-8b (COLD_PAGE_FORMAT.md, version 1).
 // This file only describes the family; the kernels are kvgen/kernels/cuda/codec_kernels.cuh.
@@ -10,7 +10,7 @@
 // Layer record: 36864 bytes (36864 before padding), hot dtype bf16, layout HND.
 // Launch: 256 threads per CTA (min_blocks 0), one CTA per (page pair, layer), the record staged in shared memory;
 // 4 16-byte loads in flight per thread when the record crosses the bus;
-// E2M1 rounding route 2 of the software path (nvfp4::Rounding), decode route 1 of plain blocks (nvfp4::DecodeRoute);
+// E2M1 rounding route 4 of the software path (nvfp4::Rounding), decode route 1 of plain blocks (nvfp4::DecodeRoute);
 // encode loads 1 plain block(s) per thread before quantizing them; decode splits a plain block over 2 thread(s).
 #include "codec_host.cuh"
 
@@ -18,7 +18,7 @@ namespace kvgen {
 namespace family {
 
 using Hot = codec::HotBF16;
-constexpr auto kRounding = static_cast<nvfp4::Rounding>(2);
+constexpr auto kRounding = static_cast<nvfp4::Rounding>(4);
 constexpr auto kDecodeRoute = static_cast<nvfp4::DecodeRoute>(1);
 constexpr int kHotBatch = 1;  // plain blocks a thread loads before encoding them
 constexpr int kDecodeSplit = 2;  // threads per plain block in decode (2: half blocks)

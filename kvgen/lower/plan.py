@@ -36,7 +36,7 @@ TUNABLES: dict[str, dict[str, tuple[tuple[int, ...], int]]] = {
         # integer pipe), 47 registers instead of 39 (scripts/codec_sass.py). Where it does not apply
         # (16-bit hot dtypes, another Q, per-layer buffers, the SM100 hardware path) the kernel takes
         # route 2, and a family without an fp8 Q = 1 buffer is built with 2 (fold_codec_params).
-        # Default 3: H200 encode, 1 GiB scattered, fraction of device copy, route 1 -> 3: qwen3-8b-fp8
+        # Route 3 (fp8): H200 encode, 1 GiB scattered, fraction of device copy, route 1 -> 3: qwen3-8b-fp8
         # 0.472 -> 0.706 at 256 threads (512 threads, min_blocks 3: 0.685; route 2 measured 0.485 in
         # codec_device_check.json), cold bytes equal (results/2026-12-02-h200/codec3/); bf16 families
         # keep route 2: qwen3-8b 0.773 -> 0.785, deepseek-v3 0.769 -> 0.811, deepseek-v4-csa
@@ -45,8 +45,11 @@ TUNABLES: dict[str, dict[str, tuple[tuple[int, ...], int]]] = {
         # cvt per two products, then route 3's fp16 rounding; packed bf16 block maximum; exact by
         # nvfp4_host_check --sweep-bf16): 171 instead of 257 SASS instructions per qwen3-8b encode
         # block, 47 registers both (40, no spills, at 512 threads with min_blocks 3; scripts/codec_sass.py).
-        # fp8 pages build 3, other families 2. Unmeasured on the H200: not the default until it is.
-        "rounding": ((0, 1, 2, 3, 4), 3),
+        # fp8 pages build 3, other families 2. Default 4: H200 encode, 1.2 GiB scattered, fraction of
+        # device copy, route 2 -> 4 at 256 threads: qwen3-8b 0.759 -> 0.900, deepseek-v3 0.776 -> 0.887,
+        # deepseek-v4-csa 0.563 -> 0.625, oracle-checked, cold bytes equal, device sweep passed
+        # (results/2026-12-02-h200-s4/callD/encode5/); fp8 keeps route 3 through the fold.
+        "rounding": ((0, 1, 2, 3, 4), 4),
         # Decode of plain blocks: 0 = binary32 multiply then per-pair rounding cvt, 1 = PRMT table
         # lookup of the codes as fp16/bf16 pairs times the scale in one packed FMA (exact: Q = 1
         # products are representable; another compiled Q, or per-layer scales, compile route 0). Same bytes.
