@@ -212,12 +212,12 @@ def test_refused_scale_arrays_name_the_value(driver) -> None:
 
 
 # The same record code with compiled-in unit scales (G = Q = 1, as every shipped spec): the Lut
-# decode route with half blocks (decode_split 2) and the fused FMA-pipe rounding (rounding 3 folded
-# to 2 for 16-bit hot dtypes), the defaults, which a per-layer or Q != 1 buffer never takes; and
-# hot_batch 2 and 4. FP8: the packed fp16 encode (rounding 3, the default), with hot_batch 2. BF16
-# also with its packed encode (rounding 4, codes on fp16 pairs), which fp16 folds to 2.
+# decode route with half blocks (decode_split 2) and the packed encode routes, the defaults, which a
+# per-layer or Q != 1 buffer never takes (rounding 4: BF16 codes on fp16 pairs; it folds to 3 for
+# FP8, the packed fp16 encode, and to 2, the fused FMA-pipe rounding, for fp16); and hot_batch 2
+# and 4; BF16 also with route 2 itself.
 # (dtype, variant, the rounding it builds)
-UNIT_VARIANTS = [("bf16", {"hot_batch": 2}, 2), ("bf16", {"rounding": 4}, 4), ("fp16", {"hot_batch": 4}, 2),
+UNIT_VARIANTS = [("bf16", {"hot_batch": 2}, 4), ("bf16", {"rounding": 2}, 2), ("fp16", {"hot_batch": 4}, 2),
                  ("fp16", {"rounding": 4}, 2), ("fp8_e4m3", {"hot_batch": 2}, 3)]
 
 
