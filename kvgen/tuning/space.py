@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import Mapping
 
-from kvgen.kernels.cute.geometry import effective_lanes, row_chunks, vector_width
+from kvgen.kernels.cute.geometry import bulk_ring_fits, effective_lanes, row_chunks, vector_width
 from kvgen.lower.layout import family_layout
 from kvgen.lower.plan import TUNABLES, Op, default_params, f32_literal, fold_codec_params, score_geometry
 from kvgen.spec.schema import FamilySpec
@@ -68,13 +68,6 @@ def lut_decode_buffers(spec: FamilySpec) -> bool:
     return any(b.Q is not None and f32_literal(b.Q) == one for b in family_layout(spec).record.buffers)
 
 
-def bulk_form(params: Mapping[str, int], elem_bytes: int, geometry: Mapping) -> bool:
-    """Whether the scorer's bulk ring (score_kernel ``check_bulk_geometry``) can take ``params``:
-    one token per thread, at most 4 effective lanes, 16-byte K pieces."""
-    vec = vector_width(geometry["rotary_start"], geometry["rotary_dim"], geometry["pairing"], elem_bytes)
-    return params["tokens_per_thread"] == 1 and params["lanes"] <= 4 and vec * elem_bytes == 16
-
-
 def canonical(op: Op, params: Mapping[str, int], spec: FamilySpec) -> dict[str, int]:
     """The representative of ``params``' equivalence class (same generated kernel)."""
     out = dict(params)
@@ -88,7 +81,9 @@ def canonical(op: Op, params: Mapping[str, int], spec: FamilySpec) -> dict[str, 
         out["lanes"] = effective_lanes(out["lanes"], chunks)
         if out.get("smem_stages", 0) > 0:   # the shared-memory ring replaces the register prefetch
             out["prefetch"] = 0
-        if out.get("bulk_stages", 0) > 0 and not bulk_form(out, spec.elem_bytes, g):
+        vec = vector_width(g["rotary_start"], g["rotary_dim"], g["pairing"], spec.elem_bytes)
+        if out.get("bulk_stages", 0) > 0 and not bulk_ring_fits(vec, spec.elem_bytes, out["lanes"],
+                                                                out["tokens_per_thread"]):
             out["bulk_stages"] = 0           # the bulk ring needs one token per thread, 16-byte pieces
         if out.get("bulk_stages", 0) > 0:   # it replaces the cp.async ring and the register prefetch
             out["prefetch"] = out["smem_stages"] = 0

@@ -36,3 +36,10 @@ def effective_lanes(lanes: int, chunks: int) -> int:
     while chunks % lanes:
         lanes //= 2
     return lanes
+
+
+def bulk_ring_fits(vec: int, elem_bytes: int, lanes: int, tokens_per_thread: int) -> bool:
+    """Whether the scorer's bulk-copy ring (``bulk_stages``) can hold a row: 16-byte pieces (a bulk
+    copy moves multiples of 16 bytes between 16-byte aligned addresses), at most 4 effective lanes
+    (its row padding gives 8 bank groups) and one token per thread."""
+    return vec * elem_bytes == VECTOR_BYTES and lanes <= 4 and tokens_per_thread == 1

@@ -68,7 +68,7 @@ from cutlass import Float32, Int32, Int64
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from kvgen.kernels.cute.geometry import effective_lanes, pairs_per_chunk, vector_width
+from kvgen.kernels.cute.geometry import bulk_ring_fits, effective_lanes, pairs_per_chunk, vector_width
 
 # fp8_e4m3 K is read as stored: the score of a dequantized pool (K × k_scale, k_scale > 0) is the
 # same score × k_scale, which z-normalization removes (TRIATTENTION.md §3 and reference.score_keys).
@@ -359,10 +359,8 @@ class TriScoreKernel:
             self.slot_stride = kv_heads * head_dim
 
     def check_bulk_geometry(self) -> None:
-        """The bulk ring's requirements: rows of 16-byte pieces (a bulk copy moves multiples of 16
-        bytes between 16-byte aligned addresses) and at most 4 lanes (the padding gives 8 bank
-        groups)."""
-        if self.piece_bytes != 16 or self.lanes > 4:
+        """The bulk ring's requirements (``geometry.bulk_ring_fits``)."""
+        if not bulk_ring_fits(self.vec, self.elem_bytes, self.lanes, self.tokens_per_thread):
             raise ValueError(f"score kernel: bulk_stages needs 16-byte K pieces and lanes <= 4, not "
                              f"{self.piece_bytes} bytes and {self.lanes} lanes")
 
@@ -582,6 +580,15 @@ class TriScoreKernel:
                         token.lane)
         self.finish_token(acc, scores, token, first, 0, self.columns(tile, tid, stage)[0], used != 0, width)
 
+    def register_chunks(self, rows: cute.Tensor):
+        """``chunk(t, step)`` over the pieces ``load_row`` left in registers, token after token."""
+        per_step = self.row_elems // self.steps
+
+        def chunk(t: int, step: int) -> list:
+            return self.load_f32(rows, (t * self.row_elems + step * per_step) // self.vec, per_step // self.vec)
+
+        return chunk
+
     def shared_chunks(self, ring: Int32, slot, tid, lane):
         """``chunk(t, step)``: the f32 values of this lane's chunk ``step`` of its token's row in
         ring ``slot``, read where the arithmetic needs them (volatile 16-byte loads: after the
@@ -610,7 +617,7 @@ class TriScoreKernel:
         if use:
             row = cute.make_rmem_tensor(cute.make_layout(self.row_elems), self.element)
             self.load_row(token, row, 0, span)
-            self.accumulate(acc, PlainCoefficients(coef), row, 1, token.lane)
+            self.accumulate(acc, PlainCoefficients(coef), self.register_chunks(row), 1, token.lane)
 
     def load_stage(self, token: "RowSource", rows: cute.Tensor, used: cute.Tensor, tile, tid, stage, live) -> None:
         """Every token of ``stage`` into ``rows`` (``row_pieces`` order, token after token) and
@@ -645,7 +652,8 @@ class TriScoreKernel:
         """The stage's decode tokens (``columns``) from their loaded pieces, all accumulated in one
         pass over the chunks (each coefficient read once for all of them)."""
         acc.fill(0.0)
-        self.accumulate(acc, VolatileCoefficients(self, coef), rows, self.tokens_per_thread, token.lane)
+        self.accumulate(acc, VolatileCoefficients(self, coef), self.register_chunks(rows), self.tokens_per_thread,
+                        token.lane)
         for t in cutlass.range_constexpr(self.tokens_per_thread):
             self.finish_token(acc, scores, token, first, t, columns[t], used[t] != 0, width)
 
@@ -715,19 +723,14 @@ class TriScoreKernel:
             coef[h, 1, e, lane, step] = Float32(cutlass.select_(live, s * (re * df + im * cf), zero))
             coef[h, 2, e, lane, step] = Float32(cutlass.select_(live, s * mlr[layer, head, f], zero))
 
-    def accumulate(self, acc: cute.Tensor, coefficients, rows, tokens: int, lane) -> None:
+    def accumulate(self, acc: cute.Tensor, coefficients, chunks, tokens: int, lane) -> None:
         """``acc[t·heads + h] += Σ a·re + b·im + m·|k|`` over this lane's chunks of the K rows of
         tokens ``t < tokens`` (chunk ``step·lanes + lane``: the lanes of a token read adjacent
-        16-byte pieces), from the pieces ``load_row`` left in registers (a tensor) or from
-        ``rows(t, step)`` (a function giving the f32 values of one chunk), decoded to f32: fp8 and
-        16-bit alike. Chunk by chunk, each pair's coefficients read once for every token."""
-        per_step = self.row_elems // self.steps
-        if not callable(rows):
-            registers = rows
-            rows = lambda t, step: self.load_f32(registers, (t * self.row_elems + step * per_step) // self.vec,  # noqa: E731
-                                                 per_step // self.vec)
+        16-byte pieces), from ``chunks(t, step)``: the f32 values of one chunk (``register_chunks``
+        or ``shared_chunks``; fp8 and 16-bit alike). Chunk by chunk, each pair's coefficients read
+        once for every token."""
         for step in range(self.steps):   # plain Python: unrolled at trace time
-            values = [rows(t, step) for t in range(tokens)]
+            values = [chunks(t, step) for t in range(tokens)]
             for e in range(self.pairs_per_chunk):
                 a, b, m = (coefficients.read(k, e, lane, step) for k in range(3))
                 for t in range(tokens):
