@@ -121,6 +121,40 @@ def test_missing_measurements_are_failed_trials_with_a_reason(tmp_path: Path, gr
     assert result.failures.get("missing") == dropped and result.best["threads"] != 512
 
 
+SUBSPACE = {"rounding": 4, "decode_route": 1, "min_blocks": 0, "hot_batch": 1, "decode_split": 2}
+
+
+def test_a_fixed_subspace_is_searched_whole_with_its_default_and_nothing_else(tmp_path: Path) -> None:
+    """``--fix``: the grid visits threads x in_flight only, all of them measured (no "missing"),
+    in a study of its own; fixed away from the default, the default is still the baseline."""
+    assert len(configurations("codec", QWEN, SUBSPACE)) == 16
+    fp8 = load_spec(SPECS_DIR / "qwen3-8b-fp8.yaml")   # fixed before folding: route 4 is 3 on fp8 pages
+    assert {c["rounding"] for c in configurations("codec", fp8, SUBSPACE)} == {3}
+    evaluator = RecordedEvaluator([write_codec_measurements(tmp_path / "m.jsonl", fixed=SUBSPACE)])
+    result = run_bucket(QWEN, "codec", "sm_90a", "large", evaluator, strategy="grid", fixed=SUBSPACE)
+    assert result.trials == 16 and result.failures == {} and len(result.measured) == 16
+    assert result.study == study_name("qwen3-8b", "codec", "sm_90a", "large", SUBSPACE) != study_name(
+        "qwen3-8b", "codec", "sm_90a", "large")
+    assert result.best == {**SUBSPACE, "threads": 512, "in_flight": 4}
+    away = {**SUBSPACE, "threads": 512}
+    evaluator = RecordedEvaluator([write_codec_measurements(tmp_path / "away.jsonl", fixed=away)])
+    result = run_bucket(QWEN, "codec", "sm_90a", "large", evaluator, strategy="grid", fixed=away)
+    assert result.failures == {} and len(result.measured) == 5   # the default and in_flight 1-8 at 512
+    assert result.default_ms == pytest.approx(bowl(default_params("codec"), "large"))
+
+
+def test_fix_names_what_is_wrong_with_it(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from kvgen.cli import main
+
+    for fix, says in (("thread=256", "--fix thread=256: no parameter 'thread' in codec"),
+                      ("threads=96", "--fix threads=96: codec accepts threads in (64, 128, 256, 512)"),
+                      ("threads", "expected name=value")):
+        rc = main(["tune", "--family", "qwen3-8b", "--op", "codec", "--build-only", "--bundle", str(tmp_path / "b"),
+                   "--fix", fix])
+        assert rc == 2 and says in capsys.readouterr().out
+        assert not (tmp_path / "b").exists()
+
+
 def test_a_killed_tune_resumes_without_losing_a_finished_trial(tmp_path: Path, measurements: Path) -> None:
     storage = f"sqlite:///{tmp_path / 'studies.sqlite3'}"
     script = f"""

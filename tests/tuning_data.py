@@ -52,10 +52,12 @@ def bowl(params: dict[str, int], bucket: str) -> float:
         + 0.02 * (params["decode_split"] != best["decode_split"])
 
 
-def write_codec_measurements(path: Path, family: str = "qwen3-8b", arch: str = "sm_90a") -> Path:
+def write_codec_measurements(path: Path, family: str = "qwen3-8b", arch: str = "sm_90a",
+                             fixed: dict[str, int] | None = None) -> Path:
+    """Every configuration of the space (or of the ``fixed`` subspace, as ``--fix`` builds it)."""
     spec = load_spec(SPECS_DIR / f"{family}.yaml")
     lines = []
-    for params in configurations("codec", spec):
+    for params in configurations("codec", spec, fixed):
         for b in BUCKETS["codec"]:
             row = {"family": family, "op": "codec", "arch": arch, "config": config_id("codec", params),
                    "params": params, "bucket": b.name, "environment": ENV}

@@ -29,8 +29,10 @@ from kvgen.tuning.space import (
     STRATEGIES,
     TUNED_OPS,
     canonical,
+    check_fixed,
     config_id,
     configurations,
+    fixed_for,
     ops_for,
     parse_config,
 )
@@ -67,7 +69,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "entries; refused for an op whose model failed its H200 validation (--validation)")
     p.add_argument("--validation", type=Path, default=Path("docs/tuning-evidence/costmodel-validation.json"),
                    help="the cost model's H200 validation (--model)")
-    p.add_argument("--fix", default="", help="--model: name=value,... held fixed (the searched subspace)")
+    p.add_argument("--fix", default="", help="name=value,... held fixed: the searched subspace (every mode; the "
+                                             "default is still measured, the baseline)")
 
 
 def default_storage(cache_dir: Path) -> str:
@@ -76,11 +79,11 @@ def default_storage(cache_dir: Path) -> str:
     return f"sqlite:///{path}"
 
 
-def requests_for(sources, ops: list[Op] | None) -> list:
+def requests_for(sources, ops: list[Op] | None, fixed: dict[str, int] | None = None) -> list:
     from kvgen.tuning.candidates import Request
 
     return [Request(s, op, params) for s in sources for op in (ops or ops_for(s.spec)) if op in ops_for(s.spec)
-            for params in configurations(op, s.spec)]
+            for params in configurations(op, s.spec, fixed_for(op, fixed or {}))]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -146,6 +149,16 @@ def run(args: argparse.Namespace, sources, console, cache_dir: Path, discover_to
             return 2
     if args.trials is not None and args.trials < 1:
         _error(console, f"--trials {args.trials}: a study needs at least 1 trial")
+        return 2
+    try:
+        args.fixed = parse_config(args.fix) if args.fix else {}
+    except ValueError:
+        _error(console, f"--fix {args.fix!r}: expected name=value,name=value (integers)")
+        return 2
+    try:
+        check_fixed(ops or list(TUNED_OPS), args.fixed)
+    except ValueError as exc:
+        _error(console, str(exc))
         return 2
     if args.build_only:
         return _build_only(args, sources, ops, console, cache_dir, discover_toolchains())
@@ -217,9 +230,10 @@ def _tune_op(args, spec, op: Op, evaluator, storage: str, console) -> list[Bucke
     from kvgen.tuning.study import run_bucket
 
     names = args.bucket or [b.name for b in BUCKETS[op]]
+    fixed = fixed_for(op, args.fixed)
     out = []
     for name in names:
-        total = args.trials or len(configurations(op, spec))
+        total = args.trials or len(configurations(op, spec, fixed))
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=console, transient=True, disable=not console.is_terminal) as bar:
             task = bar.add_task(f"{spec.name} {op} {args.arch} {name} ({args.strategy})", total=total)
@@ -230,7 +244,7 @@ def _tune_op(args, spec, op: Op, evaluator, storage: str, console) -> list[Bucke
                                                         f"{trial.user_attrs.get('config', '')} -> {best}")
 
             out.append(run_bucket(spec, op, args.arch, name, evaluator, strategy=args.strategy, trials=args.trials,
-                                  storage=storage, seed=args.seed, on_trial=advance))
+                                  storage=storage, seed=args.seed, on_trial=advance, fixed=fixed))
         if not console.is_terminal:
             r = out[-1]
             speedup = "" if math.isnan(r.speedup) else f", {r.speedup:.3f}x the default"
@@ -254,6 +268,8 @@ def _write(args, spec, op: Op, per_bucket: list[BucketResult], evaluator) -> tup
                                "trials": r.trials, "failed": r.failed, "failures": r.failures,
                                "strategy": r.strategy, "study": r.study} for r in per_bucket},
     }
+    if fixed_for(op, args.fixed):   # a subspace search: say which parameters it did not search
+        entry["fixed"] = fixed_for(op, args.fixed)
     model = model_entry(args.tuning, spec.name, args.arch, op)
     if model is not None:   # the measurement replaces the model's pick: record how far off it was
         entry["replaced_model"] = model_offset(model, {r.bucket: r.measured for r in per_bucket}, choice,
@@ -283,7 +299,7 @@ def _build_only(args, sources, ops, console, cache_dir: Path, toolchains) -> int
 
     from kvgen.tuning.candidates import build_candidates, pack_bundle
 
-    requests = requests_for(sources, ops)
+    requests = requests_for(sources, ops, args.fixed)
     done = []
 
     def line(c) -> None:
@@ -320,14 +336,10 @@ def _model_tune(args, sources, ops, console, toolchains) -> int:
     except NotValidated as exc:
         _error(console, str(exc))
         return 1
-    try:
-        fixed = parse_config(args.fix) if args.fix else {}
-    except ValueError:
-        _error(console, f"--fix {args.fix!r}: expected name=value,name=value (integers)")
-        return 2
     toolchain = toolchain_for(args.arch, toolchains)
     for source in sources:
         for op in [o for o in wanted if o in ops_for(source.spec)]:
-            path = tune(source.spec, op, args.arch, toolchain.nvcc, toolchain.version, fixed, args.tuning)
+            path = tune(source.spec, op, args.arch, toolchain.nvcc, toolchain.version, fixed_for(op, args.fixed),
+                        args.tuning)
             _line(f"{source.spec.name} {op} {args.arch}: model-tuned -> {path}")
     return 0

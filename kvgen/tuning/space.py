@@ -96,16 +96,50 @@ def canonical(op: Op, params: Mapping[str, int], spec: FamilySpec) -> dict[str, 
     return out
 
 
-def configurations(op: Op, spec: FamilySpec) -> list[dict[str, int]]:
-    """Every distinct (canonical) configuration of the op's space, the safe default first."""
-    names = list(TUNABLES[op])
-    seen: dict[tuple, dict[str, int]] = {}
+def configurations(op: Op, spec: FamilySpec, fixed: Mapping[str, int] | None = None) -> list[dict[str, int]]:
+    """Every distinct (canonical) configuration of the op's space, the safe default first.
+    ``fixed`` (``--fix``) restricts it to a ``subspace``, which still starts with the default: the
+    baseline every measured speed-up is against."""
     default = canonical(op, default_params(op), spec)
-    seen[tuple(sorted(default.items()))] = default
-    for values in itertools.product(*(TUNABLES[op][n][0] for n in names)):
-        config = canonical(op, dict(zip(names, values)), spec)
+    return _distinct([default, *subspace(op, spec, fixed)])
+
+
+def subspace(op: Op, spec: FamilySpec, fixed: Mapping[str, int] | None = None) -> list[dict[str, int]]:
+    """The distinct configurations with the ``fixed`` parameters at their values (fixed before
+    folding: ``rounding=4`` is route 3 on an fp8 family)."""
+    names = list(TUNABLES[op])
+    return _distinct([canonical(op, dict(zip(names, values)), spec)
+                      for values in itertools.product(*(searched_choices(op, n, fixed) for n in names))])
+
+
+def _distinct(configs: list[dict[str, int]]) -> list[dict[str, int]]:
+    seen: dict[tuple, dict[str, int]] = {}
+    for config in configs:
         seen.setdefault(tuple(sorted(config.items())), config)
     return list(seen.values())
+
+
+def searched_choices(op: Op, name: str, fixed: Mapping[str, int] | None) -> tuple[int, ...]:
+    """The values of one parameter a search visits: its declared choices, or its fixed value."""
+    return (fixed[name],) if fixed and name in fixed else TUNABLES[op][name][0]
+
+
+def fixed_for(op: Op, fixed: Mapping[str, int]) -> dict[str, int]:
+    """The part of a ``--fix`` that names this op's parameters (one --fix serves several ops)."""
+    return {k: v for k, v in fixed.items() if k in TUNABLES[op]}
+
+
+def check_fixed(ops: tuple[Op, ...] | list[Op], fixed: Mapping[str, int]) -> None:
+    """A ``--fix`` must name parameters of the tuned ops, at declared values."""
+    for name, value in fixed.items():
+        owners = [op for op in ops if name in TUNABLES[op]]
+        if not owners:
+            accepted = sorted({n for op in ops for n in TUNABLES[op]})
+            raise ValueError(f"--fix {name}={value}: no parameter {name!r} in {', '.join(ops)} "
+                             f"(accepted: {', '.join(accepted)})")
+        for op in owners:
+            if value not in TUNABLES[op][name][0]:
+                raise ValueError(f"--fix {name}={value}: {op} accepts {name} in {TUNABLES[op][name][0]}")
 
 
 def config_id(op: Op, params: Mapping[str, int]) -> str:

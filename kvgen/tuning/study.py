@@ -136,18 +136,22 @@ def record_problem(record: Any) -> str | None:
 # ---------------------------------------------------------------------------------------------
 
 
-def study_name(family: str, op: Op, arch: str, bucket: str) -> str:
-    return f"{family}/{op}/{arch}/{bucket}"
+def study_name(family: str, op: Op, arch: str, bucket: str, fixed: Mapping[str, int] | None = None) -> str:
+    """One study per subspace: a search with parameters fixed never resumes the whole space's."""
+    name = f"{family}/{op}/{arch}/{bucket}"
+    return f"{name}[{','.join(f'{k}={v}' for k, v in sorted(fixed.items()))}]" if fixed else name
 
 
-def sampler_for(strategy: str, op: Op, seed: int | None) -> optuna.samplers.BaseSampler:
+def sampler_for(strategy: str, op: Op, seed: int | None,
+                fixed: Mapping[str, int] | None = None) -> optuna.samplers.BaseSampler:
     if strategy == "tpe":
         # one random trial after the default (trial 0): the budgets are a quarter of spaces of 16 to 81
         return optuna.samplers.TPESampler(seed=seed, n_startup_trials=2, multivariate=True)
     if strategy == "random":
         return optuna.samplers.RandomSampler(seed=seed)
     if strategy == "grid":
-        return optuna.samplers.GridSampler({n: list(range(len(c))) for n, (c, _) in TUNABLES[op].items()}, seed=seed)
+        return optuna.samplers.GridSampler({n: list(range(len(TUNABLES[op][n][0]))) for n in searched(op, fixed)},
+                                           seed=seed)
     raise ValueError(f"strategy {strategy!r}; accepted: {', '.join(STRATEGIES)}")
 
 
@@ -235,16 +239,24 @@ def stop_at(target: int) -> Callable[[optuna.Study, optuna.trial.FrozenTrial], N
     return callback
 
 
-def grid_size(op: Op) -> int:
-    return math.prod(len(c) for c, _ in TUNABLES[op].values())
+def searched(op: Op, fixed: Mapping[str, int] | None) -> list[str]:
+    """The parameters a trial suggests; the fixed ones take their one value."""
+    return [n for n in TUNABLES[op] if not fixed or n not in fixed]
+
+
+def grid_size(op: Op, fixed: Mapping[str, int] | None = None) -> int:
+    return math.prod(len(TUNABLES[op][n][0]) for n in searched(op, fixed))
 
 
 def make_objective(spec: FamilySpec, op: Op, arch: str, bucket: str, evaluator: Evaluator,
-                   study: optuna.Study) -> Callable[[optuna.Trial], float]:
-    names = list(TUNABLES[op])
+                   study: optuna.Study, fixed: Mapping[str, int] | None = None) -> Callable[[optuna.Trial], float]:
+    names = searched(op, fixed)
 
     def objective(trial: optuna.Trial) -> float:
-        params = {n: TUNABLES[op][n][0][trial.suggest_int(n, 0, len(TUNABLES[op][n][0]) - 1)] for n in names}
+        suggested = {n: TUNABLES[op][n][0][trial.suggest_int(n, 0, len(TUNABLES[op][n][0]) - 1)] for n in names}
+        # the default trial is the whole default (the baseline), fixed parameters included
+        base = default_params(op) if trial.user_attrs.get("role") == "default" else dict(fixed or {})
+        params = {**default_params(op), **base, **suggested}
         trial.set_user_attr("worker", WORKER)   # shared studies: which machine/process ran it
         canon = canonical(op, params, spec)
         trial.set_user_attr("config", config_id(op, canon))
@@ -296,24 +308,30 @@ class BucketResult:
 
 def run_bucket(spec: FamilySpec, op: Op, arch: str, bucket: str, evaluator: Evaluator, *, strategy: str = "tpe",
                trials: int | None = None, storage: str | optuna.storages.BaseStorage = "sqlite:///:memory:",
-               seed: int | None = 0, on_trial: Callable[[optuna.trial.FrozenTrial], None] | None = None) -> BucketResult:
-    """Run (or resume) one study until it holds ``trials`` finished trials (grid: the whole grid)."""
+               seed: int | None = 0, on_trial: Callable[[optuna.trial.FrozenTrial], None] | None = None,
+               fixed: Mapping[str, int] | None = None) -> BucketResult:
+    """Run (or resume) one study until it holds ``trials`` finished trials (grid: the whole grid),
+    over the subspace with the ``fixed`` parameters held (``--fix``; the default trial stays whole)."""
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    name = study_name(spec.name, op, arch, bucket)
-    study = open_study(name, storage, sampler_for(strategy, op, seed))
+    name = study_name(spec.name, op, arch, bucket, fixed)
+    study = open_study(name, storage, sampler_for(strategy, op, seed, fixed))
     study.set_user_attr("strategy", strategy)
-    distinct = len(configurations(op, spec))
+    distinct = len(configurations(op, spec, fixed))
     target = distinct if strategy == "grid" else min(trials or distinct, distinct)
     default = canonical(op, default_params(op), spec)
     if not study.get_trials(deepcopy=False):
-        study.enqueue_trial(ordinal(op, default_params(op)), user_attrs={"role": "default"})
-    objective = make_objective(spec, op, arch, bucket, evaluator, study)
+        default_trial = {n: v for n, v in default_params(op).items() if n in searched(op, fixed)}
+        study.enqueue_trial(ordinal(op, default_trial), user_attrs={"role": "default"})
+        if fixed and any(default_params(op)[k] != v for k, v in fixed.items()):
+            # the default trial took this grid point with the default's values: visit it with the fixed ones
+            study.enqueue_trial(ordinal(op, default_trial))
+    objective = make_objective(spec, op, arch, bucket, evaluator, study, fixed)
     callbacks = [stop_at(target)]
     if on_trial is not None:
         callbacks.append(lambda _study, trial: on_trial(trial) if counted(trial) else None)
     if finished(study) < target:
         # duplicates are pruned and do not count: cap the attempts (the grid stops itself when exhausted)
-        attempts = grid_size(op) + 1 if strategy == "grid" else 50 * target
+        attempts = grid_size(op, fixed) + 1 if strategy == "grid" else 50 * target
         study.optimize(objective, n_trials=attempts, catch=(CandidateFailed,), callbacks=callbacks)
     return summarize(study, spec, op, strategy, default)
 

@@ -28,7 +28,7 @@ from kvgen.tuning.costmodel.features import KernelFeatures, cubin_features, nvcc
 from kvgen.tuning.costmodel.model import VERSION
 from kvgen.tuning.costmodel.predict import predict
 from kvgen.tuning.costmodel.targets import ESTIMATES, target
-from kvgen.tuning.space import BUCKETS, canonical, config_id, configurations
+from kvgen.tuning.space import BUCKETS, canonical, config_id, subspace
 
 KERNELS = Path(__file__).resolve().parents[2] / "kernels"
 CUDA_OPS = ("codec", "compact")
@@ -53,11 +53,6 @@ def require_validated(validation: Path, op: str) -> dict[str, Any]:
         raise NotValidated(f"{op}: the cost model failed its H200 validation ({validation}: failed studies "
                            f"{', '.join(verdict.get('failed', [])) or '-'}); no model-tuned file written")
     return verdict
-
-
-def subspace(op: str, spec: FamilySpec, fixed: Mapping[str, int]) -> list[dict[str, int]]:
-    """The op's configurations with the ``fixed`` parameters at those values (a searched subspace)."""
-    return [c for c in configurations(op, spec) if all(c.get(k) == v for k, v in fixed.items())]
 
 
 def cuda_features(spec: FamilySpec, op: str, params: Mapping[str, int], arch: str, nvcc: str,
