@@ -72,6 +72,7 @@ run_ncu() {
   for family in "${families[@]}"; do
     timeout 150 ncu --clock-control none -k 'regex:encode_kernel|decode_kernel' -c 2 --csv --page details \
       --section SpeedOfLight --section ComputeWorkloadAnalysis --section Occupancy --section WarpStateStats \
+      --section LaunchStats --section InstructionStats --section MemoryWorkloadAnalysis \
       python3 scripts/ncu_codec.py "$family" 2>&1 | grep -v "^==PROF==" | sed "s/^/$family,/" >> "$OUT/ncu_codec.csv"
   done
   grep -E "Compute \(SM\) Throughput|DRAM Throughput|Memory Throughput|Achieved Occupancy|Issue Slots Busy" \

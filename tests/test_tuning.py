@@ -135,6 +135,7 @@ def test_a_fixed_subspace_is_searched_whole_with_its_default_and_nothing_else(tm
     assert result.trials == 16 and result.failures == {} and len(result.measured) == 16
     assert result.study == study_name("qwen3-8b", "codec", "sm_90a", "large", SUBSPACE) != study_name(
         "qwen3-8b", "codec", "sm_90a", "large")
+    assert result.bucket == "large"   # the bucket, not the study's subspace suffix
     assert result.best == {**SUBSPACE, "threads": 512, "in_flight": 4}
     away = {**SUBSPACE, "threads": 512}
     evaluator = RecordedEvaluator([write_codec_measurements(tmp_path / "away.jsonl", fixed=away)])
@@ -213,6 +214,33 @@ def test_build_choice_is_the_best_geometric_mean_over_buckets() -> None:
     per_bucket = {"a": {"d": 1.0, "x": 0.5, "y": 0.8}, "b": {"d": 1.0, "x": 1.6, "y": 0.8}, "c": {"d": 1.0, "x": 0.5}}
     assert build_choice(per_bucket, "d") == "x"   # y is not measured in c; x: 2 * 0.625 * 2 > 1
     assert build_choice({"a": {"x": 1.0}}, "d") == "d"
+
+
+def test_a_kernel_measured_twice_counts_its_faster_median_and_a_failure_sticks(tmp_path: Path) -> None:
+    """Bit-exact status, timing by the faster repeat: noise only slows a kernel."""
+    first = write_codec_measurements(tmp_path / "a.jsonl")
+    rows = [json.loads(line) for line in first.read_text().splitlines()]
+    slow = [{**r, "median_ms": r["median_ms"] * 2} if r["status"] == "ok" else {**r, "status": "ok", "median_ms": 1.0}
+            for r in rows]
+    second = tmp_path / "b.jsonl"
+    second.write_text("\n".join(json.dumps(r) for r in slow) + "\n")
+    for paths in ([first, second], [second, first]):
+        evaluator = RecordedEvaluator(paths)
+        assert evaluator(QWEN.name, "codec", "sm_90a", "large", WRONG).status == "wrong"
+        fast = evaluator(QWEN.name, "codec", "sm_90a", "large", default_params("codec"))
+        assert fast.median_ms == bowl(canonical("codec", default_params("codec"), QWEN), "large")
+
+
+def test_build_choice_counts_a_bucket_only_beyond_its_noise() -> None:
+    """The H200 case: a latency-bound bucket 10 % faster inside a 29 % p80/p20 spread must not
+    outvote a bulk bucket lost by 1.7 %, and gains under the margin keep the default."""
+    per_bucket = {"small": {"d": 0.0388, "x": 0.0351}, "large": {"d": 0.727, "x": 0.739},
+                  "offload": {"d": 11.72, "x": 11.70}}
+    spread = {"small": {"d": 1.29, "x": 1.10}, "large": {"d": 1.005, "x": 1.005}}
+    assert build_choice(per_bucket, "d", spread) == "d"
+    assert build_choice(per_bucket, "d", spread, margin=0.0) == "d"   # the small bucket's spread still ties it
+    assert build_choice(per_bucket, "d", margin=0.0) == "x"           # no noise known: raw geometric mean
+    assert build_choice({"large": {"d": 1.0, "x": 0.9}}, "d") == "x"  # 11 % beyond a 3.5 % margin
 
 
 def _env(**over) -> BuildEnvironment:

@@ -57,8 +57,11 @@ TUNABLES: dict[str, dict[str, tuple[tuple[int, ...], int]]] = {
         # __launch_bounds__ minimum CTAs per SM: registers capped near 64K / (threads * min_blocks)
         # for occupancy; 0 = none (ptxas' own choice: 40 registers for qwen3-8b encode, while 1 gives
         # 54). scripts/codec_sass.py --variant reports registers and spills: threads 512 with 4 spills
-        # 40-48 bytes in encode (results/2026-12-01-h200/2026-12-01-codec-sass-v2.json).
-        "min_blocks": ((0, 1, 2, 3, 4), 0),
+        # 40-48 bytes in encode (results/2026-12-01-h200/2026-12-01-codec-sass-v2.json). 5 and 6 reach
+        # past 4 CTAs of 256 threads: deepseek-v4-csa's encode takes 64 registers (4 CTAs, 50 %
+        # occupancy, issue 56 %, DRAM 58 %: latency-bound, results/2026-12-03-h200-s6/callB/ncu/);
+        # 5 caps it at 48 with 20 bytes spilled, 6 at 40 with 60.
+        "min_blocks": ((0, 1, 2, 3, 4, 5, 6), 0),
         # Plain blocks one thread loads before quantizing them in encode (all loads of the batch
         # first): more hot bytes in flight per thread for more registers. Same bytes. Default 1:
         # 2 and 4 gained nothing on the H200 (4 lost: qwen3-8b encode 0.773 -> 0.689 of copy).

@@ -125,17 +125,38 @@ def model_offset(model: Mapping[str, Any], measured: Mapping[str, Mapping[str, f
 # ---------------------------------------------------------------------------------------------
 
 
-def build_choice(per_bucket: Mapping[str, Mapping[str, float]], default: str) -> str:
+# The run-to-run repeat of one kernel on the H200: qwen3-8b's default codec (1 GiB scattered, encode
+# and decode) measured 0.727 and 0.751 ms in two bundles of one device call, 3.4 % apart, while each
+# measurement's own p20-p80 spread was 0.5 % (results/2026-12-03-h200-s6/tune/). A measured gain
+# below this is not evidence.
+CHOICE_MARGIN = 0.035
+
+
+def build_choice(per_bucket: Mapping[str, Mapping[str, float]], default: str,
+                 spread: Mapping[str, Mapping[str, float]] | None = None, margin: float = CHOICE_MARGIN) -> str:
     """Config id with the best geometric-mean speed-up over the default across every bucket, among
-    configs measured in all of them (the default when nothing else is)."""
+    configs measured in all of them (the default when nothing else is).
+
+    A bucket's ratio counts only beyond its noise: the larger of ``margin`` and the p80/p20
+    ``spread`` (bucket -> config -> ratio) of either measurement; within it the bucket is a tie.
+    So a latency-bound bucket's noise cannot outvote a bulk bucket the config loses, and the
+    default stays unless something beats it by more than the noise (predictions: ``margin`` 0)."""
     common = set.intersection(*(set(m) for m in per_bucket.values())) if per_bucket else set()
     if default not in common:
         return default
 
-    def gain(config: str) -> float:
-        return math.fsum(math.log(m[default] / m[config]) for m in per_bucket.values())
+    def noise(bucket: str, config: str) -> float:
+        ratios = (spread or {}).get(bucket, {})
+        return math.log(max(1.0 + margin, ratios.get(config, 1.0), ratios.get(default, 1.0)))
 
-    return max(sorted(common), key=gain)
+    def gain(config: str) -> float:
+        total = 0.0
+        for bucket, m in per_bucket.items():
+            r = math.log(m[default] / m[config])
+            total += math.copysign(max(0.0, abs(r) - noise(bucket, config)), r)
+        return total
+
+    return max(sorted(common), key=lambda c: (gain(c), c == default))
 
 
 # ---------------------------------------------------------------------------------------------

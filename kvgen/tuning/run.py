@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvgen.lower.plan import Op, default_params
-from kvgen.lower.tuned import build_choice, model_entry, model_offset, write_op
+from kvgen.lower.tuned import CHOICE_MARGIN, build_choice, model_entry, model_offset, write_op
 from kvgen.tuning.space import (
     BUCKETS,
     STRATEGIES,
@@ -257,12 +257,14 @@ def _write(args, spec, op: Op, per_bucket: list[BucketResult], evaluator) -> tup
     """The config the build will compile (printed either way), written unless --no-write, and
     the file it went to (None: not written)."""
     default = config_id(op, canonical(op, default_params(op), spec))
-    choice = build_choice({r.bucket: r.measured for r in per_bucket}, default)
+    choice = build_choice({r.bucket: r.measured for r in per_bucket}, default,
+                          {r.bucket: r.spread for r in per_bucket})
     if args.no_write or any(r.best is None for r in per_bucket):
         return choice, None
     entry = {
         "params": parse_config(choice),
         "default": parse_config(default),
+        "choice_margin": CHOICE_MARGIN,   # a bucket's gain below this (or its p80/p20) was a tie
         "buckets": {r.bucket: {"best": r.best, "best_ms": r.best_ms, "default_ms": r.default_ms,
                                "params_ms": r.measured.get(choice, math.nan), "speedup": r.speedup,
                                "trials": r.trials, "failed": r.failed, "failures": r.failures,

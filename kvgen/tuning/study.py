@@ -67,7 +67,8 @@ class Evaluator(Protocol):
 class RecordedEvaluator:
     """Measurements from JSON-lines files written by ``kvgen.tuning.measure``. A line that is not
     a usable measurement (a key missing or of the wrong type, a time that is not a positive
-    finite number) is skipped and reported in ``problems`` as ``file:line: what is wrong``."""
+    finite number) is skipped and reported in ``problems`` as ``file:line: what is wrong``. A
+    kernel recorded more than once for a bucket counts once (``fastest``)."""
 
     def __init__(self, paths: list[Path]):
         self.records: dict[tuple, dict[str, Any]] = {}
@@ -80,7 +81,8 @@ class RecordedEvaluator:
                 if problem:
                     self.problems.append(f"{path}:{line}: {problem}; skipped")
                     continue
-                self.records[tuple(record[k] for k in RECORD_KEYS)] = record
+                key = tuple(record[k] for k in RECORD_KEYS)
+                self.records[key] = fastest(self.records.get(key), record)
         if not self.records:
             raise ValueError(f"{', '.join(map(str, paths))}: no usable measurements"
                              + (f" ({len(self.problems)} lines skipped, the first: {self.problems[0]})"
@@ -103,6 +105,19 @@ class RecordedEvaluator:
 
 
 RECORD_KEYS = ("family", "op", "arch", "bucket", "config")
+
+
+def fastest(earlier: Mapping[str, Any] | None, record: Mapping[str, Any]) -> Mapping[str, Any]:
+    """Of two records of one kernel and bucket (a repeat, or files passed together), the one a
+    search uses: a failure is not hidden by a pass, and of two passes the faster median counts,
+    since timing noise on a shared GPU (clocks, a neighbour) only ever slows a kernel down."""
+    if earlier is None:
+        return record
+    if (earlier["status"] == "ok") != (record["status"] == "ok"):
+        return earlier if earlier["status"] != "ok" else record
+    if record["status"] != "ok":
+        return record
+    return record if record["median_ms"] < earlier["median_ms"] else earlier
 
 
 def _ms(value: Any, low: float) -> bool:
@@ -300,6 +315,7 @@ class BucketResult:
     default_ms: float
     failures: dict[str, int]                        # failure kind -> trials
     measured: dict[str, float]                      # config id -> median ms (complete, distinct)
+    spread: dict[str, float] = field(default_factory=dict)   # config id -> p80 / p20 (where recorded)
 
     @property
     def speedup(self) -> float:
@@ -333,10 +349,10 @@ def run_bucket(spec: FamilySpec, op: Op, arch: str, bucket: str, evaluator: Eval
         # duplicates are pruned and do not count: cap the attempts (the grid stops itself when exhausted)
         attempts = grid_size(op, fixed) + 1 if strategy == "grid" else 50 * target
         study.optimize(objective, n_trials=attempts, catch=(CandidateFailed,), callbacks=callbacks)
-    return summarize(study, spec, op, strategy, default)
+    return summarize(study, bucket, op, strategy, default)
 
 
-def summarize(study: optuna.Study, spec: FamilySpec, op: Op, strategy: str, default: dict[str, int]) -> BucketResult:
+def summarize(study: optuna.Study, bucket: str, op: Op, strategy: str, default: dict[str, int]) -> BucketResult:
     trials = [t for t in study.get_trials(deepcopy=False, states=FINISHED) if counted(t)]
     complete = [t for t in trials if t.state == TrialState.COMPLETE]
     failures: dict[str, int] = {}
@@ -345,10 +361,13 @@ def summarize(study: optuna.Study, spec: FamilySpec, op: Op, strategy: str, defa
             kind = t.user_attrs.get("failure", "failed")
             failures[kind] = failures.get(kind, 0) + 1
     measured = {t.user_attrs["config"]: t.value for t in complete}
+    spread = {t.user_attrs["config"]: t.user_attrs["p80_ms"] / t.user_attrs["p20_ms"] for t in complete
+              if t.user_attrs.get("p20_ms", 0) > 0 and t.user_attrs.get("p80_ms", 0) > 0}
     best = min(complete, key=lambda t: t.value) if complete else None
     default_id = config_id(op, default)
     return BucketResult(
-        bucket=study.study_name.rsplit("/", 1)[-1], study=study.study_name, strategy=strategy, trials=len(trials),
+        bucket=bucket, study=study.study_name, strategy=strategy, trials=len(trials),
         failed=len(trials) - len(complete),
         best=parse_config(best.user_attrs["config"]) if best else None, best_ms=best.value if best else math.nan,
-        default=default, default_ms=measured.get(default_id, math.nan), failures=failures, measured=measured)
+        default=default, default_ms=measured.get(default_id, math.nan), failures=failures, measured=measured,
+        spread=spread)

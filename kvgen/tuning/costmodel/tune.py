@@ -81,7 +81,7 @@ def model_entry(spec: FamilySpec, op: str, arch: str, candidates: Mapping[str, M
     predicted = {b.name: {c: predict(spec, op, params[c], b.size, f, t).ms for c, f in candidates.items()}
                  for b in BUCKETS[op]}
     default = config_id(op, canonical(op, default_params(op), spec))
-    choice = build_choice(predicted, default if default in candidates else min(candidates))
+    choice = build_choice(predicted, default if default in candidates else min(candidates), margin=0.0)
     return {
         "method": "model", "model_version": VERSION, "params": dict(params[choice]),
         "default": canonical(op, default_params(op), spec),
