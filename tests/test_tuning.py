@@ -194,8 +194,17 @@ def test_two_workers_share_one_study_on_a_real_postgresql_server(tmp_path: Path,
     cmd = [sys.executable, "-m", "kvgen.cli", "tune", "--family", "qwen3-8b", "--op", "codec", "--arch", "sm_90a",
            "--bucket", "offload", "--strategy", "random", "--trials", "12", "--measurements", str(measurements),
            "--storage", postgres_url, "--no-write"]
-    workers = [subprocess.Popen([*cmd, "--seed", str(seed)], cwd=ROOT, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True) for seed in (1, 2)]
+    # Each worker imports everything, then waits for the other at a file barrier before it tunes:
+    # with recorded measurements a trial is instant, so on a loaded machine one worker could
+    # otherwise finish the study before the other has started python.
+    barrier = tmp_path / "barrier"
+    barrier.mkdir()
+    script = (f"import pathlib, sys, time; import kvgen.cli, kvgen.tuning.study\n"
+              f"b = pathlib.Path({str(barrier)!r}); (b / sys.argv[-1]).touch()\n"
+              f"while len(list(b.iterdir())) < 2: time.sleep(0.01)\n"
+              f"sys.exit(kvgen.cli.main(sys.argv[1:]))")
+    workers = [subprocess.Popen([sys.executable, "-c", script, *cmd[3:], "--seed", str(seed)], cwd=ROOT,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for seed in (1, 2)]
     outputs = [w.communicate(timeout=300)[0] for w in workers]
     assert all(w.returncode == 0 for w in workers), outputs
     study = optuna.load_study(study_name=study_name("qwen3-8b", "codec", "sm_90a", "offload"), storage=postgres_url)
