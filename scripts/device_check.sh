@@ -7,6 +7,10 @@
 #                                        # deliberately bad host and device indices (codec page pairs,
 #                                        # compaction moves, page table entries) under compute-sanitizer:
 #                                        # tests pass and "ERROR SUMMARY: 0 errors" -> $OUT/sanitize_bad.log
+#   bash scripts/device_check.sh select  # the selection on the GPU (JIT and the registry's AOT
+#                                        # libraries) against the oracle, the AOT library under
+#                                        # compute-sanitizer, and kvgen bench's round -> $OUT/select_*.log,
+#                                        # $OUT/bench.json
 #   bash scripts/device_check.sh bench   # kvgen bench run: codec, compaction and scorer benchmarks
 #                                        # in one process, ceilings measured once -> $OUT/bench.json
 #   bash scripts/device_check.sh ncu [FAMILY...]
@@ -57,6 +61,16 @@ run_sanitize_bad() {
     | tail -15
 }
 
+run_select() {
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_select_gpu.py \
+    --junitxml "$OUT/select_tests.xml" 2>&1 | tee "$OUT/select_tests.log" | grep -E "passed|failed|FAILED|Error" | tail -15
+  timeout 150 compute-sanitizer --tool memcheck --print-limit 10 python3 -m pytest -q -p no:cacheprovider -m gpu \
+    tests/gpu/test_select_gpu.py -k "aot and (qwen3-8b or past_a_row)" 2>&1 | tee "$OUT/select_sanitizer.log" \
+    | grep -E "passed|failed|FAILED|ERROR SUMMARY|Invalid" | tail -5
+  timeout 200 python3 -m kvgen.bench run --out "$OUT" --registry build/registry --arch sm_90a --only round \
+    2>&1 | grep -v "^W" | tee "$OUT/bench.log" | tail -15
+}
+
 run_bench() {
   local default=()
   if [ -f build/registry-default/sm_90a/manifest.json ]; then
@@ -88,8 +102,9 @@ run_tune() {
 case "${1:-}" in
   tests) run_tests ;;
   sanitize-bad) run_sanitize_bad ;;
+  select) run_select ;;
   bench) run_bench ;;
   ncu) shift; run_ncu "$@" ;;
   tune) shift; run_tune "$@" ;;
-  *) echo "usage: $0 tests|sanitize-bad|bench|ncu [FAMILY...]|tune BUNDLE [DONE.jsonl]" >&2; exit 2 ;;
+  *) echo "usage: $0 tests|sanitize-bad|select|bench|ncu [FAMILY...]|tune BUNDLE [DONE.jsonl]" >&2; exit 2 ;;
 esac

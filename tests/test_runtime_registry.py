@@ -80,7 +80,9 @@ _REAL: dict[str, Path] = {}
 def real_registry(factory: pytest.TempPathFactory) -> Path:
     """The real qwen3-8b sm_90a registry as ``build()`` makes it (family library, CuTe DSL score
     library, Triton packer), built once per test session (about 7 s; shared with test_wheel,
-    test_c_abi and test_score_build). Where the DSL is not installed, the score library is left out."""
+    test_c_abi and test_score_build). Where the DSL is not installed, the score library is left out.
+    Under pytest-xdist the workers share one build cache (its entries are locked and content-keyed),
+    so the second worker to ask finds every artifact built."""
     if "dir" not in _REAL:
         from kvgen.build.cute_aot import CuteCompileError, find_cute_toolchain
         from kvgen.build.nvcc import find_toolchains, pip_nvcc_paths
@@ -90,15 +92,17 @@ def real_registry(factory: pytest.TempPathFactory) -> Path:
         if not any(t.supports("sm_90a") for t in toolchains):
             pytest.skip("no nvcc for sm_90a")
         try:
-            cute, backends = find_cute_toolchain(), ("nvcc", "cute", "triton")
+            cute, backends = find_cute_toolchain(), ("nvcc", "cute", "triton", "triton-aot")
         except CuteCompileError:
-            cute, backends = None, ("nvcc", "triton")
+            cute, backends = None, ("nvcc", "triton", "triton-aot")
         base = factory.mktemp("real-registry")
-        report = build([SPECS / f"{REAL_FAMILY}.yaml"], ["sm_90a"], base / "generated", base / "cache", jobs=2,
+        cache = factory.getbasetemp().parent / "real-registry-cache" if os.environ.get("PYTEST_XDIST_WORKER") \
+            else base / "cache"
+        report = build([SPECS / f"{REAL_FAMILY}.yaml"], ["sm_90a"], base / "generated", cache, jobs=2,
                        toolchains=toolchains, cute_toolchain=cute, registry_dir=base / "registry",
                        tuning_dir=base / "no-tuning", tuning_environ={}, backends=backends)
         assert report.ok, [o.error for o in report.outcomes]
-        _REAL.update(dir=base / "registry", cache=base / "cache")
+        _REAL.update(dir=base / "registry", cache=cache)
     return _REAL["dir"]
 
 

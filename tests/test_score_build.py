@@ -41,6 +41,7 @@ from kvgen.render.source import render
 from kvgen.runtime.lookup import RuntimeRegistry
 from kvgen.runtime.pack import MovePacker
 from kvgen.runtime.score import ScoreLibrary
+from kvgen.runtime.select import Selector
 from kvgen.spec.schema import SpecError, load_spec, parse_spec
 from kvgen.tuning.costmodel.features import embedded_cubin
 
@@ -260,17 +261,17 @@ def test_an_arch_the_spec_does_not_target_builds_no_score_library(tmp_path: Path
 
 def test_build_publishes_every_op_with_its_sha256(tmp_path_factory, toolchain) -> None:
     """``build()`` from Python, as ``kvgen build`` runs it: codec and compact (nvcc), score (CuTe
-    DSL), pack and select (Triton) each name their artifact in the manifest, with its sha256, and the
-    runtime loads each from the path ``Resolved.artifact`` verifies."""
+    DSL), pack (a Triton module) and select (Triton, AOT) each name their artifact in the manifest,
+    with its sha256, and the runtime loads each from the path ``Resolved.artifact`` verifies."""
     registry = real_registry(tmp_path_factory)
     path = manifest_path(registry, "sm_90a")
     entry = read_manifest(path).family(PROBE_FAMILY)
     assert {op.op: op.artifact for op in entry.ops} == {
         "codec": "libkvgen_qwen3_8b.so", "compact": "libkvgen_qwen3_8b.so", "score": "libkvgen_qwen3_8b_score.so",
-        "pack": "kvgen_qwen3_8b_pack.py", "select": "kvgen_qwen3_8b_select.py"}
+        "pack": "kvgen_qwen3_8b_pack.py", "select": "libkvgen_qwen3_8b_select.so"}
     assert {a.file: a.backend for a in entry.artifacts} == {
         "libkvgen_qwen3_8b.so": "nvcc", "libkvgen_qwen3_8b_score.so": "cute", "kvgen_qwen3_8b_pack.py": "triton",
-        "kvgen_qwen3_8b_select.py": "triton"}
+        "libkvgen_qwen3_8b_select.so": "triton-aot"}
     for artifact in entry.artifacts:
         assert file_sha256(path.parent / artifact.file) == artifact.sha256 and len(artifact.cache_key) == 64
     assert entry.op("score").params == default_params("score") and entry.layout["family"] == PROBE_FAMILY
@@ -279,6 +280,10 @@ def test_build_publishes_every_op_with_its_sha256(tmp_path_factory, toolchain) -
     ScoreLibrary(resolved.artifact("score"), family=PROBE_FAMILY).check_geometry(tri_geometry(spec), spec.dtype)
     packer = MovePacker(resolved.artifact("pack"), PROBE_FAMILY)
     assert (packer.num_layers, packer.kv_heads) == (spec.layers, spec.kv_heads)
+    selection = Selector(resolved.artifact("select"), PROBE_FAMILY)
+    g = tri_geometry(spec)
+    selection.check_geometry(g.num_layers, g.kv_heads, g.group, g.scored_layers)
+    assert selection.aot and selection.module.arch == "sm_90a"
 
 
 def test_every_dsl_target_is_covered() -> None:

@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvgen.kernels import selection as host
 from kvgen.kernels.triton import select as kernels
 from kvgen.lower.plan import plans_for
 from kvgen.reference import triattention as T
@@ -218,8 +219,8 @@ def test_select_equals_the_oracle(interpreted: dict, case: dict) -> None:
 
 
 def test_constants_restate_the_reference() -> None:
-    assert kernels.STD_FLOOR == T.STD_FLOOR and kernels.REDUCTION_LANES == T.REDUCTION_LANES
-    assert kernels.MODES == T.MODES and kernels.MOVE_FILL == T.MOVE_FILL
+    assert host.STD_FLOOR == T.STD_FLOOR and host.REDUCTION_LANES == T.REDUCTION_LANES
+    assert host.MODES == T.MODES and host.MOVE_FILL == T.MOVE_FILL
 
 
 # ---------------------------------------------------------------------------------------------
@@ -282,29 +283,23 @@ def test_kernels_compile_for_gpu_targets() -> None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    stats = {"scores_ptr": "*fp32", "width_ptr": "*i64", "mean_ptr": "*fp32", "std_ptr": "*fp32", "num_rows": "i32",
-             "batch": "i32", "W": "i32", "QUERY_HEADS": "constexpr", "ROWS": "constexpr", "LANES": "constexpr",
-             "LOG2_LANES": "constexpr", "STD_FLOOR": "constexpr"}
-    aggregate = {"scores_ptr": "*fp32", "mean_ptr": "*fp32", "std_ptr": "*fp32", "width_ptr": "*i64",
-                 "layers_ptr": "*i32", "out_ptr": "*fp32", "batch": "i32", "W": "i32", "num_scored": "i32",
-                 "out_rows": "i32", "MODE": "constexpr", "QUERY_HEADS": "constexpr", "KV_HEADS": "constexpr",
-                 "HEADS": "constexpr", "HEADS_P2": "constexpr", "BLOCK_W": "constexpr"}
-    select = {"values_ptr": "*fp32", "width_ptr": "*i64", "P_ptr": "*i64", "kept_ptr": "*i64", "nan_ptr": "*i32",
-              "rows_per_request": "i32", "W": "i32", "budget": "i32", "BLOCK": "constexpr", "RADIX_BITS": "constexpr"}
     options = {"enable_fp_fusion": False}
+    selector = kernels.TritonSelector(36, 8, 4, range(36), rows=2, block_w=128, block=1024, radix_bits=4)
+    specs = {spec.name: spec for spec in kernels.aot_specializations(selector)}
+    assert list(specs) == ["statistics", "aggregate_union", "aggregate_per_head", "aggregate_per_layer_perhead",
+                           "select"]
+
+    def compiled(name: str, target: GPUTarget):  # noqa: ANN202
+        spec = specs[name]
+        signature = {**spec.signature, **{constant: "constexpr" for constant in spec.constants}}
+        return triton.compile(ASTSource(spec.kernel, signature, spec.constants), target, options)
+
     for arch in (90, 100):
         target = GPUTarget("cuda", arch, 32)
-        k = triton.compile(ASTSource(kernels._stats_kernel, stats, {
-            "QUERY_HEADS": 32, "ROWS": 2, "LANES": kernels.REDUCTION_LANES, "LOG2_LANES": kernels._LOG2_LANES,
-            "STD_FLOOR": kernels.STD_FLOOR}), target, options)
-        ptx = k.asm["ptx"]
+        ptx = compiled("statistics", target).asm["ptx"]
         assert "div.rn.f64" in ptx and "sqrt.rn.f64" in ptx and "fma.rn.f64" not in ptx
         assert "add.rn.f64" in ptx and "mul.rn.f64" in ptx   # explicit rounding: ptxas may not contract them
-        for mode, heads in ((0, 32), (1, 4), (2, 4)):
-            k = triton.compile(ASTSource(kernels._aggregate_kernel, aggregate, {
-                "MODE": mode, "QUERY_HEADS": 32, "KV_HEADS": 8, "HEADS": heads, "HEADS_P2": heads,
-                "BLOCK_W": 128}), target, options)
-            assert "div.rn.f32" in k.asm["ptx"] and ".ftz" not in k.asm["ptx"]
-        k = triton.compile(ASTSource(kernels._select_kernel, select, {"BLOCK": 1024, "RADIX_BITS": 4}), target,
-                           options)
-        assert k.asm["cubin"]
+        for mode in host.MODES:
+            ptx = compiled(f"aggregate_{mode}", target).asm["ptx"]
+            assert "div.rn.f32" in ptx and ".ftz" not in ptx
+        assert compiled("select", target).asm["cubin"]

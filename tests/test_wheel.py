@@ -223,7 +223,7 @@ def test_wheel_of_a_built_registry_carries_the_score_library_and_the_packer(
         pytest.skip("no CuTe DSL here: the registry has no score library")
     assert served == {"codec": "libkvgen_qwen3_8b.so", "compact": "libkvgen_qwen3_8b.so",
                       "score": "libkvgen_qwen3_8b_score.so", "pack": "kvgen_qwen3_8b_pack.py",
-                      "select": "kvgen_qwen3_8b_select.py"}
+                      "select": "libkvgen_qwen3_8b_select.so"}
     with zipfile.ZipFile(wheel) as zf:
         shipped = {n[len(prefix):] for n in zf.namelist() if n.startswith(prefix)}
         assert shipped == {a["file"] for a in entry["artifacts"]} | {"manifest.json"}

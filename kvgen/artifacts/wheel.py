@@ -6,8 +6,8 @@
     kvgen_kernels_sm90/__init__.py                 REGISTRY, KVGEN_VERSION, ARCHS; never imported by kvgen
     kvgen_kernels_sm90/registry/<arch>/manifest.json and every artifact it lists (per family
                                                    lib<symbol>.so; for TriAttention families also
-                                                   lib<symbol>_score.so, <symbol>_pack.py and
-                                                   <symbol>_select.py)
+                                                   lib<symbol>_score.so, lib<symbol>_select.so
+                                                   and <symbol>_pack.py)
     kvgen_kernels_sm90-<v>.dist-info/              METADATA (Requires-Dist: kvgen==<v>; its body lists
                                                    the specs), WHEEL, entry_points.txt,
                                                    kvgen_provenance.json, RECORD
@@ -29,8 +29,7 @@ provenance.
 
 Written with the standard library (zipfile, RECORD with sha256), byte-for-byte reproducible:
 members sorted, fixed timestamps and modes. Data only: the libraries link nothing from torch, and
-the Triton modules are read by ``kvgen.runtime.pack`` and ``kvgen.runtime.select``, never imported
-as part of this package.
+the packer's Triton module is read by ``kvgen.runtime.pack``, never imported as part of this package.
 Platform tag ``manylinux_2_28_x86_64``, raised to the newest glibc symbol version the libraries
 really reference (``manylinux_2_34`` when linked on a glibc >= 2.34 system), so pip never installs
 a wheel whose libraries cannot load.

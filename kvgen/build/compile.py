@@ -5,7 +5,9 @@
 - ``nvcc``: the rendered ``.cu`` sources + the hand-written headers -> ``lib<symbol>.so``;
 - ``cute``: the rendered score module -> CuTe DSL export (a child process per arch) -> linked
   ``lib<symbol>_score.so`` (``kvgen.build.cute_aot``);
-- ``triton``: nothing is compiled at build time. The rendered ``pack.py`` or ``select.py`` module *is* the
+- ``triton-aot`` (the selection): the rendered ``select.py`` -> Triton cubins for the arch -> the C
+  shim -> ``lib<symbol>_select.so`` (``kvgen.build.triton_aot``);
+- ``triton`` (the packer): nothing is compiled at build time. The rendered ``pack.py`` module *is* the
   artifact: it is cached and published like the others, and Triton JIT-compiles its kernels on
   the GPU when the runtime first calls it.
 
@@ -29,6 +31,7 @@ from kvgen.build.cute_aot import CuteCompileError, CuteToolchain, compile_scores
 from kvgen.build.job import BuildJob, BuildOutcome
 from kvgen.build.nvcc import CompileError, Toolchain, cache_key, compile_shared_library, nvcc_flags, toolchain_for
 from kvgen.build.process import kill_all
+from kvgen.build.triton_aot import compile_select
 from kvgen.kernels import KERNELS_DIR
 
 HEADER_SUFFIXES = (".cuh", ".h", ".hpp", ".inl")
@@ -76,7 +79,7 @@ def compile_many(jobs: Sequence[BuildJob], cache_dir: Path, toolchains: Toolchai
     for index, job in enumerate(jobs):
         if job.backend == "cute":
             score_jobs.setdefault(job.arch, []).append(index)
-        elif job.backend == "nvcc":
+        elif _needs_nvcc(job):
             toolchain_for(job.arch, toolchains.nvcc)   # a missing nvcc is an error before anything compiles
     if score_jobs:
         toolchains = toolchains.probe_cute()
@@ -86,6 +89,8 @@ def compile_many(jobs: Sequence[BuildJob], cache_dir: Path, toolchains: Toolchai
         if job.backend == "nvcc":
             return [(index, _compile_nvcc(job, cache_dir, toolchain_for(job.arch, toolchains.nvcc), kernels_dir,
                                           extra_flags))]
+        if job.backend == "triton-aot":
+            return [(index, compile_select(job, cache_dir, toolchain_for(job.arch, toolchains.nvcc)))]
         return [(index, _compile_triton(job, cache_dir))]
 
     def scores(indices: list[int]) -> list[tuple[int, BuildOutcome]]:
@@ -109,6 +114,11 @@ def compile_many(jobs: Sequence[BuildJob], cache_dir: Path, toolchains: Toolchai
         raise
     pool.shutdown()
     return [outcomes[i] for i in range(len(jobs))]
+
+
+def _needs_nvcc(job: BuildJob) -> bool:
+    """The nvcc libraries, and the selection library (its shim is compiled by nvcc)."""
+    return job.backend in ("nvcc", "triton-aot")
 
 
 def _failed(job: BuildJob, error: str, key: str = "", seconds: float = 0.0) -> BuildOutcome:
@@ -190,7 +200,7 @@ def _triton_key(job: BuildJob) -> str:
 
 
 def _compile_triton(job: BuildJob, cache_dir: Path) -> BuildOutcome:
-    """The rendered module (packer or selection) as the artifact (Triton compiles its kernels on the GPU at run
+    """The rendered packer module as the artifact (Triton compiles its kernels on the GPU at run
     time, so the build only caches and publishes the text)."""
     (text,) = job.rendered.values()
     key = _triton_key(job)

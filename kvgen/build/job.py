@@ -4,8 +4,9 @@ its ``BuildOutcome``. ``kvgen build`` and the tuner both make jobs here and comp
 
 A family's plans split by backend: ``codec`` and ``compact`` compile together into the nvcc
 library ``lib<symbol>.so``; ``score`` is the CuTe DSL library ``lib<symbol>_score.so``; ``pack``
-and ``select`` are the Triton modules ``<symbol>_pack.py`` and ``<symbol>_select.py``. The artifact names are decided here and recorded in the
-manifest: nothing downstream derives them.
+is the Triton module ``<symbol>_pack.py`` (compiled by Triton on the GPU at run time); ``select``
+the Triton kernels compiled ahead of time into ``lib<symbol>_select.so``. The artifact names are
+decided here and recorded in the manifest: nothing downstream derives them.
 """
 
 from __future__ import annotations
@@ -19,14 +20,16 @@ from kvgen.lower.plan import KernelPlan, Op, plans_for
 from kvgen.render.source import TEMPLATES_DIR, output_name, render
 from kvgen.spec.schema import FamilySpec, load_spec
 
-Backend = Literal["nvcc", "cute", "triton"]
-BACKENDS: tuple[Backend, ...] = ("nvcc", "cute", "triton")
+# "triton": a Triton module shipped as source (JIT on the GPU); "triton-aot": Triton kernels
+# compiled at build time behind a C shim (kvgen.build.triton_aot).
+Backend = Literal["nvcc", "cute", "triton", "triton-aot"]
+BACKENDS: tuple[Backend, ...] = ("nvcc", "cute", "triton", "triton-aot")
 OP_BACKEND: dict[Op, Backend] = {"codec": "nvcc", "compact": "nvcc", "score": "cute", "pack": "triton",
-                                 "select": "triton"}
-# Keyed by op: ops of one backend with the same suffix share one artifact (codec + compact), the
-# Triton modules are one file each.
+                                 "select": "triton-aot"}
+# Keyed by op: ops of one backend with the same suffix share one artifact (codec + compact); the
+# packer module and the selection library are one file each.
 ARTIFACT_SUFFIX: dict[Op, str] = {"codec": ".so", "compact": ".so", "score": "_score.so", "pack": "_pack.py",
-                                  "select": "_select.py"}
+                                  "select": "_select.so"}
 Status = Literal["hit", "built", "failed", "skipped"]
 
 
@@ -70,8 +73,8 @@ class BuildJob:
     @property
     def artifact(self) -> str:
         """The artifact's file name, in the cache entry and in ``<registry>/<arch>/``."""
-        stem = f"lib{self.symbol}" if self.backend != "triton" else self.symbol
-        return stem + ARTIFACT_SUFFIX[self.plans[0].op]
+        suffix = ARTIFACT_SUFFIX[self.plans[0].op]
+        return ("lib" if suffix.endswith(".so") else "") + self.symbol + suffix
 
 
 @dataclass(frozen=True)

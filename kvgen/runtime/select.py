@@ -1,23 +1,32 @@
-"""The generated Triton normalize/aggregate/select of a family, loaded from its file: the registry's
-``select`` artifact (``RuntimeRegistry.resolve(family, arch).artifact("select")``, sha256-verified),
-which a kernel wheel ships too, or ``generated/<family>/select.py`` of a checkout.
+"""A family's normalize/aggregate/select, from one of two files:
 
-The generated module needs only torch, Triton and ``kvgen.kernels.triton``; it carries the
-family's layers, KV heads, group and scored layers, so nothing here reads a spec. Its kernels are
-shipped as source and JIT-compiled by Triton on the GPU at the first call (not ahead of time).
-``Selector`` checks a round's host-side inputs (issue 14's bad input: P, S and budget against the
-scores' width) before anything is launched, then calls the module's ``decide``.
+- the registry's ``select`` artifact ``lib<symbol>_select.so`` (``RuntimeRegistry.resolve(family,
+  arch).artifact("select")``, sha256-verified; a kernel wheel ships it too): the Triton kernels
+  compiled ahead of time for the arch behind the C ABI ``kvgen/kernels/include/kvgen_select.h``,
+  loaded here by ``SelectLibrary`` with ctypes. It needs torch and the CUDA driver, not Triton;
+- ``generated/<family>/select.py`` of a checkout: the same kernels and constants, JIT-compiled by
+  Triton at the first call (or run by its interpreter on a CPU: the tests).
+
+Both are a ``kvgen.kernels.selection.SelectionHost`` (same checks, same allocations) and carry
+the family's layers, KV heads, group and scored layers, so nothing here reads a spec. ``Selector``
+checks a round's host-side inputs (issue 14's bad input: P, S and budget against the scores'
+width) before anything is launched, then calls ``decide``.
 """
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
+from kvgen.kernels.selection import SelectionHost, mode_index
 from kvgen.runtime.generated_module import import_generated_module, load_generated_module
+from kvgen.runtime.library import LibraryError, load_typed
+
+ABI_VERSION = 1
 
 REQUIRED = ("FAMILY", "NUM_LAYERS", "KV_HEADS", "GROUP", "SCORED_LAYERS", "decide", "num_decision_rows")
 
@@ -34,6 +43,73 @@ def import_select_module(path: str | Path) -> ModuleType:
 def load_select_module(path: str | Path) -> ModuleType:
     """The select module of ``path``, imported once per process."""
     return load_generated_module(path, "select", REQUIRED, SelectModuleError)
+
+
+class SelectGeometry(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_int32) for name in (
+        "abi_version", "num_layers", "kv_heads", "group", "num_scored", "rows", "block_w", "block", "radix_bits")]
+
+
+_c = ctypes
+_P = _c.c_void_p
+_SIGNATURES = {
+    "kvgen_select_abi_version": (_c.c_int, []),
+    "kvgen_select_family_name": (_c.c_char_p, []),
+    "kvgen_select_arch": (_c.c_char_p, []),
+    "kvgen_select_last_error": (_c.c_char_p, []),
+    "kvgen_select_query_geometry": (_c.c_int, [_c.POINTER(SelectGeometry)]),
+    "kvgen_select_scored_layers": (_c.POINTER(_c.c_int32), []),
+    "kvgen_select_statistics": (_c.c_int, [_P, _P, _P, _P, _c.c_int32, _c.c_int32, _P]),
+    "kvgen_select_aggregate": (_c.c_int, [_c.c_int32, _P, _P, _P, _P, _P, _P, _c.c_int32, _c.c_int32, _P]),
+    "kvgen_select_keep": (_c.c_int, [_P, _P, _P, _P, _P, _c.c_int32, _c.c_int32, _c.c_int32, _c.c_int32, _P]),
+}
+
+
+def _stream(tensor: torch.Tensor) -> int:
+    return torch.cuda.current_stream(tensor.device).cuda_stream
+
+
+class SelectLibrary(SelectionHost):
+    """A loaded ``lib<symbol>_select.so``: ABI and family checked at load, its compile-time
+    geometry read from the library itself; launches through the C ABI on torch's current stream."""
+
+    def __init__(self, path: str | Path, family: str | None = None):
+        self.path = Path(path)
+        self._lib = load_typed(self.path, _SIGNATURES, "not a kvgen selection library, or one built by an older "
+                               "kvgen (rebuild it with kvgen build)")
+        abi = self._lib.kvgen_select_abi_version()
+        if abi != ABI_VERSION:
+            raise LibraryError(f"{self.path}: selection ABI version {abi}, this runtime speaks {ABI_VERSION}; "
+                               "rebuild with kvgen build")
+        self.family = self._lib.kvgen_select_family_name().decode()
+        self.arch = self._lib.kvgen_select_arch().decode()
+        if family is not None and family != self.family:
+            raise LibraryError(f"{self.path}: built for family {self.family!r}, not {family!r}")
+        g = SelectGeometry()
+        self._call("kvgen_select_query_geometry", ctypes.byref(g))
+        layers = self._lib.kvgen_select_scored_layers()
+        super().__init__(g.num_layers, g.kv_heads, g.group, [layers[i] for i in range(g.num_scored)], rows=g.rows,
+                         block_w=g.block_w, block=g.block, radix_bits=g.radix_bits)
+
+    def _check_device(self, tensor: torch.Tensor) -> None:
+        if tensor.device.type != "cuda":
+            raise ValueError(f"{self.path.name}: tensors must be on a CUDA device, got {tensor.device}")
+
+    def _call(self, name: str, *args: object) -> None:
+        if getattr(self._lib, name)(*args) != 0:
+            raise LibraryError(f"{self.path}: {self._lib.kvgen_select_last_error().decode(errors='replace')}")
+
+    def _launch_statistics(self, scores, width, mean, std, batch, W):  # noqa: ANN001, ANN202
+        self._call("kvgen_select_statistics", scores.data_ptr(), width.data_ptr(), mean.data_ptr(), std.data_ptr(),
+                   batch, W, _stream(scores))
+
+    def _launch_aggregate(self, mode, scores, mean, std, width, layers, out, batch, W):  # noqa: ANN001, ANN202
+        self._call("kvgen_select_aggregate", mode_index(mode), scores.data_ptr(), mean.data_ptr(), std.data_ptr(),
+                   width.data_ptr(), layers.data_ptr(), out.data_ptr(), batch, W, _stream(scores))
+
+    def _launch_select(self, values, width, P, kept, nan_rows, rows, W, budget):  # noqa: ANN001, ANN202
+        self._call("kvgen_select_keep", values.data_ptr(), width.data_ptr(), P.data_ptr(), kept.data_ptr(),
+                   nan_rows.data_ptr(), kept.shape[0], rows, W, budget, _stream(values))
 
 
 def check_round(P: Sequence[int], S: Sequence[int], width: int, budget: int) -> None:
@@ -55,22 +131,28 @@ def check_round(P: Sequence[int], S: Sequence[int], width: int, budget: int) -> 
 class Selector:
     """One family's selection: ``selector(scores, P, S, budget, mode)`` -> ``Selection`` (kept
     positions ``[B, R, budget]`` int64 on the device; ``.check()`` raises the oracle's NaN error).
-    ``P`` and ``S`` are host ints, checked by ``check_round`` before anything is launched."""
+    ``P`` and ``S`` are host ints, checked by ``check_round`` before anything is launched.
+    ``path``: a selection library (``.so``, ahead of time) or a generated module (``.py``, JIT);
+    ``module`` is its ``SelectionHost`` either way."""
 
     def __init__(self, path: str | Path, family: str | None = None):
         self.path = Path(path)
-        self.module = load_select_module(path)
-        self.family = self.module.FAMILY
+        if self.path.suffix == ".so":
+            self.module: SelectionHost = SelectLibrary(path)
+            self.family, self.aot = self.module.family, True
+        else:
+            generated = load_select_module(path)
+            self.module, self.family, self.aot = generated.SELECTOR, generated.FAMILY, False
         if family is not None and family != self.family:
             raise SelectModuleError(f"{path}: generated for family {self.family!r}, not {family!r}")
 
     @property
     def scored_layers(self) -> tuple[int, ...]:
-        return tuple(self.module.SCORED_LAYERS)
+        return self.module.scored_layers
 
     def check_geometry(self, num_layers: int, kv_heads: int, group: int, scored_layers: Sequence[int]) -> None:
-        """The module must have been generated for exactly this geometry."""
-        mine = (self.module.NUM_LAYERS, self.module.KV_HEADS, self.module.GROUP, self.scored_layers)
+        """The selection must have been generated for exactly this geometry."""
+        mine = (self.module.num_layers, self.module.kv_heads, self.module.group, self.scored_layers)
         theirs = (num_layers, kv_heads, group, tuple(scored_layers))
         if mine != theirs:
             raise SelectModuleError(f"{self.path}: generated for (layers, kv heads, group, scored layers) {mine}, "

@@ -13,24 +13,37 @@ its age). Triton JIT-compiles the kernels at the first call.
    sets and lengths byte-identical to ``eviction_round`` (tests/tri_sim.py), every family of
    test_score_gpu's ROUND_CASES.
 4. A NaN score stops the round before anything moves, with the oracle's error.
+5. The registry's AOT libraries (``lib<symbol>_select.so``: the same kernels compiled at build
+   time, launched through the C ABI, no Triton): every scorable family and mode on full-geometry
+   scores with ties and widths that are not a multiple of any tile, bit-identical to the oracle and
+   to the JIT kernels; whole rounds with them byte-identical to ``eviction_round``; a width past W
+   on the device reads nothing outside the row (the values past it are NaN: none is counted); and
+   a process in which Triton cannot be imported selects with them.
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 
+from kvgen.artifacts.manifest import RegistryError
 from kvgen.kernels.triton.select import TritonSelector
 from kvgen.lower.triattention import calibration_defaults, eviction_config, tri_geometry
 from kvgen.reference import triattention as T
 from kvgen.runtime.eviction import TriAttentionManager
-from kvgen.runtime.select import load_select_module
+from kvgen.runtime.lookup import RuntimeRegistry
+from kvgen.runtime.select import SelectLibrary, Selector, load_select_module
 from kvgen.spec.schema import load_spec
 
 from ..conftest import ROOT, SPECS_DIR
 from ..tri_sim import DecodeSim, run_against_oracle, save_synthetic_calibration
+from .conftest import ARCH, REGISTRY
 from .test_score_gpu import FAMILIES, PROMPTS, ROUND_CASES, _backends, scenario, score_library
 
 pytestmark = pytest.mark.gpu
@@ -38,6 +51,13 @@ pytestmark = pytest.mark.gpu
 
 def select_module(family: str) -> Path:
     return ROOT / "generated" / family / "select.py"
+
+
+def select_library(family: str) -> Path:
+    try:
+        return RuntimeRegistry([REGISTRY]).resolve(family, ARCH).artifact("select")
+    except RegistryError as exc:
+        pytest.skip(f"no selection library ({exc}); build it on the CPU machine and carry {REGISTRY}")
 
 
 def _long(values) -> torch.Tensor:
@@ -90,10 +110,11 @@ def test_round_sized_scores_are_bit_identical(mode: str) -> None:
         assert torch.equal(module.decide(scores, width, P, budget, mode).check(), T.select_keep(values, width, budget, P))
 
 
+@pytest.mark.parametrize("selection", ["jit", "aot"])
 @pytest.mark.parametrize("backend", ["oracle", "generated"])
 @pytest.mark.parametrize("family,mode,budget,beta", ROUND_CASES)
 def test_rounds_with_the_generated_selection_are_byte_identical(tmp_path: Path, family: str, mode: str, budget: int,
-                                                                beta: int, backend: str) -> None:
+                                                                beta: int, backend: str, selection: str) -> None:
     spec = load_spec(SPECS_DIR / f"{family}.yaml")
     prompts, tails, generated = [13, 150, 61, 7], [0, 1, 3, 2], [0, 9, 20, 31]
     steps = budget + 3 * beta + 24
@@ -102,8 +123,9 @@ def test_rounds_with_the_generated_selection_are_byte_identical(tmp_path: Path, 
     calibration_path = save_synthetic_calibration(eviction_config(spec), tmp_path / "calib.pt", seed=9)
     manager = TriAttentionManager(eviction_config(spec), calibration_path, sim.k_pools, sim.v_pools,
                                   score_library(family), budget=budget, beta=beta, eviction_mode=mode,
-                                  select_module=select_module(family), **_backends(family, sim, backend))
-    assert manager.describe()["selection"].endswith("select.py")
+                                  select_module=select_module(family) if selection == "jit" else select_library(family),
+                                  **_backends(family, sim, backend))
+    assert manager.describe()["selection"].endswith("select.py" if selection == "jit" else "_select.so")
     omega, scale = calibration_defaults(spec)
     calibration = T.load_calibration(calibration_path, tri_geometry(spec), omega, scale)
     rounds = run_against_oracle(manager, sim, steps, calibration)
@@ -124,3 +146,61 @@ def test_a_nan_score_stops_the_round_before_anything_moves() -> None:
     scores[3, 1, 5, 17] = 0.0
     scores[3, 1, 5, 250] = float("nan")      # past request 1's width: never read
     selector.decide(scores, width, _long([0, 0]), 8, "union").check()
+
+
+@pytest.mark.parametrize("mode", T.MODES)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_aot_library_equals_the_oracle_and_the_jit_kernels(family: str, mode: str) -> None:
+    library = SelectLibrary(select_library(family), family=family)
+    g = tri_geometry(load_spec(SPECS_DIR / f"{family}.yaml"))
+    assert (library.num_layers, library.kv_heads, library.group, library.scored_layers) == (
+        g.num_layers, g.kv_heads, g.group, tuple(g.scored_layers))
+    jit = load_select_module(select_module(family)).SELECTOR
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    W, widths = 1301, [1301, 0, 777, 1000]
+    scores = torch.randn(len(g.scored_layers), len(widths), g.query_heads, W, device="cuda", generator=gen) * 3
+    scores = scores.round(decimals=1).contiguous()       # coarse values: many ties
+    width, P = _long(widths), _long([64, 0, 9, 4096])
+    values = _oracle(scores, width, mode, g)
+    mean, std = library.statistics(scores, width)
+    assert all(torch.equal(a, b) for a, b in zip((mean, std), jit.statistics(scores, width)))
+    assert torch.equal(library.aggregate(scores, mean, std, width, mode), values)
+    for budget in (1, 333, 1300):
+        kept = library.decide(scores, width, P, budget, mode).check()
+        assert torch.equal(kept, T.select_keep(values, width, budget, P)), f"budget {budget}"
+        assert torch.equal(kept, jit.decide(scores, width, P, budget, mode).check())
+
+
+def test_the_aot_library_reads_nothing_past_a_row() -> None:
+    """A device width past W counts as W: the NaN beyond each row's end is never read."""
+    family = "qwen3-8b"
+    library = Selector(select_library(family), family=family).module
+    g = tri_geometry(load_spec(SPECS_DIR / f"{family}.yaml"))
+    W = 300
+    padded = torch.full((len(g.scored_layers), 2, g.query_heads, W + 64), float("nan"), device="cuda")
+    padded[..., :W] = torch.randn(len(g.scored_layers), 2, g.query_heads, W, device="cuda")
+    storage = padded.flatten()
+    scores = storage[: padded[..., :W].numel()].view(len(g.scored_layers), 2, g.query_heads, W)
+    scores.copy_(padded[..., :W])
+    honest, liar = _long([W, W]), _long([W, 10 * W])
+    assert all(torch.equal(a, b) for a, b in zip(library.statistics(scores, liar), library.statistics(scores, honest)))
+    assert torch.equal(library.decide(scores, liar, _long([0, 0]), 8, "union").check(),
+                       library.decide(scores, honest, _long([0, 0]), 8, "union").check())
+
+
+def test_the_aot_library_needs_no_triton() -> None:
+    library = select_library("qwen3-8b")
+    code = textwrap.dedent(f"""
+        import sys
+        sys.modules["triton"] = None          # any import of Triton now fails
+        import torch
+        from kvgen.runtime.select import Selector
+        selector = Selector({str(library)!r}, family="qwen3-8b")
+        scores = torch.randn(36, 2, 32, 700, device="cuda")
+        kept = selector(scores, [0, 5], [700, 400], 64, "per_head").check()
+        assert kept.shape == (2, 8, 64) and bool((kept[1] < 400).all()), kept
+        print("selected without Triton")
+    """)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert result.returncode == 0 and "selected without Triton" in result.stdout, result.stderr[-3000:]

@@ -18,32 +18,30 @@ Three kernels after the scorer, matching ``kvgen.reference.triattention`` bit fo
    ``== t`` up to the budget, compacted by a running cumulative sum. That pass also counts NaN
    among the valid values: the oracle raises on any, ``Selection.check`` raises the same error.
 
-Every kernel is launched with ``enable_fp_fusion=False``: a fused multiply-add would round once
-where the reference rounds twice. The kernels trust their inputs (shapes, widths <= W, P);
-``TritonSelector`` checks those host-side facts before launching.
+Every kernel is compiled with ``enable_fp_fusion=False``: a fused multiply-add would round once
+where the reference rounds twice. A width past W counts as W, so no load leaves its row whatever
+the device holds; the host side (``kvgen.kernels.selection.SelectionHost``) checks shapes, dtypes
+and the budget before launching.
 
-Generated ``generated/<family>/select.py`` modules hold only the family's constants and bind a
-``TritonSelector`` to them; the kernels live here, once. (Plain pointer arithmetic: Triton 3.6
-and newer.)
+Two ways to run them, same kernels, same constants (``SelectionHost.*_constants``):
+- ``TritonSelector``: Triton JIT-compiles on the first call (a checkout's generated
+  ``generated/<family>/select.py`` binds one to the family's constants; the CPU tests run it in
+  Triton's interpreter);
+- ahead of time: ``aot_specializations`` lists each kernel with its signature and constants, and
+  ``kvgen.build.triton_aot`` compiles them for the target into ``lib<symbol>_select.so``
+  (``kvgen/kernels/include/kvgen_select.h``), which runs without Triton.
+(Plain pointer arithmetic: Triton 3.6 and newer.)
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
-import torch
 import triton
 import triton.language as tl
 
-MODES = ("union", "per_head", "per_layer_perhead")
-MOVE_FILL = -1
-# Both restate kvgen.reference.triattention (this package imports nothing of kvgen); a test
-# checks that they agree.
-STD_FLOOR = 1e-6
-REDUCTION_LANES = 512
-_LOG2_LANES = REDUCTION_LANES.bit_length() - 1
-
+from kvgen.kernels.selection import MODES, MOVE_FILL, Selection, SelectionHost  # noqa: F401 - part of this API
 
 # ----------------------------------------------------------------------------------------------
 # 1. Row statistics
@@ -66,7 +64,8 @@ def _stats_kernel(scores_ptr, width_ptr, mean_ptr, std_ptr, num_rows, batch, W,
     row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     live = row < num_rows
     request = (row // QUERY_HEADS) % batch
-    width = tl.load(width_ptr + request, mask=live, other=0)
+    # A width past W counts as W: whatever the device holds, no load leaves the row.
+    width = tl.minimum(tl.load(width_ptr + request, mask=live, other=0), W)
     base = row.to(tl.int64)[:, None] * W
     lane = tl.arange(0, LANES)[None, :]
     # Each row stops at its own width: the columns it skips would add +0.0, which changes no lane.
@@ -117,7 +116,7 @@ def _aggregate_kernel(scores_ptr, mean_ptr, std_ptr, width_ptr, layers_ptr, out_
     column = tl.program_id(0) * BLOCK_W + tl.arange(0, BLOCK_W)
     request = tl.program_id(1)
     kv_head = tl.program_id(2)
-    width = tl.load(width_ptr + request)
+    width = tl.minimum(tl.load(width_ptr + request), W)
     valid = column < width
     in_row = column < W
     h = tl.arange(0, HEADS_P2)
@@ -173,7 +172,7 @@ def _select_kernel(values_ptr, width_ptr, P_ptr, kept_ptr, nan_ptr, rows_per_req
     """Program r: decision row r (= request * rows_per_request + row) -> kept_ptr[r, :budget]."""
     row = tl.program_id(0)
     request = row // rows_per_request
-    width = tl.load(width_ptr + request)
+    width = tl.minimum(tl.load(width_ptr + request), W)
     base = tl.load(P_ptr + request)
     row_ptr = values_ptr + row.to(tl.int64) * W
     kept_row = kept_ptr + row.to(tl.int64) * budget
@@ -220,123 +219,58 @@ def _select_kernel(values_ptr, width_ptr, P_ptr, kept_ptr, nan_ptr, rows_per_req
 
 
 # ----------------------------------------------------------------------------------------------
-# Host side
+# Launching: JIT, or the specializations the AOT build compiles
 # ----------------------------------------------------------------------------------------------
 
+# The run-time arguments of each kernel as the AOT build declares them (Triton's signature
+# strings): the scalars are int32, as every size here fits one.
+SIGNATURES: dict[str, dict[str, str]] = {
+    "statistics": {"scores_ptr": "*fp32", "width_ptr": "*i64", "mean_ptr": "*fp32", "std_ptr": "*fp32",
+                   "num_rows": "i32", "batch": "i32", "W": "i32"},
+    "aggregate": {"scores_ptr": "*fp32", "mean_ptr": "*fp32", "std_ptr": "*fp32", "width_ptr": "*i64",
+                  "layers_ptr": "*i32", "out_ptr": "*fp32", "batch": "i32", "W": "i32", "num_scored": "i32",
+                  "out_rows": "i32"},
+    "select": {"values_ptr": "*fp32", "width_ptr": "*i64", "P_ptr": "*i64", "kept_ptr": "*i64", "nan_ptr": "*i32",
+               "rows_per_request": "i32", "W": "i32", "budget": "i32"},
+}
+KERNELS = {"statistics": _stats_kernel, "aggregate": _aggregate_kernel, "select": _select_kernel}
+# Triton's defaults but the fusion, stated so the JIT launches and the AOT build compile alike.
+OPTIONS = {"num_warps": 4, "num_stages": 3, "enable_fp_fusion": False}
+
+
 @dataclass(frozen=True)
-class Selection:
-    """What a decision leaves on the device: kept positions ``[B, R, budget]`` int64 and the NaN
-    count of each decision row. ``check`` reads the counts back (one synchronization)."""
+class Specialization:
+    """One kernel as compiled: ``name`` in the AOT library (``statistics``, ``aggregate_<mode>``,
+    ``select``), the Triton kernel, its run-time signature and compile-time constants."""
 
-    kept: torch.Tensor
-    nan_rows: torch.Tensor
-
-    def check(self) -> torch.Tensor:
-        """``kept``, or the oracle's error when a valid decision value is NaN."""
-        if bool(self.nan_rows.any()):
-            raise ValueError("NaN among the decision values")
-        return self.kept
+    name: str
+    kernel: Any
+    signature: dict[str, str]
+    constants: dict[str, int | float]
 
 
-class TritonSelector:
-    """Normalize -> aggregate -> select for one family: its layers, KV heads, query heads per KV
-    head, scored layers, and the launch tunables (``rows`` statistics rows per program,
-    ``block_w`` columns per aggregation program, ``block`` columns per selection step,
-    ``radix_bits`` bits of the budget-th key found per pass)."""
+def aot_specializations(host: SelectionHost) -> list[Specialization]:
+    """Every kernel a family's selection launches, with exactly the constants of its JIT launch."""
+    specs = [Specialization("statistics", _stats_kernel, SIGNATURES["statistics"], host.stats_constants())]
+    specs += [Specialization(f"aggregate_{mode}", _aggregate_kernel, SIGNATURES["aggregate"],
+                             host.aggregate_constants(mode)) for mode in MODES]
+    specs.append(Specialization("select", _select_kernel, SIGNATURES["select"], host.select_constants()))
+    return specs
 
-    def __init__(self, num_layers: int, kv_heads: int, group: int, scored_layers: Sequence[int], *,
-                 rows: int, block_w: int, block: int, radix_bits: int):
-        self.num_layers, self.kv_heads, self.group = num_layers, kv_heads, group
-        self.query_heads = kv_heads * group
-        self.scored_layers = tuple(scored_layers)
-        self.rows, self.block_w, self.block, self.radix_bits = rows, block_w, block, radix_bits
-        self._layers: dict[torch.device, torch.Tensor] = {}
 
-    def num_decision_rows(self, mode: str) -> int:
-        if mode == "union":
-            return 1
-        if mode == "per_head":
-            return self.kv_heads
-        if mode == "per_layer_perhead":
-            return self.num_layers * self.kv_heads
-        raise ValueError(f"eviction_mode {mode!r}; accepted: {', '.join(MODES)}")
+class TritonSelector(SelectionHost):
+    """``SelectionHost`` launching the kernels through Triton's JIT (compiled on the first call)."""
 
-    def layer_table(self, device: torch.device) -> torch.Tensor:
-        """int32 ``[scored]``: the cache layer of each scored layer, copied once per device."""
-        device = torch.device(device)
-        if device not in self._layers:
-            self._layers[device] = torch.tensor(self.scored_layers, dtype=torch.int32, device=device)
-        return self._layers[device]
-
-    # ---- checks (host-side facts only: nothing is read back from the device)
-
-    def _check_scores(self, scores: torch.Tensor) -> None:
-        expected = (len(self.scored_layers), self.query_heads)
-        if scores.dim() != 4 or scores.dtype != torch.float32 or (scores.shape[0], scores.shape[2]) != expected:
-            raise ValueError(f"scores: expected float32 [{expected[0]} scored layers, B, {expected[1]} query heads, "
-                             f"W], got {scores.dtype} {list(scores.shape)}")
-        if not scores.is_contiguous():
-            raise ValueError("scores: must be contiguous")
-
-    @staticmethod
-    def _check_rows(name: str, tensor: torch.Tensor, batch: int, device: torch.device) -> None:
-        if tensor.dtype != torch.int64 or tuple(tensor.shape) != (batch,) or tensor.device != device:
-            raise ValueError(f"{name}: expected int64 [{batch}] on {device}, got {tensor.dtype} "
-                             f"{list(tensor.shape)} on {tensor.device}")
-
-    # ---- the three stages
-
-    def statistics(self, scores: torch.Tensor, width: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """float32 ``(mean, std)`` ``[scored, B, Hq]`` of ``zscore`` (std floored) over each row's
-        ``width[b]`` leading columns (``width`` int64 ``[B]``, each <= W)."""
-        self._check_scores(scores)
-        layers, batch, heads, W = scores.shape
-        self._check_rows("width", width, batch, scores.device)
-        mean = torch.empty((layers, batch, heads), dtype=torch.float32, device=scores.device)
-        std = torch.empty_like(mean)
+    def _launch_statistics(self, scores, width, mean, std, batch, W):  # noqa: ANN001, ANN202
         num_rows = mean.numel()
-        if num_rows:
-            _stats_kernel[(triton.cdiv(num_rows, self.rows),)](
-                scores, width, mean, std, num_rows, batch, W, QUERY_HEADS=heads, ROWS=self.rows,
-                LANES=REDUCTION_LANES, LOG2_LANES=_LOG2_LANES, STD_FLOOR=STD_FLOOR, enable_fp_fusion=False)
-        return mean, std
+        _stats_kernel[(triton.cdiv(num_rows, self.rows),)](scores, width, mean, std, num_rows, batch, W,
+                                                            **self.stats_constants(), **OPTIONS)
 
-    def aggregate(self, scores: torch.Tensor, mean: torch.Tensor, std: torch.Tensor, width: torch.Tensor,
-                  mode: str) -> torch.Tensor:
-        """Decision values ``[B, R, W]`` float32: ``aggregate`` of the z-scores of ``scores``."""
-        rows = self.num_decision_rows(mode)
-        layers, batch, heads, W = scores.shape
-        sliding = mode == "per_layer_perhead" and len(self.scored_layers) < self.num_layers
-        alloc = torch.zeros if sliding else torch.empty   # rows of sliding layers are zeros
-        out = alloc((batch, rows, W), dtype=torch.float32, device=scores.device)
-        union = mode == "union"
-        if out.numel():
-            grid = (triton.cdiv(W, self.block_w), batch, 1 if union else self.kv_heads)
-            heads_per_program = heads if union else self.group
-            _aggregate_kernel[grid](
-                scores, mean, std, width, self.layer_table(scores.device), out, batch, W, layers, rows,
-                MODE=MODES.index(mode), QUERY_HEADS=heads, KV_HEADS=self.kv_heads, HEADS=heads_per_program,
-                HEADS_P2=triton.next_power_of_2(heads_per_program), BLOCK_W=self.block_w, enable_fp_fusion=False)
-        return out
+    def _launch_aggregate(self, mode, scores, mean, std, width, layers, out, batch, W):  # noqa: ANN001, ANN202
+        grid = (triton.cdiv(W, self.block_w), batch, 1 if mode == "union" else self.kv_heads)
+        _aggregate_kernel[grid](scores, mean, std, width, layers, out, batch, W, len(self.scored_layers),
+                                out.shape[1], **self.aggregate_constants(mode), **OPTIONS)
 
-    def select(self, values: torch.Tensor, width: torch.Tensor, budget: int, P: torch.Tensor) -> Selection:
-        """``select_keep(values, width, budget, P)`` (``width``, ``P`` int64 ``[B]`` on the device)."""
-        if values.dim() != 3 or values.dtype != torch.float32 or not values.is_contiguous():
-            raise ValueError(f"values: expected contiguous float32 [B, R, W], got {values.dtype} {list(values.shape)}")
-        if budget < 1:
-            raise ValueError(f"budget {budget}: must be at least 1")
-        batch, rows, W = values.shape
-        for name, tensor in (("width", width), ("P", P)):
-            self._check_rows(name, tensor, batch, values.device)
-        kept = torch.empty((batch, rows, budget), dtype=torch.int64, device=values.device)
-        nan_rows = torch.zeros((batch, rows), dtype=torch.int32, device=values.device)
-        if kept.numel():
-            _select_kernel[(batch * rows,)](values, width, P, kept, nan_rows, rows, W, budget, BLOCK=self.block,
-                                            RADIX_BITS=self.radix_bits, enable_fp_fusion=False)
-        return Selection(kept, nan_rows)
-
-    def decide(self, scores: torch.Tensor, width: torch.Tensor, P: torch.Tensor, budget: int,
-               mode: str) -> Selection:
-        """Kept positions of ``scores`` ``[scored, B, Hq, W]``: statistics, aggregate, select."""
-        mean, std = self.statistics(scores, width)
-        return self.select(self.aggregate(scores, mean, std, width, mode), width, budget, P)
+    def _launch_select(self, values, width, P, kept, nan_rows, rows, W, budget):  # noqa: ANN001, ANN202
+        _select_kernel[(kept.shape[0] * rows,)](values, width, P, kept, nan_rows, rows, W, budget,
+                                                **self.select_constants(), **OPTIONS)

@@ -1,0 +1,181 @@
+"""The host side of normalize -> aggregate -> select (TRIATTENTION.md §4-§5), whoever launches the
+kernels: ``kvgen.kernels.triton.select.TritonSelector`` (Triton JIT, a checkout's
+``generated/<family>/select.py``) and ``kvgen.runtime.select.SelectLibrary`` (the same kernels
+compiled ahead of time into ``lib<symbol>_select.so``) both subclass ``SelectionHost``.
+
+It checks every host-side fact (dtypes, shapes, devices, budget), allocates the outputs, and hands
+plain tensors and sizes to three ``_launch_*`` hooks. It needs torch only: no Triton, so a kernel
+wheel's AOT selection runs without it. The kernels' compile-time constants are stated here once
+(``*_constants``): the JIT launches pass them, the AOT build compiles exactly them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+MODES = ("union", "per_head", "per_layer_perhead")
+MOVE_FILL = -1
+# Both restate kvgen.reference.triattention (kvgen.kernels imports nothing of kvgen); a test
+# checks that they agree.
+STD_FLOOR = 1e-6
+REDUCTION_LANES = 512
+LOG2_LANES = REDUCTION_LANES.bit_length() - 1
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+@dataclass(frozen=True)
+class Selection:
+    """What a decision leaves on the device: kept positions ``[B, R, budget]`` int64 and the NaN
+    count of each decision row. ``check`` reads the counts back (one synchronization)."""
+
+    kept: torch.Tensor
+    nan_rows: torch.Tensor
+
+    def check(self) -> torch.Tensor:
+        """``kept``, or the oracle's error when a valid decision value is NaN."""
+        if bool(self.nan_rows.any()):
+            raise ValueError("NaN among the decision values")
+        return self.kept
+
+
+def mode_index(mode: str) -> int:
+    if mode not in MODES:
+        raise ValueError(f"eviction_mode {mode!r}; accepted: {', '.join(MODES)}")
+    return MODES.index(mode)
+
+
+class SelectionHost:
+    """Normalize -> aggregate -> select for one family: its layers, KV heads, query heads per KV
+    head, scored layers, and the launch tunables (``rows`` statistics rows per program,
+    ``block_w`` columns per aggregation program, ``block`` columns per selection step,
+    ``radix_bits`` bits of the budget-th key found per pass)."""
+
+    def __init__(self, num_layers: int, kv_heads: int, group: int, scored_layers: Sequence[int], *,
+                 rows: int, block_w: int, block: int, radix_bits: int):
+        self.num_layers, self.kv_heads, self.group = num_layers, kv_heads, group
+        self.query_heads = kv_heads * group
+        self.scored_layers = tuple(scored_layers)
+        self.rows, self.block_w, self.block, self.radix_bits = rows, block_w, block, radix_bits
+        self._layers: dict[torch.device, torch.Tensor] = {}
+
+    def num_decision_rows(self, mode: str) -> int:
+        return (1, self.kv_heads, self.num_layers * self.kv_heads)[mode_index(mode)]
+
+    def layer_table(self, device: torch.device) -> torch.Tensor:
+        """int32 ``[scored]``: the cache layer of each scored layer, copied once per device."""
+        device = torch.device(device)
+        if device not in self._layers:
+            self._layers[device] = torch.tensor(self.scored_layers, dtype=torch.int32, device=device)
+        return self._layers[device]
+
+    # ---- the kernels' compile-time constants (one specialization each; aggregate one per mode)
+
+    def stats_constants(self) -> dict[str, int | float]:
+        return {"QUERY_HEADS": self.query_heads, "ROWS": self.rows, "LANES": REDUCTION_LANES,
+                "LOG2_LANES": LOG2_LANES, "STD_FLOOR": STD_FLOOR}
+
+    def aggregate_heads(self, mode: str) -> int:
+        """Query heads one aggregation program reduces: all of them (union) or one KV group."""
+        return self.query_heads if mode == "union" else self.group
+
+    def aggregate_constants(self, mode: str) -> dict[str, int]:
+        heads = self.aggregate_heads(mode)
+        return {"MODE": mode_index(mode), "QUERY_HEADS": self.query_heads, "KV_HEADS": self.kv_heads,
+                "HEADS": heads, "HEADS_P2": next_power_of_2(heads), "BLOCK_W": self.block_w}
+
+    def select_constants(self) -> dict[str, int]:
+        return {"BLOCK": self.block, "RADIX_BITS": self.radix_bits}
+
+    # ---- checks (host-side facts only: nothing is read back from the device)
+
+    def _check_scores(self, scores: torch.Tensor) -> None:
+        self._check_device(scores)
+        expected = (len(self.scored_layers), self.query_heads)
+        if scores.dim() != 4 or scores.dtype != torch.float32 or (scores.shape[0], scores.shape[2]) != expected:
+            raise ValueError(f"scores: expected float32 [{expected[0]} scored layers, B, {expected[1]} query heads, "
+                             f"W], got {scores.dtype} {list(scores.shape)}")
+        if not scores.is_contiguous():
+            raise ValueError("scores: must be contiguous")
+
+    def _check_device(self, tensor: torch.Tensor) -> None:
+        """Where the kernels can run (every device for Triton, whose interpreter runs on the CPU)."""
+
+    @staticmethod
+    def _check_rows(name: str, tensor: torch.Tensor, batch: int, device: torch.device) -> None:
+        if tensor.dtype != torch.int64 or tuple(tensor.shape) != (batch,) or tensor.device != device:
+            raise ValueError(f"{name}: expected int64 [{batch}] on {device}, got {tensor.dtype} "
+                             f"{list(tensor.shape)} on {tensor.device}")
+
+    # ---- the three stages
+
+    def statistics(self, scores: torch.Tensor, width: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 ``(mean, std)`` ``[scored, B, Hq]`` of ``zscore`` (std floored) over each row's
+        ``width[b]`` leading columns (``width`` int64 ``[B]``, each <= W; a larger one counts as W)."""
+        self._check_scores(scores)
+        layers, batch, heads, W = scores.shape
+        self._check_rows("width", width, batch, scores.device)
+        mean = torch.empty((layers, batch, heads), dtype=torch.float32, device=scores.device)
+        std = torch.empty_like(mean)
+        if mean.numel():
+            self._launch_statistics(scores, width, mean, std, batch, W)
+        return mean, std
+
+    def aggregate(self, scores: torch.Tensor, mean: torch.Tensor, std: torch.Tensor, width: torch.Tensor,
+                  mode: str) -> torch.Tensor:
+        """Decision values ``[B, R, W]`` float32: ``aggregate`` of the z-scores of ``scores``."""
+        rows = self.num_decision_rows(mode)
+        self._check_scores(scores)
+        layers, batch, heads, W = scores.shape
+        self._check_rows("width", width, batch, scores.device)
+        for name, tensor in (("mean", mean), ("std", std)):
+            if (tensor.dtype != torch.float32 or tuple(tensor.shape) != (layers, batch, heads)
+                    or tensor.device != scores.device or not tensor.is_contiguous()):
+                raise ValueError(f"{name}: expected contiguous float32 [{layers}, {batch}, {heads}] on "
+                                 f"{scores.device}, got {tensor.dtype} {list(tensor.shape)} on {tensor.device}")
+        sliding = mode == "per_layer_perhead" and len(self.scored_layers) < self.num_layers
+        alloc = torch.zeros if sliding else torch.empty   # rows of sliding layers are zeros
+        out = alloc((batch, rows, W), dtype=torch.float32, device=scores.device)
+        if out.numel():
+            self._launch_aggregate(mode, scores, mean, std, width, self.layer_table(scores.device), out, batch, W)
+        return out
+
+    def select(self, values: torch.Tensor, width: torch.Tensor, budget: int, P: torch.Tensor) -> Selection:
+        """``select_keep(values, width, budget, P)`` (``width``, ``P`` int64 ``[B]`` on the device)."""
+        self._check_device(values)
+        if values.dim() != 3 or values.dtype != torch.float32 or not values.is_contiguous():
+            raise ValueError(f"values: expected contiguous float32 [B, R, W], got {values.dtype} {list(values.shape)}")
+        if budget < 1:
+            raise ValueError(f"budget {budget}: must be at least 1")
+        batch, rows, W = values.shape
+        for name, tensor in (("width", width), ("P", P)):
+            self._check_rows(name, tensor, batch, values.device)
+        kept = torch.empty((batch, rows, budget), dtype=torch.int64, device=values.device)
+        nan_rows = torch.zeros((batch, rows), dtype=torch.int32, device=values.device)
+        if kept.numel():
+            self._launch_select(values, width, P, kept, nan_rows, rows, W, budget)
+        return Selection(kept, nan_rows)
+
+    def decide(self, scores: torch.Tensor, width: torch.Tensor, P: torch.Tensor, budget: int,
+               mode: str) -> Selection:
+        """Kept positions of ``scores`` ``[scored, B, Hq, W]``: statistics, aggregate, select."""
+        mean, std = self.statistics(scores, width)
+        return self.select(self.aggregate(scores, mean, std, width, mode), width, budget, P)
+
+    # ---- the launches (checked, allocated, non-empty arguments)
+
+    def _launch_statistics(self, scores, width, mean, std, batch: int, W: int) -> None:  # noqa: ANN001
+        raise NotImplementedError
+
+    def _launch_aggregate(self, mode: str, scores, mean, std, width, layers, out, batch: int,  # noqa: ANN001
+                          W: int) -> None:
+        raise NotImplementedError
+
+    def _launch_select(self, values, width, P, kept, nan_rows, rows: int, W: int,  # noqa: ANN001
+                       budget: int) -> None:
+        raise NotImplementedError
