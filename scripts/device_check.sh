@@ -7,10 +7,10 @@
 #                                        # deliberately bad host and device indices (codec page pairs,
 #                                        # compaction moves, page table entries) under compute-sanitizer:
 #                                        # tests pass and "ERROR SUMMARY: 0 errors" -> $OUT/sanitize_bad.log
-#   bash scripts/device_check.sh select  # the selection on the GPU (JIT and the registry's AOT
-#                                        # libraries) against the oracle, the AOT library under
-#                                        # compute-sanitizer, and kvgen bench's round -> $OUT/select_*.log,
-#                                        # $OUT/bench.json
+#   bash scripts/device_check.sh select  # the selection and the packer on the GPU (JIT and the
+#                                        # registry's AOT libraries) against the oracle, the AOT
+#                                        # libraries under compute-sanitizer, and kvgen bench's round
+#                                        # -> $OUT/select_*.log, $OUT/bench.json
 #   bash scripts/device_check.sh bench   # kvgen bench run: codec, compaction and scorer benchmarks
 #                                        # in one process, ceilings measured once -> $OUT/bench.json
 #   bash scripts/device_check.sh ncu [FAMILY...]
@@ -62,11 +62,12 @@ run_sanitize_bad() {
 }
 
 run_select() {
-  timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_select_gpu.py \
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_select_gpu.py tests/gpu/test_compact_gpu.py \
     --junitxml "$OUT/select_tests.xml" 2>&1 | tee "$OUT/select_tests.log" | grep -E "passed|failed|FAILED|Error" | tail -15
-  timeout 150 compute-sanitizer --tool memcheck --print-limit 10 python3 -m pytest -q -p no:cacheprovider -m gpu \
-    tests/gpu/test_select_gpu.py -k "aot and (qwen3-8b or past_a_row)" 2>&1 | tee "$OUT/select_sanitizer.log" \
-    | grep -E "passed|failed|FAILED|ERROR SUMMARY|Invalid" | tail -5
+  timeout 200 compute-sanitizer --tool memcheck --print-limit 10 python3 -m pytest -q -p no:cacheprovider -m gpu \
+    tests/gpu/test_select_gpu.py tests/gpu/test_compact_gpu.py \
+    -k "past_a_row or needs_no_triton or (aot_library_equals and qwen3-8b-) or whatever_the_offsets or packer_on_gpu" \
+    2>&1 | tee "$OUT/select_sanitizer.log" | grep -E "passed|failed|FAILED|ERROR SUMMARY|Invalid" | tail -5
   timeout 200 python3 -m kvgen.bench run --out "$OUT" --registry build/registry --arch sm_90a --only round \
     2>&1 | grep -v "^W" | tee "$OUT/bench.log" | tail -15
 }

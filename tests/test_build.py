@@ -49,6 +49,7 @@ from kvgen.files import write_if_different
 from kvgen.lower.plan import default_params, fold_codec_params, plans_for
 from kvgen.lower.triattention import require_scorable
 from kvgen.render.source import TEMPLATES_DIR, RenderError, header, render, render_family
+from kvgen.runtime.pack import PackLibrary
 from kvgen.runtime.select import SelectLibrary
 from kvgen.spec.schema import load_spec
 
@@ -522,21 +523,26 @@ def test_cli_show_config_and_clear_cache(tmp_path: Path, capsys: pytest.CaptureF
 
 def test_every_artifact_is_published_and_a_failed_one_left_out(tmp_path: Path, templates: Path,
                                                               toolchains: list[Toolchain]) -> None:
-    """The packer is published as its rendered module (Triton compiles it at run time), the
-    selection as its AOT library (the real template: the build compiles its kernels); an op whose
-    artifact failed is not listed, the family's other artifacts still are."""
+    """The packer and the selection are published as their AOT libraries (the real templates: the
+    build compiles their Triton kernels); an op whose artifact failed is not listed, the family's
+    other artifacts still are."""
     (templates / "compact.cu.j2").write_text("{{ header }}\nthis is not C++;\n")
-    (templates / "select.py.j2").write_text((TEMPLATES_DIR / "select.py.j2").read_text())
-    report = _build(tmp_path, templates, toolchains, backends=("nvcc", "triton", "triton-aot"))
-    assert [(o.backend, o.status) for o in report.outcomes] == [("nvcc", "failed"), ("triton", "built"),
+    for name in ("pack.py.j2", "select.py.j2"):
+        (templates / name).write_text((TEMPLATES_DIR / name).read_text())
+    report = _build(tmp_path, templates, toolchains, backends=("nvcc", "triton-aot"))
+    assert [(o.backend, o.status) for o in report.outcomes] == [("nvcc", "failed"), ("triton-aot", "built"),
                                                                 ("triton-aot", "built")]
     entry = read_manifest(tmp_path / "registry" / "sm_90a" / "manifest.json").family(FAMILY)
     pack, select = entry.artifacts
-    assert [op.op for op in entry.ops] == ["pack", "select"] and entry.op("pack").artifact == pack.file == "kvgen_llama_3_1_8b_pack.py"
+    assert [op.op for op in entry.ops] == ["pack", "select"]
+    assert entry.op("pack").artifact == pack.file == "libkvgen_llama_3_1_8b_pack.so"
     assert entry.op("select").artifact == select.file == "libkvgen_llama_3_1_8b_select.so"
-    assert select.backend == "triton-aot" and set(select.toolchain) == {"nvcc", "triton"}
+    for artifact in (pack, select):
+        assert artifact.backend == "triton-aot" and set(artifact.toolchain) == {"nvcc", "triton"}
+        published = tmp_path / "registry" / "sm_90a" / artifact.file
+        assert published.stat().st_mode & 0o777 == 0o755   # a shared library, as the nvcc ones
+    spec = _spec()
     library = SelectLibrary(tmp_path / "registry" / "sm_90a" / select.file, family=FAMILY)
-    assert library.arch == "sm_90a" and library.scored_layers == tuple(require_scorable(_spec()).scored_layers)
-    published = tmp_path / "registry" / "sm_90a" / pack.file
-    assert published.read_text() == (tmp_path / "generated" / FAMILY / "pack.py").read_text()
-    assert published.stat().st_mode & 0o777 == 0o644 and pack.backend == "triton" and pack.toolchain == {}
+    assert library.arch == "sm_90a" and library.scored_layers == tuple(require_scorable(spec).scored_layers)
+    packer = PackLibrary(tmp_path / "registry" / "sm_90a" / pack.file, family=FAMILY)
+    assert (packer.num_layers, packer.kv_heads, packer.arch) == (spec.layers, spec.kv_heads, "sm_90a")

@@ -38,7 +38,7 @@ def test_clean_registry_verifies(setup, capsys) -> None:
     assert "1 manifests, 1 families, 3 artifacts: all verified" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("name", ["libkvgen_qwen3_8b.so", "libkvgen_qwen3_8b_score.so", "kvgen_qwen3_8b_pack.py"])
+@pytest.mark.parametrize("name", ["libkvgen_qwen3_8b.so", "libkvgen_qwen3_8b_score.so", "libkvgen_qwen3_8b_pack.so"])
 def test_tampered_artifact_is_reported(setup, capsys, name: str) -> None:
     registry, specs = setup
     artifact = registry / "sm_90a" / name
@@ -51,7 +51,7 @@ def test_tampered_artifact_is_reported(setup, capsys, name: str) -> None:
 
 def test_missing_or_unreadable_manifest_is_reported_without_a_traceback(setup, capsys) -> None:
     registry, specs = setup
-    (registry / "sm_90a" / "kvgen_qwen3_8b_pack.py").unlink()
+    (registry / "sm_90a" / "libkvgen_qwen3_8b_pack.so").unlink()
     assert verify(registry, specs) == 1
     assert "artifact missing" in capsys.readouterr().err
     (registry / "sm_90a" / "manifest.json").write_text("{not json")
@@ -79,7 +79,7 @@ def test_verify_json_lists_the_counts_and_every_problem(setup, capsys) -> None:
     assert main(["--specs", str(specs), "verify", "--json", "--registry", str(registry)]) == 0
     assert json.loads(capsys.readouterr().out) == {"registry": str(registry), "ok": True, "manifests": 1,
                                                    "families": 1, "artifacts": 3, "problems": []}
-    (registry / "sm_90a" / "kvgen_qwen3_8b_pack.py").unlink()
+    (registry / "sm_90a" / "libkvgen_qwen3_8b_pack.so").unlink()
     assert main(["--specs", str(specs), "verify", "--json", "--registry", str(registry)]) == 1
     report = json.loads(capsys.readouterr().out)
     assert not report["ok"] and "artifact missing" in report["problems"][0]

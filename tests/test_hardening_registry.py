@@ -187,7 +187,7 @@ def test_verify_reports_every_problem(setup, capsys) -> None:
                   ops=("codec", "score", "pack"))
     arch_dir = registry / "sm_90a"
     (arch_dir / "libkvgen_qwen3_8b_score.so").write_bytes(b"altered")
-    (arch_dir / "kvgen_qwen3_8b_pack.py").unlink()
+    (arch_dir / "libkvgen_qwen3_8b_pack.so").unlink()
     _, problems = manifest_problems(manifest_path(registry, "sm_90a"))
     assert len(problems) == 2
     code, err = _verify(registry, specs, capsys)

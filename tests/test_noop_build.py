@@ -4,9 +4,9 @@ toolchain, and any change to what decides an artifact -- spec, template, kvgen c
 tuning, the published files themselves -- takes the full build again. Correctness, not timing
 (``scripts/bench_noop_build.py`` times it).
 
-The Triton packer backend alone keeps these fast: its artifact is the rendered module, so nothing
-is compiled (the selection library is, so it is left out), and the stamp logic is the same for
-every backend.
+The stamp logic is the same for every backend, so these tests build the Triton AOT ops (packer and
+selection) through a stand-in for their compile that caches the rendered module's text as the
+"library": fast, and the artifact shows which template made it.
 """
 
 from __future__ import annotations
@@ -18,7 +18,11 @@ from pathlib import Path
 
 import pytest
 
+from kvgen import __version__
 from kvgen.artifacts.manifest import read_manifest
+from kvgen.build import compile as compile_module
+from kvgen.build.cache import entry_dir, get_or_build
+from kvgen.build.job import BuildJob, BuildOutcome
 from kvgen.build.nvcc import Toolchain
 from kvgen.build.pipeline import BuildReport, build
 from kvgen.build.stamp import code_roots, tree_digest
@@ -39,7 +43,26 @@ class Probe:
 
     def __call__(self) -> list:
         self.calls += 1
-        return []
+        return [Toolchain(nvcc="/stand-in/nvcc", version="13.0.88", version_sha256="a" * 64, archs=("sm_90",))]
+
+
+def _text_as_library(job: BuildJob, cache_dir: Path, toolchain: Toolchain) -> BuildOutcome:
+    (text,) = job.rendered.values()
+    key = hashlib.sha256(text.encode()).hexdigest()
+    entry = entry_dir(cache_dir, __version__, job.arch, f"{job.family}-{job.ops[0]}", key)
+
+    def write(tmp: Path) -> dict:
+        (tmp / job.artifact).write_text(text, encoding="utf-8")
+        return {"artifact": job.artifact}
+
+    meta, hit = get_or_build(entry, key, write)
+    return BuildOutcome(job.family, job.arch, job.backend, "hit" if hit else "built", 0.0, entry / meta["artifact"],
+                        key, sha256=meta["artifact_sha256"])
+
+
+@pytest.fixture(autouse=True)
+def _stand_in_compile(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(compile_module, "compile_aot", _text_as_library)
 
 
 @pytest.fixture
@@ -57,14 +80,14 @@ def _build(work: Path, toolchains: Probe | list[Toolchain], families=(FAMILY,), 
     return build([work / "specs" / f"{f}.yaml" for f in families], ["sm_90a"], work / "generated", work / "cache",
                  toolchains=toolchains, registry_dir=work / "registry", tuning_dir=work / "tuning",
                  tuning_environ=environ or {}, templates_dir=work / "templates", kernels_dir=work / "kernels",
-                 backends=("triton",), noop_stamps=True, toolchain_files=[work / "nvcc"])
+                 backends=("triton-aot",), noop_stamps=True, toolchain_files=[work / "nvcc"])
 
 
 def _warm(work: Path) -> Probe:
     probe = Probe()
     first = _build(work, probe)
     assert first.ok and not first.noop and probe.calls == 1
-    assert [o.status for o in first.outcomes] == ["built"]   # the packer
+    assert [o.status for o in first.outcomes] == ["built", "built"]   # pack and select
     return probe
 
 
@@ -75,7 +98,8 @@ def test_a_no_op_build_replays_the_report_without_rendering_or_probing(work: Pat
     assert again.noop and probe.calls == 1
     assert again.outcomes == full.outcomes and again.manifests == full.manifests and again.rendered == []
     assert [(o.status, o.artifact) for o in again.outcomes] == [
-        ("hit", work / "registry" / "sm_90a" / "kvgen_qwen3_8b_pack.py")]
+        ("hit", work / "registry" / "sm_90a" / "libkvgen_qwen3_8b_pack.so"),
+        ("hit", work / "registry" / "sm_90a" / "libkvgen_qwen3_8b_select.so")]
 
 
 def test_a_changed_spec_rebuilds(work: Path) -> None:
@@ -95,8 +119,8 @@ def test_a_changed_template_rebuilds(work: Path) -> None:
     template = work / "templates" / "pack.py.j2"
     template.write_text(template.read_text() + "\n# one more line\n")
     report = _build(work, probe)
-    assert not report.noop and [o.status for o in report.outcomes] == ["built"]   # pack rebuilt
-    assert "# one more line" in (work / "registry" / "sm_90a" / "kvgen_qwen3_8b_pack.py").read_text()
+    assert not report.noop and [o.status for o in report.outcomes] == ["built", "hit"]   # pack rebuilt, select not
+    assert "# one more line" in (work / "registry" / "sm_90a" / "libkvgen_qwen3_8b_pack.so").read_text()
 
 
 def test_the_code_digest_covers_the_package_and_outside_folders(work: Path) -> None:
@@ -116,7 +140,7 @@ def test_a_changed_toolchain_file_rebuilds(work: Path) -> None:
 
 def test_tampered_or_missing_outputs_are_rebuilt(work: Path) -> None:
     probe = _warm(work)
-    artifact = work / "registry" / "sm_90a" / "kvgen_qwen3_8b_pack.py"
+    artifact = work / "registry" / "sm_90a" / "libkvgen_qwen3_8b_pack.so"
     good = artifact.read_bytes()
     artifact.write_bytes(b"tampered")
     assert not _build(work, probe).noop and artifact.read_bytes() == good
@@ -150,7 +174,7 @@ def test_building_another_family_keeps_the_first_ones_stamp(work: Path) -> None:
     probe = _warm(work)
     assert not _build(work, probe, families=(OTHER,)).noop       # rewrites the shared manifest
     both = _build(work, probe, families=(FAMILY, OTHER))
-    assert both.noop and probe.calls == 2 and [o.family for o in both.outcomes] == [OTHER, FAMILY]
+    assert both.noop and probe.calls == 2 and [o.family for o in both.outcomes] == [OTHER, OTHER, FAMILY, FAMILY]
 
 
 def test_given_toolchains_are_named_by_identity(work: Path) -> None:

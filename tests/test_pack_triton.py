@@ -190,18 +190,14 @@ def test_kernels_compile_for_gpu_targets() -> None:
 
     from kvgen.kernels.triton import pack as module  # the generated modules bind these kernels to family constants
 
-    moves = {"kept_ptr": "*i64", "P_ptr": "*i64", "S_ptr": "*i64", "window_ptr": "*i32", "offsets_ptr": "*i32",
-             "src_ptr": "*i32", "dst_ptr": "*i32", "max_requests": "i32", "budget": "i32", "num_rows": "i32",
-             "row_layer_stride": "i32", "row_head_stride": "i32", "capacity": "i32", "KV_HEADS": "constexpr",
-             "HEADS": "constexpr", "BLOCK": "constexpr"}
-    offsets = {"tail_ptr": "*i64", "due_ptr": "*i8", "offsets_ptr": "*i32", "batch": "i32", "max_requests": "i32",
-               "budget": "i32", "BLOCK_R": "constexpr"}
+    specs = module.aot_specializations(module.TritonPacker(36, 8, [None] * 36, 512))   # what the AOT build compiles
+    assert [spec.name for spec in specs] == ["offsets", "moves"]
     for arch in (90, 100):
         target = GPUTarget("cuda", arch, 32)
-        k = triton.compile(ASTSource(module._moves_kernel, moves, {"KV_HEADS": 8, "HEADS": 8, "BLOCK": 512}), target)
-        assert k.asm["cubin"]
-        k = triton.compile(ASTSource(module._offsets_kernel, offsets, {"BLOCK_R": 1024}), target)
-        assert k.asm["cubin"]
+        for spec in specs:
+            compiled = triton.compile(ASTSource(spec.kernel, spec.triton_signature(), spec.constants), target,
+                                      spec.options)
+            assert compiled.asm["cubin"]
 
 
 def test_runtime_loader(rendered: dict[str, Path], tmp_path: Path) -> None:

@@ -47,7 +47,7 @@ REAL_FAMILY = "qwen3-8b"
 
 # op -> (artifact file name for a symbol, backend, template), as kvgen build names them
 FAKE_ARTIFACTS = {"codec": ("lib{}.so", "nvcc", "codec.cu.j2"), "score": ("lib{}_score.so", "cute", "score.py.j2"),
-                  "pack": ("{}_pack.py", "triton", "pack.py.j2")}
+                  "pack": ("lib{}_pack.so", "triton-aot", "pack.py.j2")}
 
 
 def fake_registry(root: Path, arch: str, families: list[str], kvgen_version: str = __version__,
@@ -79,10 +79,8 @@ _REAL: dict[str, Path] = {}
 
 def real_registry(factory: pytest.TempPathFactory) -> Path:
     """The real qwen3-8b sm_90a registry as ``build()`` makes it (family library, CuTe DSL score
-    library, Triton packer), built once per test session (about 7 s; shared with test_wheel,
-    test_c_abi and test_score_build). Where the DSL is not installed, the score library is left out.
-    Under pytest-xdist the workers share one build cache (its entries are locked and content-keyed),
-    so the second worker to ask finds every artifact built."""
+    library, Triton AOT packer and selection), built once per test session (about 7 s; shared with test_wheel,
+    test_c_abi and test_score_build). Where the DSL is not installed, the score library is left out."""
     if "dir" not in _REAL:
         from kvgen.build.cute_aot import CuteCompileError, find_cute_toolchain
         from kvgen.build.nvcc import find_toolchains, pip_nvcc_paths
@@ -92,12 +90,11 @@ def real_registry(factory: pytest.TempPathFactory) -> Path:
         if not any(t.supports("sm_90a") for t in toolchains):
             pytest.skip("no nvcc for sm_90a")
         try:
-            cute, backends = find_cute_toolchain(), ("nvcc", "cute", "triton", "triton-aot")
+            cute, backends = find_cute_toolchain(), ("nvcc", "cute", "triton-aot")
         except CuteCompileError:
-            cute, backends = None, ("nvcc", "triton", "triton-aot")
+            cute, backends = None, ("nvcc", "triton-aot")
         base = factory.mktemp("real-registry")
-        cache = factory.getbasetemp().parent / "real-registry-cache" if os.environ.get("PYTEST_XDIST_WORKER") \
-            else base / "cache"
+        cache = base / "cache"
         report = build([SPECS / f"{REAL_FAMILY}.yaml"], ["sm_90a"], base / "generated", cache, jobs=2,
                        toolchains=toolchains, cute_toolchain=cute, registry_dir=base / "registry",
                        tuning_dir=base / "no-tuning", tuning_environ={}, backends=backends)

@@ -261,16 +261,16 @@ def test_an_arch_the_spec_does_not_target_builds_no_score_library(tmp_path: Path
 
 def test_build_publishes_every_op_with_its_sha256(tmp_path_factory, toolchain) -> None:
     """``build()`` from Python, as ``kvgen build`` runs it: codec and compact (nvcc), score (CuTe
-    DSL), pack (a Triton module) and select (Triton, AOT) each name their artifact in the manifest,
+    DSL), pack and select (Triton, AOT) each name their artifact in the manifest,
     with its sha256, and the runtime loads each from the path ``Resolved.artifact`` verifies."""
     registry = real_registry(tmp_path_factory)
     path = manifest_path(registry, "sm_90a")
     entry = read_manifest(path).family(PROBE_FAMILY)
     assert {op.op: op.artifact for op in entry.ops} == {
         "codec": "libkvgen_qwen3_8b.so", "compact": "libkvgen_qwen3_8b.so", "score": "libkvgen_qwen3_8b_score.so",
-        "pack": "kvgen_qwen3_8b_pack.py", "select": "libkvgen_qwen3_8b_select.so"}
+        "pack": "libkvgen_qwen3_8b_pack.so", "select": "libkvgen_qwen3_8b_select.so"}
     assert {a.file: a.backend for a in entry.artifacts} == {
-        "libkvgen_qwen3_8b.so": "nvcc", "libkvgen_qwen3_8b_score.so": "cute", "kvgen_qwen3_8b_pack.py": "triton",
+        "libkvgen_qwen3_8b.so": "nvcc", "libkvgen_qwen3_8b_score.so": "cute", "libkvgen_qwen3_8b_pack.so": "triton-aot",
         "libkvgen_qwen3_8b_select.so": "triton-aot"}
     for artifact in entry.artifacts:
         assert file_sha256(path.parent / artifact.file) == artifact.sha256 and len(artifact.cache_key) == 64
@@ -279,7 +279,7 @@ def test_build_publishes_every_op_with_its_sha256(tmp_path_factory, toolchain) -
     spec = ALL_SPECS[PROBE_FAMILY]
     ScoreLibrary(resolved.artifact("score"), family=PROBE_FAMILY).check_geometry(tri_geometry(spec), spec.dtype)
     packer = MovePacker(resolved.artifact("pack"), PROBE_FAMILY)
-    assert (packer.num_layers, packer.kv_heads) == (spec.layers, spec.kv_heads)
+    assert (packer.num_layers, packer.kv_heads) == (spec.layers, spec.kv_heads) and packer.aot
     selection = Selector(resolved.artifact("select"), PROBE_FAMILY)
     g = tri_geometry(spec)
     selection.check_geometry(g.num_layers, g.kv_heads, g.group, g.scored_layers)

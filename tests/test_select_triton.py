@@ -283,7 +283,6 @@ def test_kernels_compile_for_gpu_targets() -> None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    options = {"enable_fp_fusion": False}
     selector = kernels.TritonSelector(36, 8, 4, range(36), rows=2, block_w=128, block=1024, radix_bits=4)
     specs = {spec.name: spec for spec in kernels.aot_specializations(selector)}
     assert list(specs) == ["statistics", "aggregate_union", "aggregate_per_head", "aggregate_per_layer_perhead",
@@ -291,8 +290,8 @@ def test_kernels_compile_for_gpu_targets() -> None:
 
     def compiled(name: str, target: GPUTarget):  # noqa: ANN202
         spec = specs[name]
-        signature = {**spec.signature, **{constant: "constexpr" for constant in spec.constants}}
-        return triton.compile(ASTSource(spec.kernel, signature, spec.constants), target, options)
+        assert spec.options["enable_fp_fusion"] is False
+        return triton.compile(ASTSource(spec.kernel, spec.triton_signature(), spec.constants), target, spec.options)
 
     for arch in (90, 100):
         target = GPUTarget("cuda", arch, 32)

@@ -195,12 +195,12 @@ def test_every_listed_artifact_ships_and_nothing_else(tmp_path: Path) -> None:
     (registry / "sm_90a" / "libkvgen_fam_score.json").write_text("{}")    # a format-1 sidecar
     names = [n for n in _names(build_wheel(registry, ["sm_90a"], tmp_path / "dist")) if "/registry/" in n]
     prefix = "kvgen_kernels_sm90/registry/sm_90a/"
-    assert names == [prefix + n for n in ("kvgen_fam_pack.py", "kvgen_other_pack.py", "libkvgen_fam.so",
-                                          "libkvgen_fam_score.so", "libkvgen_other.so", "libkvgen_other_score.so",
+    assert names == [prefix + n for n in ("libkvgen_fam.so", "libkvgen_fam_pack.so", "libkvgen_fam_score.so",
+                                          "libkvgen_other.so", "libkvgen_other_pack.so", "libkvgen_other_score.so",
                                           "manifest.json")]
 
 
-@pytest.mark.parametrize("name", ["libkvgen_fam_score.so", "kvgen_fam_pack.py"])
+@pytest.mark.parametrize("name", ["libkvgen_fam_score.so", "libkvgen_fam_pack.so"])
 def test_tampered_score_library_or_packer_is_refused(tmp_path: Path, name: str) -> None:
     registry = fake_registry(tmp_path / "reg", "sm_90a", ["fam"], ops=("codec", "score", "pack"))
     (registry / "sm_90a" / name).write_bytes(b"tampered")
@@ -222,7 +222,7 @@ def test_wheel_of_a_built_registry_carries_the_score_library_and_the_packer(
     if "score" not in served:
         pytest.skip("no CuTe DSL here: the registry has no score library")
     assert served == {"codec": "libkvgen_qwen3_8b.so", "compact": "libkvgen_qwen3_8b.so",
-                      "score": "libkvgen_qwen3_8b_score.so", "pack": "kvgen_qwen3_8b_pack.py",
+                      "score": "libkvgen_qwen3_8b_score.so", "pack": "libkvgen_qwen3_8b_pack.so",
                       "select": "libkvgen_qwen3_8b_select.so"}
     with zipfile.ZipFile(wheel) as zf:
         shipped = {n[len(prefix):] for n in zf.namelist() if n.startswith(prefix)}
@@ -331,11 +331,11 @@ def test_verify_installed_checks_record_manifests_and_provenance(tmp_path: Path)
     assert (check.name, check.version, check.problems, check.manifests) == ("kvgen-kernels-sm90", __version__, [], 1)
     assert check.files >= 4 and check.notes == [f"kvgen-kernels-sm90: packed with --allow-dirty: fam sm_90a: "
                                                 f"{specs / 'fam.yaml'} modified"]
-    packer = target / "kvgen_kernels_sm90" / "registry" / "sm_90a" / "kvgen_fam_pack.py"
+    packer = target / "kvgen_kernels_sm90" / "registry" / "sm_90a" / "libkvgen_fam_pack.so"
     packer.write_text("tampered")
     (check,) = verify_installed([str(target)])
-    assert any("kvgen_fam_pack.py: sha256 differs from RECORD" in p for p in check.problems)
-    assert any("kvgen_fam_pack.py: sha256 mismatch" in p for p in check.problems)
+    assert any("libkvgen_fam_pack.so: sha256 differs from RECORD" in p for p in check.problems)
+    assert any("libkvgen_fam_pack.so: sha256 mismatch" in p for p in check.problems)
     assert verify_installed([str(tmp_path / "nothing")]) == []
 
 

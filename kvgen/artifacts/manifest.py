@@ -2,8 +2,8 @@
 
 One entry per family. It records the decision (ops, their params and plan keys, the layout) and
 each artifact the family ships: the nvcc library (``codec``, ``compact``), the CuTe DSL score
-library (``score``), the Triton module of the packer (``pack``) and the AOT-compiled Triton library
-of normalize/aggregate/select (``select``), each with its sha256. Every op names the artifact file
+library (``score``) and the AOT-compiled Triton libraries of the packer (``pack``) and of
+normalize/aggregate/select (``select``), each with its sha256. Every op names the artifact file
 that serves it. ``read_manifest`` refuses a manifest written by another format
 or kvgen version, a manifest whose arch is not its folder's, an artifact path that leaves the
 manifest's folder (absolute, ``..``, a symlink pointing out) and an artifact whose bytes do not
@@ -46,11 +46,10 @@ class ArtifactEntry:
 
     file: str
     sha256: str
-    backend: str                                  # "nvcc" | "cute" | "triton" | "triton-aot"
+    backend: str                                  # "nvcc" | "cute" | "triton-aot"
     cache_key: str
-    # Versions of what made it, e.g. {"nvcc": "13.0.88"} ({"nvcc", "triton"} for the selection
-    # library); empty for the packer's Triton module, whose source is shipped and compiled by Triton
-    # on the GPU at run time.
+    # Versions of what made it, e.g. {"nvcc": "13.0.88"}; {"nvcc", "triton"} for the Triton AOT
+    # libraries (packer, selection).
     toolchain: Mapping[str, str] = field(default_factory=dict)
 
 

@@ -7,7 +7,7 @@
     kvgen_kernels_sm90/registry/<arch>/manifest.json and every artifact it lists (per family
                                                    lib<symbol>.so; for TriAttention families also
                                                    lib<symbol>_score.so, lib<symbol>_select.so
-                                                   and <symbol>_pack.py)
+                                                   and lib<symbol>_pack.so)
     kvgen_kernels_sm90-<v>.dist-info/              METADATA (Requires-Dist: kvgen==<v>; its body lists
                                                    the specs), WHEEL, entry_points.txt,
                                                    kvgen_provenance.json, RECORD
@@ -28,8 +28,8 @@ RECORD sha256 of every file, every manifest with its artifacts, the kvgen versio
 provenance.
 
 Written with the standard library (zipfile, RECORD with sha256), byte-for-byte reproducible:
-members sorted, fixed timestamps and modes. Data only: the libraries link nothing from torch, and
-the packer's Triton module is read by ``kvgen.runtime.pack``, never imported as part of this package.
+members sorted, fixed timestamps and modes. Data only: the libraries link nothing from torch or
+Triton.
 Platform tag ``manylinux_2_28_x86_64``, raised to the newest glibc symbol version the libraries
 really reference (``manylinux_2_34`` when linked on a glibc >= 2.34 system), so pip never installs
 a wheel whose libraries cannot load.

@@ -5,11 +5,9 @@
 - ``nvcc``: the rendered ``.cu`` sources + the hand-written headers -> ``lib<symbol>.so``;
 - ``cute``: the rendered score module -> CuTe DSL export (a child process per arch) -> linked
   ``lib<symbol>_score.so`` (``kvgen.build.cute_aot``);
-- ``triton-aot`` (the selection): the rendered ``select.py`` -> Triton cubins for the arch -> the C
-  shim -> ``lib<symbol>_select.so`` (``kvgen.build.triton_aot``);
-- ``triton`` (the packer): nothing is compiled at build time. The rendered ``pack.py`` module *is* the
-  artifact: it is cached and published like the others, and Triton JIT-compiles its kernels on
-  the GPU when the runtime first calls it.
+- ``triton-aot`` (selection, packer): the rendered ``select.py`` / ``pack.py`` -> Triton cubins for
+  the arch -> the op's C shim -> ``lib<symbol>_select.so`` / ``lib<symbol>_pack.so``
+  (``kvgen.build.triton_aot``).
 
 A compile failure is a ``failed`` outcome carrying its log, never an exception; a missing nvcc
 for the arch raises ``ToolchainError`` (a configuration error, reported before anything runs).
@@ -18,7 +16,6 @@ for the arch raises ``ToolchainError`` (a configuration error, reported before a
 from __future__ import annotations
 
 import hashlib
-import json
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, replace
@@ -31,7 +28,7 @@ from kvgen.build.cute_aot import CuteCompileError, CuteToolchain, compile_scores
 from kvgen.build.job import BuildJob, BuildOutcome
 from kvgen.build.nvcc import CompileError, Toolchain, cache_key, compile_shared_library, nvcc_flags, toolchain_for
 from kvgen.build.process import kill_all
-from kvgen.build.triton_aot import compile_select
+from kvgen.build.triton_aot import compile_aot
 from kvgen.kernels import KERNELS_DIR
 
 HEADER_SUFFIXES = (".cuh", ".h", ".hpp", ".inl")
@@ -89,9 +86,7 @@ def compile_many(jobs: Sequence[BuildJob], cache_dir: Path, toolchains: Toolchai
         if job.backend == "nvcc":
             return [(index, _compile_nvcc(job, cache_dir, toolchain_for(job.arch, toolchains.nvcc), kernels_dir,
                                           extra_flags))]
-        if job.backend == "triton-aot":
-            return [(index, compile_select(job, cache_dir, toolchain_for(job.arch, toolchains.nvcc)))]
-        return [(index, _compile_triton(job, cache_dir))]
+        return [(index, compile_aot(job, cache_dir, toolchain_for(job.arch, toolchains.nvcc)))]
 
     def scores(indices: list[int]) -> list[tuple[int, BuildOutcome]]:
         if toolchains.cute is None:
@@ -117,7 +112,7 @@ def compile_many(jobs: Sequence[BuildJob], cache_dir: Path, toolchains: Toolchai
 
 
 def _needs_nvcc(job: BuildJob) -> bool:
-    """The nvcc libraries, and the selection library (its shim is compiled by nvcc)."""
+    """The nvcc libraries, and the Triton AOT libraries (their shims are compiled by nvcc)."""
     return job.backend in ("nvcc", "triton-aot")
 
 
@@ -154,10 +149,7 @@ def _nvcc_into(tmp: Path, job: BuildJob, texts: Mapping[str, str], toolchain: To
         raise
     (tmp / "build.log").write_text(result.log, encoding="utf-8")
     return {
-        "artifact": job.artifact,
-        "family": job.family,
-        "arch": job.arch,
-        "backend": job.backend,
+        **job.entry_meta(),
         "toolchain": toolchain.identity(),
         "flags": nvcc_flags(job.arch, extra_flags),
         "sources_sha256": {rel: hashlib.sha256(t.encode()).hexdigest() for rel, t in sorted(texts.items())},
@@ -188,30 +180,3 @@ def _compile_nvcc(job: BuildJob, cache_dir: Path, toolchain: Toolchain, kernels_
     return BuildOutcome(job.family, job.arch, job.backend, "hit" if hit else "built", time.perf_counter() - start,
                         entry / meta["artifact"], key, sha256=meta["artifact_sha256"],
                         toolchain={"nvcc": meta["toolchain"]["version"]})
-
-
-# ---------------------------------------------------------------- triton
-
-
-def _triton_key(job: BuildJob) -> str:
-    payload = {"sources": {rel: hashlib.sha256(t.encode()).hexdigest() for rel, t in sorted(job.rendered.items())},
-               "backend": job.backend, "schema": CACHE_SCHEMA_VERSION}
-    return hashlib.sha256(json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
-
-
-def _compile_triton(job: BuildJob, cache_dir: Path) -> BuildOutcome:
-    """The rendered packer module as the artifact (Triton compiles its kernels on the GPU at run
-    time, so the build only caches and publishes the text)."""
-    (text,) = job.rendered.values()
-    key = _triton_key(job)
-    entry = entry_dir(cache_dir, __version__, job.arch, f"{job.family}-{job.ops[0]}", key)
-    start = time.perf_counter()
-
-    def write(tmp: Path) -> dict[str, Any]:
-        (tmp / job.artifact).write_text(text, encoding="utf-8")
-        return {"artifact": job.artifact, "family": job.family, "arch": job.arch, "backend": job.backend,
-                "kvgen_version": __version__}
-
-    meta, hit = get_or_build(entry, key, write)
-    return BuildOutcome(job.family, job.arch, job.backend, "hit" if hit else "built", time.perf_counter() - start,
-                        entry / meta["artifact"], key, sha256=meta["artifact_sha256"])

@@ -205,10 +205,7 @@ def _link_into(tmp: Path, pending: _Pending, staged: Path, toolchain: CuteToolch
     (tmp / "link.log").write_text(log, encoding="utf-8")
     (plan,) = job.plans
     return {
-        "artifact": job.artifact,
-        "family": job.family,
-        "arch": job.arch,
-        "backend": job.backend,
+        **job.entry_meta(),
         "plan_key": plan.key(),
         "params": dict(plan.params),
         "toolchain": toolchain.identity(),

@@ -4,9 +4,9 @@ its ``BuildOutcome``. ``kvgen build`` and the tuner both make jobs here and comp
 
 A family's plans split by backend: ``codec`` and ``compact`` compile together into the nvcc
 library ``lib<symbol>.so``; ``score`` is the CuTe DSL library ``lib<symbol>_score.so``; ``pack``
-is the Triton module ``<symbol>_pack.py`` (compiled by Triton on the GPU at run time); ``select``
-the Triton kernels compiled ahead of time into ``lib<symbol>_select.so``. The artifact names are
-decided here and recorded in the manifest: nothing downstream derives them.
+and ``select`` are Triton kernels compiled ahead of time into ``lib<symbol>_pack.so`` and
+``lib<symbol>_select.so``. The artifact names are decided here and recorded in the manifest:
+nothing downstream derives them.
 """
 
 from __future__ import annotations
@@ -20,15 +20,13 @@ from kvgen.lower.plan import KernelPlan, Op, plans_for
 from kvgen.render.source import TEMPLATES_DIR, output_name, render
 from kvgen.spec.schema import FamilySpec, load_spec
 
-# "triton": a Triton module shipped as source (JIT on the GPU); "triton-aot": Triton kernels
-# compiled at build time behind a C shim (kvgen.build.triton_aot).
-Backend = Literal["nvcc", "cute", "triton", "triton-aot"]
-BACKENDS: tuple[Backend, ...] = ("nvcc", "cute", "triton", "triton-aot")
-OP_BACKEND: dict[Op, Backend] = {"codec": "nvcc", "compact": "nvcc", "score": "cute", "pack": "triton",
+# "triton-aot": Triton kernels compiled at build time behind a C shim (kvgen.build.triton_aot).
+Backend = Literal["nvcc", "cute", "triton-aot"]
+BACKENDS: tuple[Backend, ...] = ("nvcc", "cute", "triton-aot")
+OP_BACKEND: dict[Op, Backend] = {"codec": "nvcc", "compact": "nvcc", "score": "cute", "pack": "triton-aot",
                                  "select": "triton-aot"}
-# Keyed by op: ops of one backend with the same suffix share one artifact (codec + compact); the
-# packer module and the selection library are one file each.
-ARTIFACT_SUFFIX: dict[Op, str] = {"codec": ".so", "compact": ".so", "score": "_score.so", "pack": "_pack.py",
+# Keyed by op: ops of one backend with the same suffix share one artifact (codec + compact).
+ARTIFACT_SUFFIX: dict[Op, str] = {"codec": ".so", "compact": ".so", "score": "_score.so", "pack": "_pack.so",
                                   "select": "_select.so"}
 Status = Literal["hit", "built", "failed", "skipped"]
 
@@ -70,11 +68,14 @@ class BuildJob:
     def ops(self) -> tuple[Op, ...]:
         return tuple(plan.op for plan in self.plans)
 
+    def entry_meta(self) -> dict[str, str]:
+        """What every cache entry's metadata says of its job (the backend adds its own facts)."""
+        return {"artifact": self.artifact, "family": self.family, "arch": self.arch, "backend": self.backend}
+
     @property
     def artifact(self) -> str:
         """The artifact's file name, in the cache entry and in ``<registry>/<arch>/``."""
-        suffix = ARTIFACT_SUFFIX[self.plans[0].op]
-        return ("lib" if suffix.endswith(".so") else "") + self.symbol + suffix
+        return f"lib{self.symbol}{ARTIFACT_SUFFIX[self.plans[0].op]}"
 
 
 @dataclass(frozen=True)

@@ -233,10 +233,11 @@ def gencode(arch: str) -> str:
     return f"arch=compute_{arch[len('sm_'):]},code={arch}"
 
 
-def nvcc_flags(arch: str, extra_flags: Sequence[str] = ()) -> list[str]:
-    """The flags that shape the artifact (they are part of the cache key; paths are not)."""
+def nvcc_flags(arch: str, extra_flags: Sequence[str] = (), cudart: str = "static") -> list[str]:
+    """The flags that shape the artifact (they are part of the cache key; paths are not).
+    ``cudart="none"``: a library that opens the driver itself (the Triton AOT shims)."""
     return ["-shared", "-Xcompiler", "-fPIC", "-O3", "-std=c++17", "-gencode", gencode(arch),
-            "--fmad=false", "-cudart", "static", "-lineinfo", *extra_flags]
+            "--fmad=false", "-cudart", cudart, "-lineinfo", *extra_flags]
 
 
 _ENTRY = re.compile(r"Compiling entry function '([^']+)' for")
@@ -282,7 +283,7 @@ def _ptx(sources: Sequence[Path], arch: str, includes: list[str], out_dir: Path,
 
 def compile_shared_library(sources: Sequence[Path], arch: str, include_dirs: Sequence[Path], out: Path,
                            toolchain: Toolchain, extra_flags: Sequence[str] = (), *, ptx: bool = False,
-                           timeout: float = 600, cwd: Path | None = None) -> CompileResult:
+                           timeout: float = 600, cwd: Path | None = None, cudart: str = "static") -> CompileResult:
     """One shared library (C ABI, static cudart, SASS for ``arch`` only) from ``sources``.
 
     Relative paths are taken from ``cwd``: compiling ``src/x.cu`` there keeps the compiler log
@@ -290,7 +291,7 @@ def compile_shared_library(sources: Sequence[Path], arch: str, include_dirs: Seq
     """
     includes = [f"-I{d}" for d in include_dirs]
     ccbin = ["-ccbin", toolchain.host_cc] if toolchain.host_cc else []
-    cmd = [toolchain.nvcc, *nvcc_flags(arch, extra_flags), *ccbin, "-Xptxas", "-v", *includes,
+    cmd = [toolchain.nvcc, *nvcc_flags(arch, extra_flags, cudart), *ccbin, "-Xptxas", "-v", *includes,
            *map(str, sources), "-o", str(out)]
     start = time.perf_counter()
     try:

@@ -1,16 +1,18 @@
-"""The Triton AOT backend: a family's rendered ``select.py`` -> Triton cubins for the arch ->
-fatbinaries -> the C shim -> ``lib<symbol>_select.so`` (``kvgen/kernels/include/kvgen_select.h``).
+"""The Triton AOT backend: a family's rendered ``select.py`` or ``pack.py`` -> Triton cubins for
+the arch -> fatbinaries -> the op's C shim -> ``lib<symbol>_select.so`` / ``lib<symbol>_pack.so``
+(``kvgen/kernels/include/kvgen_select.h``, ``kvgen_pack.h``).
 
-Flow per select ``BuildJob`` (the rendered ``templates/select.py.j2``: the family's constants bound
-to ``kvgen.kernels.triton.select.TritonSelector``):
+Flow per ``BuildJob`` of either op (the rendered template: the family's constants bound to the
+kernel module's ``TritonSelector`` / ``TritonPacker``; ``RECIPES`` names the files of each op):
 1. a child process (``python -m kvgen.build.triton_aot``: Triton is imported only there) executes
-   the rendered module and compiles ``aot_specializations(module.SELECTOR)``, exactly the kernels
-   and constants its JIT launches would compile, for each Triton target of the arch (one; three
-   for ``sm_100f``: 10.0, 10.3 and 10.7), line info off, Triton's own cache under the build cache;
-2. ``fatbinary`` bundles each kernel's cubins; ``select_family.h`` carries them as byte arrays with
-   the family's constants (data, no logic);
-3. nvcc compiles the hand-written shim ``kvgen/kernels/triton/select_abi.cu`` (host code only,
-   static cudart) with it into the library, which needs only the CUDA driver where it runs;
+   the rendered module and compiles the kernel module's ``aot_specializations`` of its host
+   object, exactly the kernels and constants its JIT launches would compile, for each Triton
+   target of the arch (one; three for ``sm_100f``: 10.0, 10.3 and 10.7), line info off, Triton's
+   own cache under the build cache;
+2. ``fatbinary`` bundles each kernel's cubins; ``aot_family.h`` carries them as byte arrays with
+   the family's constants (``aot_header_constants``: data, no logic);
+3. nvcc compiles the hand-written shim (host code only, no cudart: ``aot_launch.h`` opens the
+   driver, loads and launches the images) with it into the library, which needs only the driver;
 4. cached like every kvgen artifact under a key over the rendered module, the kernel, host and
    shim sources, Triton's version, the nvcc toolchain and the arch.
 
@@ -21,17 +23,18 @@ build with its name: the shim launches with neither.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from kvgen import __version__
+from kvgen import __version__, paths
 from kvgen.arch import ARCHS, parse_arch
 from kvgen.build.cache import CACHE_SCHEMA_VERSION, entry_dir, failed_dir, get_or_build
 from kvgen.build.job import BuildJob, BuildOutcome
@@ -40,17 +43,38 @@ from kvgen.build.process import run_in_group
 from kvgen.kernels import INCLUDE_DIR, KERNELS_DIR
 
 TRITON_DIR = KERNELS_DIR / "triton"
-SOURCES = (TRITON_DIR / "select.py", KERNELS_DIR / "selection.py", TRITON_DIR / "select_abi.cu",
-           INCLUDE_DIR / "kvgen_select.h")
-SHIM = "select_abi.cu"
-RECIPE_VERSION = 1                    # bump when the compile or link recipe below changes
-MAX_SHARED_BYTES = 48 * 1024          # the shim sets no opt-in attribute
+SHARED_SOURCES = (TRITON_DIR / "aot.py", TRITON_DIR / "aot_launch.h")
+RECIPE_VERSION = 2                    # bump when the compile or link recipe below changes
+MAX_SHARED_BYTES = 48 * 1024          # the shims set no opt-in attribute
 CHILD_TIMEOUT = 900.0
-# The shim's kImages order (select_abi.cu's enum Kernel).
-KERNEL_ORDER = ("statistics", "aggregate_union", "aggregate_per_head", "aggregate_per_layer_perhead", "select")
-EXPORTED = ("kvgen_select_abi_version", "kvgen_select_family_name", "kvgen_select_arch", "kvgen_select_last_error",
-            "kvgen_select_query_geometry", "kvgen_select_scored_layers", "kvgen_select_statistics",
-            "kvgen_select_aggregate", "kvgen_select_keep")
+FAMILY_HEADER = "aot_family.h"
+CUDART = "none"                       # the shims open the driver themselves (aot_launch.h)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """The files of one op: its Triton kernel module, the host object the rendered module binds,
+    the host side, the C shim and its public header; ``kernel_order`` is the shim's kImages order."""
+
+    kernel_module: str
+    host_attr: str
+    host_source: str
+    shim: str
+    header: str
+    kernel_order: tuple[str, ...]
+
+    def sources(self) -> tuple[Path, ...]:
+        module = TRITON_DIR / (self.kernel_module.rsplit(".", 1)[-1] + ".py")
+        return (module, KERNELS_DIR / self.host_source, TRITON_DIR / self.shim, INCLUDE_DIR / self.header,
+                *SHARED_SOURCES)
+
+
+RECIPES: dict[str, Recipe] = {
+    "select": Recipe("kvgen.kernels.triton.select", "SELECTOR", "selection.py", "select_abi.cpp", "kvgen_select.h",
+                     ("statistics", "aggregate_union", "aggregate_per_head", "aggregate_per_layer_perhead", "select")),
+    "pack": Recipe("kvgen.kernels.triton.pack", "PACKER", "packing.py", "pack_abi.cpp", "kvgen_pack.h",
+                   ("offsets", "moves")),
+}
 
 
 class TritonAotError(RuntimeError):
@@ -74,13 +98,14 @@ def triton_version() -> str:
                              "(install kvgen's [triton] extra)") from None
 
 
-def cache_key(rendered: str, arch: str, toolchain: Toolchain) -> str:
+def cache_key(op: str, rendered: str, arch: str, toolchain: Toolchain) -> str:
     payload = {
+        "op": op,
         "module": hashlib.sha256(rendered.encode()).hexdigest(),
-        "sources": {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in SOURCES},
+        "sources": {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in RECIPES[op].sources()},
         "triton": triton_version(),
         "toolchain": toolchain.identity(),
-        "flags": nvcc_flags(arch),
+        "flags": nvcc_flags(arch, cudart=CUDART),
         "arch": arch,
         "recipe": RECIPE_VERSION,
         "schema": CACHE_SCHEMA_VERSION,
@@ -88,16 +113,17 @@ def cache_key(rendered: str, arch: str, toolchain: Toolchain) -> str:
     return hashlib.sha256(json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
-def compile_select(job: BuildJob, cache_dir: Path, toolchain: Toolchain) -> BuildOutcome:
-    """The job's library in its cache entry (built if its key is not there yet); a failure is a
-    ``failed`` outcome carrying the log."""
+def compile_aot(job: BuildJob, cache_dir: Path, toolchain: Toolchain) -> BuildOutcome:
+    """The job's library (select or pack) in its cache entry (built if its key is not there yet);
+    a failure is a ``failed`` outcome carrying the log."""
     (rendered,) = job.rendered.values()
+    (op,) = job.ops
     start = time.perf_counter()
     try:
-        key = cache_key(rendered, job.arch, toolchain)
+        key = cache_key(op, rendered, job.arch, toolchain)
     except TritonAotError as exc:
         return BuildOutcome(job.family, job.arch, job.backend, "failed", 0.0, None, "", str(exc))
-    entry = entry_dir(cache_dir, __version__, job.arch, f"{job.family}-select", key)
+    entry = entry_dir(cache_dir, __version__, job.arch, f"{job.family}-{op}", key)
     try:
         meta, hit = get_or_build(entry, key, lambda tmp: _build_into(tmp, job, rendered, toolchain, cache_dir))
     except (TritonAotError, CompileError) as exc:
@@ -109,23 +135,23 @@ def compile_select(job: BuildJob, cache_dir: Path, toolchain: Toolchain) -> Buil
 
 
 def _build_into(tmp: Path, job: BuildJob, rendered: str, toolchain: Toolchain, cache_dir: Path) -> dict[str, Any]:
+    (op,) = job.ops
+    recipe = RECIPES[op]
     src = tmp / "src"
     src.mkdir()
-    module = src / "select.py"
+    module = src / f"{op}.py"
     module.write_text(rendered, encoding="utf-8")
-    compiled = _compile_kernels(module, triton_targets(job.arch), src / "cubins", Path(cache_dir) / "triton")
+    compiled = _compile_kernels(op, module, triton_targets(job.arch), src / "cubins", Path(cache_dir) / "triton")
     images = {name: _fatbinary(src / "cubins", name, kernel["cubins"], toolchain)
               for name, kernel in compiled["kernels"].items()}
-    (src / "select_family.h").write_text(family_header(compiled, images, job.arch), encoding="utf-8")
-    (src / SHIM).write_text((TRITON_DIR / SHIM).read_text(encoding="utf-8"), encoding="utf-8")
-    result = compile_shared_library([Path("src") / SHIM], job.arch, [INCLUDE_DIR, Path("src")], Path(job.artifact),
-                                    toolchain, cwd=tmp)
+    (src / FAMILY_HEADER).write_text(family_header(compiled, images, recipe.kernel_order, job.arch), encoding="utf-8")
+    for name in (recipe.shim, "aot_launch.h"):
+        (src / name).write_text((TRITON_DIR / name).read_text(encoding="utf-8"), encoding="utf-8")
+    result = compile_shared_library([Path("src") / recipe.shim], job.arch, [INCLUDE_DIR, Path("src")],
+                                    Path(job.artifact), toolchain, cwd=tmp, cudart=CUDART)
     (tmp / "build.log").write_text(result.log, encoding="utf-8")
     return {
-        "artifact": job.artifact,
-        "family": job.family,
-        "arch": job.arch,
-        "backend": job.backend,
+        **job.entry_meta(),
         "triton": triton_version(),
         "targets": triton_targets(job.arch),
         "kernels": {name: {k: v for k, v in kernel.items() if k != "cubins"}
@@ -136,11 +162,11 @@ def _build_into(tmp: Path, job: BuildJob, rendered: str, toolchain: Toolchain, c
     }
 
 
-def _compile_kernels(module: Path, targets: list[str], out: Path, triton_cache: Path) -> dict[str, Any]:
+def _compile_kernels(op: str, module: Path, targets: list[str], out: Path, triton_cache: Path) -> dict[str, Any]:
     """The child process's ``kernels.json`` (its cubins under ``out``)."""
     out.mkdir(parents=True)
-    env = {**os.environ, "TRITON_DISABLE_LINE_INFO": "1", "TRITON_CACHE_DIR": str(triton_cache)}
-    cmd = [sys.executable, "-m", "kvgen.build.triton_aot", str(module), str(out), *targets]
+    env = paths.child_environ(None, TRITON_DISABLE_LINE_INFO="1", TRITON_CACHE_DIR=str(triton_cache))
+    cmd = [sys.executable, "-m", "kvgen.build.triton_aot", op, str(module), str(out), *targets]
     try:
         proc = run_in_group(cmd, timeout=CHILD_TIMEOUT, env=env)
     except subprocess.TimeoutExpired:
@@ -170,21 +196,22 @@ def _byte_rows(data: bytes, per_row: int = 24) -> str:
                      for i in range(0, len(data), per_row))
 
 
-def family_header(compiled: dict[str, Any], images: dict[str, Path], arch: str) -> str:
-    """``select_family.h``: the family's constants and each kernel's image, for the shim."""
-    c = compiled["constants"]
-    lines = ["// Written by kvgen.build.triton_aot for select_abi.cu: data only, regenerated every build.",
+def _constant(name: str, value: int | list[int]) -> str:
+    if isinstance(value, list):
+        return f"const int32_t {name}[] = {{{', '.join(str(int(v)) for v in value)}}};"
+    return f"constexpr int32_t {name} = {int(value)};"
+
+
+def family_header(compiled: dict[str, Any], images: dict[str, Path], order: tuple[str, ...], arch: str) -> str:
+    """``aot_family.h``: the family's constants and each kernel's image, in the shim's order."""
+    lines = ["// Written by kvgen.build.triton_aot for the op's shim: data only, regenerated every build.",
              "#pragma once",
-             f'#define KVGEN_SELECT_FAMILY "{c["FAMILY"]}"',
-             f'#define KVGEN_SELECT_ARCH "{arch}"',
-             "namespace {"]
-    for name, value in (("kNumLayers", c["NUM_LAYERS"]), ("kKvHeads", c["KV_HEADS"]), ("kGroup", c["GROUP"]),
-                        ("kNumScored", len(c["SCORED_LAYERS"])), ("kRows", c["ROWS"]), ("kBlockW", c["BLOCK_W"]),
-                        ("kBlock", c["BLOCK"]), ("kRadixBits", c["RADIX_BITS"])):
-        lines.append(f"constexpr int32_t {name} = {int(value)};")
-    lines.append(f"const int32_t kScoredLayers[] = {{{', '.join(str(int(x)) for x in c['SCORED_LAYERS'])}}};")
+             f'#define KVGEN_AOT_FAMILY "{compiled["family"]}"',
+             f'#define KVGEN_AOT_ARCH "{arch}"',
+             "namespace {",
+             *(_constant(name, value) for name, value in compiled["constants"].items())]
     entries = []
-    for name in KERNEL_ORDER:
+    for name in order:
         kernel = compiled["kernels"][name]
         lines += [f"// {name}: {kernel['symbol']}, {kernel['constants']}",
                   f"alignas(64) const unsigned char kImage_{name}[] = {{", _byte_rows(images[name].read_bytes()), "};"]
@@ -204,25 +231,24 @@ def _load_module(path: Path) -> Any:
     return module
 
 
-def _child(module_path: Path, out: Path, targets: list[str]) -> None:
+def _child(op: str, module_path: Path, out: Path, targets: list[str]) -> None:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from kvgen.kernels.triton.select import OPTIONS, aot_specializations
-
+    recipe = RECIPES[op]
+    kernels_module = importlib.import_module(recipe.kernel_module)
     module = _load_module(module_path)
+    host = getattr(module, recipe.host_attr)
     start = time.perf_counter()
     kernels: dict[str, Any] = {}
-    for spec in aot_specializations(module.SELECTOR):
-        signature = {**spec.signature, **{name: "constexpr" for name in spec.constants}}
+    for spec in kernels_module.aot_specializations(host):
         entry: dict[str, Any] = {"constants": spec.constants, "cubins": {}}
         for arch in targets:
             major, minor, _ = parse_arch(arch)
             target = GPUTarget("cuda", major * 10 + minor, 32)
-            backend = triton.compiler.make_backend(target)
-            options = backend.parse_options(dict(OPTIONS))
-            compiled = triton.compile(ASTSource(spec.kernel, signature, spec.constants), target=target,
+            options = triton.compiler.make_backend(target).parse_options(dict(spec.options))
+            compiled = triton.compile(ASTSource(spec.kernel, spec.triton_signature(), spec.constants), target=target,
                                       options=options.__dict__)
             md = compiled.metadata
             if getattr(md, "global_scratch_size", 0) or getattr(md, "profile_scratch_size", 0):
@@ -234,12 +260,12 @@ def _child(module_path: Path, out: Path, targets: list[str]) -> None:
             entry["cubins"][arch] = cubin
             entry.update(symbol=md.name, shared=md.shared, num_warps=md.num_warps)
         kernels[spec.name] = entry
-    constants = {name: getattr(module, name) for name in ("FAMILY", "NUM_LAYERS", "KV_HEADS", "GROUP",
-                                                          "SCORED_LAYERS", "ROWS", "BLOCK_W", "BLOCK", "RADIX_BITS")}
-    constants["SCORED_LAYERS"] = list(constants["SCORED_LAYERS"])
-    result = {"kernels": kernels, "constants": constants, "seconds": time.perf_counter() - start}
+    if sorted(kernels) != sorted(recipe.kernel_order):
+        raise SystemExit(f"{op}: compiled {sorted(kernels)}, the shim launches {sorted(recipe.kernel_order)}")
+    result = {"kernels": kernels, "constants": kernels_module.aot_header_constants(host), "family": module.FAMILY,
+              "seconds": time.perf_counter() - start}
     (out / "kernels.json").write_text(json.dumps(result, indent=1), encoding="utf-8")
 
 
 if __name__ == "__main__":
-    _child(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:])
+    _child(sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4:])

@@ -1,13 +1,13 @@
 """Hand-written device code, by language; the generated sources instantiate it.
 
 - ``include/``: the public C ABI headers (``kvgen_codec.h``, ``kvgen_compact.h``, ``kvgen_score.h``,
-  ``kvgen_select.h``) that an engine includes;
+  ``kvgen_select.h``, ``kvgen_pack.h``) that an engine includes;
 - ``cuda/``: the codec and compaction kernels and their host wrappers (``__host__ __device__``
   arithmetic, so the CPU tests run it);
 - ``cute/``: the TriAttention score kernel (CuTe DSL) and its C shim;
-- ``triton/``: the move packer kernels and the selection kernels, with the selection's C shim
-  (``select_abi.cu``) for their ahead-of-time build;
-- ``selection.py``: the selection's host side, shared by its JIT and AOT launchers.
+- ``triton/``: the move packer and selection kernels, with the C shims of their ahead-of-time
+  build (``pack_abi.cpp``, ``select_abi.cpp``, ``aot_launch.h``);
+- ``packing.py``, ``selection.py``: their host sides, shared by the JIT and AOT launchers.
 """
 
 from pathlib import Path

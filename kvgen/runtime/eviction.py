@@ -149,8 +149,9 @@ def _long_rows(rows: Sequence[Sequence[int]], device: torch.device) -> torch.Ten
 
 def generated_backends(family: str, k_pools: Sequence[torch.Tensor], v_pools: Sequence[torch.Tensor],
                        pack_module: str | Path, compact_library: str | Path) -> tuple[Packer, Compactor]:
-    """The family's generated Triton packer (``generated/<family>/pack.py``) and CUDA compactor
-    (its family library) as the manager's ``packer`` and ``compactor``."""
+    """The family's packer (its AOT library ``lib<symbol>_pack.so``, or a checkout's
+    ``generated/<family>/pack.py``) and CUDA compactor (its family library) as the manager's
+    ``packer`` and ``compactor``."""
     from kvgen.runtime.compact import Compactor as CudaCompactor
     from kvgen.runtime.pack import MovePacker
 

@@ -83,6 +83,41 @@ def load_typed(path: Path, signatures: Signatures, missing_hint: str) -> ctypes.
     return lib
 
 
+class TritonAotLibrary:
+    """What the Triton AOT libraries (``lib<symbol>_pack.so``, ``lib<symbol>_select.so``) share:
+    dlopen with typed entry points ``<PREFIX>_<name>``, the ABI and family checks at load, calls
+    that raise the library's last error, and the refusal of tensors off the GPU."""
+
+    PREFIX: str          # "kvgen_pack", "kvgen_select"
+    KIND: str            # "pack", "selection"
+    ABI_VERSION: int
+    SIGNATURES: Signatures
+
+    def _open(self, path: str | Path, family: str | None) -> None:
+        self.path = Path(path)
+        self._lib = load_typed(self.path, self.SIGNATURES, f"not a kvgen {self.KIND} library, or one built by an "
+                               "older kvgen (rebuild it with kvgen build)")
+        abi = self._entry("abi_version")()
+        if abi != self.ABI_VERSION:
+            raise LibraryError(f"{self.path}: {self.KIND} ABI version {abi}, this runtime speaks {self.ABI_VERSION}; "
+                               "rebuild with kvgen build")
+        self.family = self._entry("family_name")().decode()
+        self.arch = self._entry("arch")().decode()
+        if family is not None and family != self.family:
+            raise LibraryError(f"{self.path}: built for family {self.family!r}, not {family!r}")
+
+    def _entry(self, name: str):  # noqa: ANN202 - a ctypes function
+        return getattr(self._lib, f"{self.PREFIX}_{name}")
+
+    def _call(self, name: str, *args: object) -> None:
+        if self._entry(name)(*args) != 0:
+            raise LibraryError(f"{self.path}: {self._entry('last_error')().decode(errors='replace')}")
+
+    def _check_device(self, tensor) -> None:  # noqa: ANN001 - a torch.Tensor (this module imports no torch)
+        if tensor.device.type != "cuda":
+            raise ValueError(f"{self.path.name}: tensors must be on a CUDA device, got {tensor.device}")
+
+
 class FamilyLibrary:
     """A loaded ``lib<kvgen_family>.so``: typed entry points, ABI and family checked at load."""
 

@@ -24,7 +24,7 @@ import torch
 
 from kvgen.kernels.selection import SelectionHost, mode_index
 from kvgen.runtime.generated_module import import_generated_module, load_generated_module
-from kvgen.runtime.library import LibraryError, load_typed
+from kvgen.runtime.library import TritonAotLibrary
 
 ABI_VERSION = 1
 
@@ -69,46 +69,30 @@ def _stream(tensor: torch.Tensor) -> int:
     return torch.cuda.current_stream(tensor.device).cuda_stream
 
 
-class SelectLibrary(SelectionHost):
+class SelectLibrary(TritonAotLibrary, SelectionHost):
     """A loaded ``lib<symbol>_select.so``: ABI and family checked at load, its compile-time
     geometry read from the library itself; launches through the C ABI on torch's current stream."""
 
+    PREFIX, KIND, ABI_VERSION, SIGNATURES = "kvgen_select", "selection", ABI_VERSION, _SIGNATURES
+
     def __init__(self, path: str | Path, family: str | None = None):
-        self.path = Path(path)
-        self._lib = load_typed(self.path, _SIGNATURES, "not a kvgen selection library, or one built by an older "
-                               "kvgen (rebuild it with kvgen build)")
-        abi = self._lib.kvgen_select_abi_version()
-        if abi != ABI_VERSION:
-            raise LibraryError(f"{self.path}: selection ABI version {abi}, this runtime speaks {ABI_VERSION}; "
-                               "rebuild with kvgen build")
-        self.family = self._lib.kvgen_select_family_name().decode()
-        self.arch = self._lib.kvgen_select_arch().decode()
-        if family is not None and family != self.family:
-            raise LibraryError(f"{self.path}: built for family {self.family!r}, not {family!r}")
+        self._open(path, family)
         g = SelectGeometry()
-        self._call("kvgen_select_query_geometry", ctypes.byref(g))
+        self._call("query_geometry", ctypes.byref(g))
         layers = self._lib.kvgen_select_scored_layers()
         super().__init__(g.num_layers, g.kv_heads, g.group, [layers[i] for i in range(g.num_scored)], rows=g.rows,
                          block_w=g.block_w, block=g.block, radix_bits=g.radix_bits)
 
-    def _check_device(self, tensor: torch.Tensor) -> None:
-        if tensor.device.type != "cuda":
-            raise ValueError(f"{self.path.name}: tensors must be on a CUDA device, got {tensor.device}")
-
-    def _call(self, name: str, *args: object) -> None:
-        if getattr(self._lib, name)(*args) != 0:
-            raise LibraryError(f"{self.path}: {self._lib.kvgen_select_last_error().decode(errors='replace')}")
-
     def _launch_statistics(self, scores, width, mean, std, batch, W):  # noqa: ANN001, ANN202
-        self._call("kvgen_select_statistics", scores.data_ptr(), width.data_ptr(), mean.data_ptr(), std.data_ptr(),
+        self._call("statistics", scores.data_ptr(), width.data_ptr(), mean.data_ptr(), std.data_ptr(),
                    batch, W, _stream(scores))
 
     def _launch_aggregate(self, mode, scores, mean, std, width, layers, out, batch, W):  # noqa: ANN001, ANN202
-        self._call("kvgen_select_aggregate", mode_index(mode), scores.data_ptr(), mean.data_ptr(), std.data_ptr(),
+        self._call("aggregate", mode_index(mode), scores.data_ptr(), mean.data_ptr(), std.data_ptr(),
                    width.data_ptr(), layers.data_ptr(), out.data_ptr(), batch, W, _stream(scores))
 
     def _launch_select(self, values, width, P, kept, nan_rows, rows, W, budget):  # noqa: ANN001, ANN202
-        self._call("kvgen_select_keep", values.data_ptr(), width.data_ptr(), P.data_ptr(), kept.data_ptr(),
+        self._call("keep", values.data_ptr(), width.data_ptr(), P.data_ptr(), kept.data_ptr(),
                    nan_rows.data_ptr(), kept.shape[0], rows, W, budget, _stream(values))
 
 

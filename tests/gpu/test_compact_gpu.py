@@ -1,9 +1,8 @@
 """TriAttention compaction and move packing on the GPU, byte-exact against the oracle.
 
 Libraries come from the registry (conftest's REGISTRY/ARCH: build/registry/sm_90a/manifest.json,
-written by `kvgen build --arch sm_90a` and carried to the GPU machine); packers from
-generated/<family>/pack.py (`kvgen build --render-only`). Either missing skips its tests with the
-command that makes it.
+written by `kvgen build --arch sm_90a` and carried to the GPU machine), the packers too (their AOT
+libraries, lib<symbol>_pack.so). Either missing skips its tests with the command that makes it.
 
 What the grid covers, and why:
 - every registry family with compaction: the dtypes and layouts the specs use (bf16 HND, bf16
@@ -31,7 +30,7 @@ from kvgen.kernels import INCLUDE_DIRS
 from kvgen.reference.triattention import MODES, Moves, check_moves, compact_paged, pack_moves
 from kvgen.render.source import TEMPLATES_DIR
 from kvgen.runtime.compact import CompactLibrary, Compactor
-from kvgen.runtime.pack import MovePacker
+from kvgen.runtime.pack import MovePacker, PackLibrary
 from tests.move_cases import Batch, geometry, random_batch, random_page_table
 
 from .conftest import ARCH, REGISTRY
@@ -292,7 +291,7 @@ def test_pack_and_compact_replay_in_a_cuda_graph(family: str) -> None:
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        step()  # warm-up: Triton compiles, the packer caches its window table
+        step()  # warm-up: the packer loads its kernels and caches its window table
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -315,3 +314,27 @@ def test_pack_and_compact_replay_in_a_cuda_graph(family: str) -> None:
         for layer in range(geo.num_layers):
             assert torch.equal(k_pools[layer].view(torch.uint8), k_ref[layer].view(torch.uint8)), f"seed {seed} K"
             assert torch.equal(v_pools[layer].view(torch.uint8), v_ref[layer].view(torch.uint8)), f"seed {seed} V"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_pack_library_stays_inside_its_tensors_whatever_the_offsets(family: str) -> None:
+    """Garbage offsets on the device (counts past capacity, negative, for padding requests): the
+    AOT packer reads kept only for the batch's requests and writes only the capacity slots
+    (compute-sanitizer checks the accesses; here the fill and the untouched guard)."""
+    packer = _packer(family).module
+    assert isinstance(packer, PackLibrary), "the registry ships the AOT packer"
+    budget = max([BUDGET] + [w for w in packer.swa_window if w])
+    batch, max_requests, capacity = 2, 5, 64
+    kept = torch.zeros((batch, packer.num_decision_rows("union"), budget), dtype=torch.int64, device=DEVICE)
+    P = torch.tensor([3, 9], dtype=torch.int64, device=DEVICE)
+    S = P + budget
+    offsets = torch.tensor([0, 10**6, -5, 3, 10**7, 2**31 - 1], dtype=torch.int32, device=DEVICE)
+    shape = (packer.num_layers, packer.kv_heads, capacity)
+    n = packer.num_layers * packer.kv_heads * capacity
+    buffers = [torch.full((n + 256,), 7, dtype=torch.int32, device=DEVICE) for _ in range(2)]
+    src, dst = (buffer[:n].view(shape) for buffer in buffers)      # 256 guard words after each
+    packer._launch_moves(kept, P, S, packer.layer_windows(DEVICE), offsets, src, dst, "union", batch,
+                         max_requests, budget, capacity)
+    torch.cuda.synchronize()
+    assert all(bool((buffer[n:] == 7).all()) for buffer in buffers)
+    assert bool(((src >= -1) & (src < int(S.max()) + capacity)).all())

@@ -2,8 +2,8 @@
 //
 // The library holds the family's normalize, aggregate and select kernels (TRIATTENTION.md §4-§5),
 // the Triton kernels of kvgen/kernels/triton/select.py compiled ahead of time for the arch (the
-// images embedded), and cudart, linked statically: loading it needs the CUDA driver only, no
-// Triton, no Python. The three calls after the scorer, in order:
+// images embedded); it opens the CUDA driver (libcuda.so.1, CUDA 12.0 or newer) itself and links
+// no CUDA library: no Triton, no Python, no cudart. The three calls after the scorer, in order:
 //
 //   kvgen_select_statistics: scores [scored, B, Hq, W] -> mean, std [scored, B, Hq] (zscore's)
 //   kvgen_select_aggregate:  scores, mean, std -> decision values [B, R, W] (R: per mode)
@@ -27,7 +27,7 @@ extern "C" {
 
 #define KVGEN_SELECT_ABI_VERSION 1
 
-// Error codes (besides cudaError_t values, returned as is).
+// Error codes (besides CUresult values of a failed launch, returned as is).
 #define KVGEN_SELECT_EINVAL (-1)   // an argument is out of range; the message names it
 #define KVGEN_SELECT_ELOAD (-2)    // the embedded kernels could not be loaded on this device
 

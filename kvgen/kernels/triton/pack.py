@@ -10,24 +10,24 @@ layer keeps its latest window: slots ``m < budget - W`` are fill, later ones ``s
 Everything runs in two Triton kernels (plain pointer arithmetic: Triton 3.6 and newer). With
 ``capacity`` given, nothing is read back to the host, so a call can be captured in a CUDA graph;
 without it, ``N`` is read from ``offsets[-1]`` (one synchronization), as the oracle sizes it.
-The kernels trust their inputs (the oracle validates ``kept``); only host-side facts (shapes,
-mode, budget against the windows) are checked here.
+The kernels take ``kept`` as the oracle validated it; whatever the offsets on the device say,
+they read only the ``batch`` requests' rows and write only inside the ``capacity`` slots. The
+host side (``kvgen.kernels.packing.PackHost``) checks shapes, mode and budget.
 
-Generated ``generated/<family>/pack.py`` modules hold only the family's constants and bind a
-``TritonPacker`` to them; the kernels live here, once.
+Two ways to run them, same kernels, same constants (``PackHost.*_constants``):
+- ``TritonPacker``: Triton JIT-compiles on the first call (a checkout's generated
+  ``generated/<family>/pack.py`` binds one to the family's constants);
+- ahead of time: ``aot_specializations`` lists both kernels, and ``kvgen.build.triton_aot``
+  compiles them into ``lib<symbol>_pack.so`` (``kvgen/kernels/include/kvgen_pack.h``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
-import torch
 import triton
 import triton.language as tl
 
-MOVE_FILL = -1
-MODES = ("union", "per_head", "per_layer_perhead")
-_OFFSETS_BLOCK = 1024  # requests per step of the cumulative sum
+from kvgen.kernels.packing import MODES, MOVE_FILL, PackHost  # noqa: F401 - part of this module's API
+from kvgen.kernels.triton.aot import Specialization
 
 
 @triton.jit
@@ -49,7 +49,7 @@ def _offsets_kernel(tail_ptr, due_ptr, offsets_ptr, batch, max_requests, budget,
 
 @triton.jit
 def _moves_kernel(kept_ptr, P_ptr, S_ptr, window_ptr, offsets_ptr, src_ptr, dst_ptr,
-                  max_requests, budget, num_rows, row_layer_stride, row_head_stride, capacity,
+                  batch, max_requests, budget, num_rows, row_layer_stride, row_head_stride, capacity,
                   KV_HEADS: tl.constexpr, HEADS: tl.constexpr, BLOCK: tl.constexpr):
     """Program (request, layer) writes the request's slots of every KV head of the layer.
     Program request == max_requests writes the fill after the last request, up to capacity.
@@ -57,11 +57,12 @@ def _moves_kernel(kept_ptr, P_ptr, S_ptr, window_ptr, offsets_ptr, src_ptr, dst_
     request = tl.program_id(0)
     layer = tl.program_id(1)
     is_request = request < max_requests
-    # Clamped to the row: a too-small capacity drops moves instead of writing out of bounds.
-    begin = tl.minimum(tl.load(offsets_ptr + request), capacity)
+    # Clamped to the row, [0, capacity]: a too-small capacity drops moves, and offsets that are not
+    # the offsets kernel's (negative, decreasing) write nothing outside the row either.
+    begin = tl.minimum(tl.maximum(tl.load(offsets_ptr + request), 0), capacity)
     end = tl.minimum(tl.load(offsets_ptr + request + 1, mask=is_request, other=capacity), capacity)
     count = end - begin
-    has_moves = is_request & (count > 0)  # only due requests (r < batch) own slots
+    has_moves = (request < batch) & (count > 0)  # only due requests own slots; padding never reads kept
     p = tl.load(P_ptr + request, mask=has_moves, other=0).to(tl.int64)
     s = tl.load(S_ptr + request, mask=has_moves, other=0).to(tl.int64)
     window = tl.load(window_ptr + layer)   # 0: scored layer
@@ -89,83 +90,41 @@ def _moves_kernel(kept_ptr, P_ptr, S_ptr, window_ptr, offsets_ptr, src_ptr, dst_
         tl.store(dst_ptr + out + m, dst.to(tl.int32), mask=live)
 
 
-def _as_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.as_tensor(values, dtype=dtype, device=device).reshape(-1).contiguous()
+# ----------------------------------------------------------------------------------------------
+# Launching: JIT, or the specializations the AOT build compiles
+# ----------------------------------------------------------------------------------------------
+
+SIGNATURES: dict[str, dict[str, str]] = {
+    "offsets": {"tail_ptr": "*i64", "due_ptr": "*i8", "offsets_ptr": "*i32", "batch": "i32", "max_requests": "i32",
+                "budget": "i32"},
+    "moves": {"kept_ptr": "*i64", "P_ptr": "*i64", "S_ptr": "*i64", "window_ptr": "*i32", "offsets_ptr": "*i32",
+              "src_ptr": "*i32", "dst_ptr": "*i32", "batch": "i32", "max_requests": "i32", "budget": "i32",
+              "num_rows": "i32", "row_layer_stride": "i32", "row_head_stride": "i32", "capacity": "i32"},
+}
+OPTIONS = {"num_warps": 4, "num_stages": 3}   # Triton's defaults, stated so both paths compile alike
 
 
-class TritonPacker:
-    """The packer of one family: its layer count, KV heads, per-layer windows and launch block."""
+def aot_specializations(host: PackHost) -> list[Specialization]:
+    """Both kernels a family's packer launches, with exactly the constants of its JIT launches."""
+    return [Specialization("offsets", _offsets_kernel, SIGNATURES["offsets"], host.offsets_constants(), OPTIONS),
+            Specialization("moves", _moves_kernel, SIGNATURES["moves"], host.moves_constants(), OPTIONS)]
 
-    def __init__(self, num_layers: int, kv_heads: int, swa_window: Sequence[int | None], block: int):
-        self.num_layers = num_layers
-        self.kv_heads = kv_heads
-        self.swa_window = tuple(swa_window)
-        self.block = block
-        self._windows: dict[torch.device, torch.Tensor] = {}
 
-    def layer_windows(self, device: torch.device) -> torch.Tensor:
-        """int32 ``[num_layers]``, the window of each layer (0 when scored). Copied to the device on
-        first use and kept: call ``pack_moves`` once before capturing it in a graph."""
-        device = torch.device(device)
-        if device not in self._windows:
-            windows = [w or 0 for w in self.swa_window]
-            self._windows[device] = torch.tensor(windows, dtype=torch.int32, device=device)
-        return self._windows[device]
+def aot_header_constants(host: PackHost) -> dict[str, int | list[int]]:
+    """The family's constants ``pack_abi.cpp`` reads (its names)."""
+    return {"kNumLayers": host.num_layers, "kKvHeads": host.kv_heads, "kBlock": host.block,
+            "kLayerWindows": [w or 0 for w in host.swa_window]}
 
-    def decision_row_strides(self, mode: str) -> tuple[int, int]:
-        """``(a, b)``: (layer, head) reads decision row ``layer * a + head * b`` (oracle ``decision_rows``)."""
-        if mode == "union":
-            return 0, 0
-        if mode == "per_head":
-            return 0, 1
-        if mode == "per_layer_perhead":
-            return self.kv_heads, 1
-        raise ValueError(f"eviction_mode {mode!r}; accepted: {', '.join(MODES)}")
 
-    def num_decision_rows(self, mode: str) -> int:
+class TritonPacker(PackHost):
+    """``PackHost`` launching the kernels through Triton's JIT (compiled on the first call)."""
+
+    def _launch_offsets(self, tail, due, offsets, batch, max_requests, budget):  # noqa: ANN001, ANN202
+        _offsets_kernel[(1,)](tail, due, offsets, batch, max_requests, budget, **self.offsets_constants(), **OPTIONS)
+
+    def _launch_moves(self, kept, P, S, windows, offsets, src, dst, mode, batch, max_requests,  # noqa: ANN001, ANN202
+                      budget, capacity):
         layer_stride, head_stride = self.decision_row_strides(mode)
-        return 1 + (self.num_layers - 1) * layer_stride + (self.kv_heads - 1) * head_stride
-
-    def _check(self, kept: torch.Tensor, budget: int, mode: str, batch: int, max_requests: int) -> None:
-        expected = (batch, self.num_decision_rows(mode), budget)
-        if tuple(kept.shape) != expected:
-            raise ValueError(f"kept has shape {list(kept.shape)}, expected {list(expected)} for mode {mode!r}")
-        if max_requests < batch:
-            raise ValueError(f"max_requests {max_requests} < batch {batch}")
-        for layer, window in enumerate(self.swa_window):
-            if window is not None and budget < window:
-                raise ValueError(f"layer {layer}: budget {budget} < sliding window {window}; "
-                                 f"SWA layers keep their whole window, so budget >= W is required")
-
-    def pack_moves(self, kept: torch.Tensor, P, S, tail, active, budget: int, mode: str,
-                   max_requests: int | None = None, capacity: int | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Moves of every due (``active``) request at cumulative offsets: ``(src, dst, offsets)``.
-
-        ``kept`` ``[B, R, budget]`` (int64 or int32) from ``select_keep``; ``P``, ``S``, ``tail`` ``[B]``;
-        ``active`` bool ``[B]``. Requests ``B .. max_requests-1`` are padding. ``capacity``: the
-        length ``N`` of the move rows to allocate, at least the total number of moves (e.g.
-        ``max_requests * (budget + max tail)``); slots past the last move hold -1. ``None``: exactly
-        the total, read back from the device."""
-        batch = kept.shape[0]
-        max_requests = batch if max_requests is None else max_requests
-        self._check(kept, budget, mode, batch, max_requests)
-        device = kept.device
-        kept = kept.contiguous()
-        P = _as_device(P, torch.int64, device)
-        S = _as_device(S, torch.int64, device)
-        tail = _as_device(tail, torch.int64, device)
-        due = _as_device(active, torch.bool, device).view(torch.int8)
-        offsets = torch.empty(max_requests + 1, dtype=torch.int32, device=device)
-        _offsets_kernel[(1,)](tail, due, offsets, batch, max_requests, budget, BLOCK_R=_OFFSETS_BLOCK)
-        if capacity is None:
-            capacity = int(offsets[-1])  # the one synchronization; pass capacity to avoid it
-        src = torch.empty((self.num_layers, self.kv_heads, capacity), dtype=torch.int32, device=device)
-        dst = torch.empty_like(src)
-        if capacity > 0:
-            layer_stride, head_stride = self.decision_row_strides(mode)
-            grid = (max_requests + 1, self.num_layers)
-            _moves_kernel[grid](kept, P, S, self.layer_windows(device), offsets, src, dst, max_requests, budget,
-                                kept.shape[1], layer_stride, head_stride, capacity, KV_HEADS=self.kv_heads,
-                                HEADS=triton.next_power_of_2(self.kv_heads), BLOCK=self.block)
-        return src, dst, offsets
+        _moves_kernel[(max_requests + 1, self.num_layers)](
+            kept, P, S, windows, offsets, src, dst, batch, max_requests, budget, kept.shape[1], layer_stride,
+            head_stride, capacity, **self.moves_constants(), **OPTIONS)

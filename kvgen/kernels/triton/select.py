@@ -35,13 +35,11 @@ Two ways to run them, same kernels, same constants (``SelectionHost.*_constants`
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
 import triton
 import triton.language as tl
 
 from kvgen.kernels.selection import MODES, MOVE_FILL, Selection, SelectionHost  # noqa: F401 - part of this API
+from kvgen.kernels.triton.aot import Specialization
 
 # ----------------------------------------------------------------------------------------------
 # 1. Row statistics
@@ -238,24 +236,20 @@ KERNELS = {"statistics": _stats_kernel, "aggregate": _aggregate_kernel, "select"
 OPTIONS = {"num_warps": 4, "num_stages": 3, "enable_fp_fusion": False}
 
 
-@dataclass(frozen=True)
-class Specialization:
-    """One kernel as compiled: ``name`` in the AOT library (``statistics``, ``aggregate_<mode>``,
-    ``select``), the Triton kernel, its run-time signature and compile-time constants."""
-
-    name: str
-    kernel: Any
-    signature: dict[str, str]
-    constants: dict[str, int | float]
-
-
 def aot_specializations(host: SelectionHost) -> list[Specialization]:
     """Every kernel a family's selection launches, with exactly the constants of its JIT launch."""
-    specs = [Specialization("statistics", _stats_kernel, SIGNATURES["statistics"], host.stats_constants())]
+    specs = [Specialization("statistics", _stats_kernel, SIGNATURES["statistics"], host.stats_constants(), OPTIONS)]
     specs += [Specialization(f"aggregate_{mode}", _aggregate_kernel, SIGNATURES["aggregate"],
-                             host.aggregate_constants(mode)) for mode in MODES]
-    specs.append(Specialization("select", _select_kernel, SIGNATURES["select"], host.select_constants()))
+                             host.aggregate_constants(mode), OPTIONS) for mode in MODES]
+    specs.append(Specialization("select", _select_kernel, SIGNATURES["select"], host.select_constants(), OPTIONS))
     return specs
+
+
+def aot_header_constants(host: SelectionHost) -> dict[str, int | list[int]]:
+    """The family's constants ``select_abi.cpp`` reads (its names)."""
+    return {"kNumLayers": host.num_layers, "kKvHeads": host.kv_heads, "kGroup": host.group,
+            "kNumScored": len(host.scored_layers), "kRows": host.rows, "kBlockW": host.block_w, "kBlock": host.block,
+            "kRadixBits": host.radix_bits, "kScoredLayers": list(host.scored_layers)}
 
 
 class TritonSelector(SelectionHost):

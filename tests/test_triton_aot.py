@@ -1,16 +1,17 @@
-"""The AOT selection library (``kvgen.build.triton_aot``, ``kvgen/kernels/include/kvgen_select.h``)
-on this GPU-less machine: what can be proven without launching a kernel.
+"""The Triton AOT libraries (``kvgen.build.triton_aot``): the selection (``kvgen_select.h``) and the
+move packer (``kvgen_pack.h``), on this GPU-less machine: what can be proven without a kernel launch.
 
-- the library of the real qwen3-8b registry: ABI version, family, arch, geometry and scored layers
-  equal the spec's and the JIT module's constants; every entry point refuses bad arguments with a
-  message naming the call and the argument, before touching the device; with no GPU the first
-  launch fails with a clear load error, never a crash; ``SelectLibrary`` refuses CPU tensors;
+- the libraries of the real qwen3-8b registry: ABI version, family, arch, geometry, scored layers
+  and windows equal the spec's and the JIT modules' constants; every entry point refuses bad
+  arguments with a message naming the call and the argument, before touching the device; with no
+  GPU the first launch fails with a clear load error, never a crash; CPU tensors are refused;
 - the images: exactly the kernels and constants of ``aot_specializations`` (the JIT launches' own),
   one cubin per target, for ``sm_100f`` one per 10.x kvgen target (checked with ``cuobjdump``);
 - the cache: a second build is a hit, and a changed tunable changes the key.
 
-That the kernels compute the oracle's bits is proven on the H200 (tests/gpu/test_select_gpu.py)
-and, for the same kernels under Triton's interpreter, by tests/test_select_triton.py.
+That the kernels compute the oracle's bits is proven on the H200 (tests/gpu/test_select_gpu.py,
+tests/gpu/test_compact_gpu.py) and, for the same kernels under Triton's interpreter, by
+tests/test_select_triton.py and tests/test_pack_triton.py.
 """
 
 from __future__ import annotations
@@ -27,11 +28,13 @@ from kvgen.arch import ARCHS
 from kvgen.build.compile import Toolchains, compile_one
 from kvgen.build.job import family_jobs, load_spec_source
 from kvgen.build.nvcc import find_toolchains, pip_nvcc_paths, toolchain_for
-from kvgen.build.triton_aot import KERNEL_ORDER, cache_key, triton_targets
+from kvgen.build.triton_aot import RECIPES, cache_key, triton_targets
+from kvgen.kernels import INCLUDE_DIR
 from kvgen.kernels.triton.select import aot_specializations
 from kvgen.lower.triattention import tri_geometry
 from kvgen.runtime.library import LibraryError
 from kvgen.runtime.lookup import RuntimeRegistry
+from kvgen.runtime.pack import PackLibrary, load_pack_module
 from kvgen.runtime.select import SelectLibrary, load_select_module
 from kvgen.spec.schema import load_spec
 
@@ -41,11 +44,21 @@ from .test_runtime_registry import REAL_FAMILY, SYSTEM_NVCC, real_registry
 triton = pytest.importorskip("triton")
 
 
+KERNEL_ORDER = RECIPES["select"].kernel_order
+
+
+def _artifact(factory: pytest.TempPathFactory, op: str) -> Path:
+    return RuntimeRegistry([real_registry(factory)]).resolve(REAL_FAMILY, "sm_90a").artifact(op)
+
+
 @pytest.fixture(scope="module")
 def library(tmp_path_factory: pytest.TempPathFactory) -> SelectLibrary:
-    registry = real_registry(tmp_path_factory)
-    return SelectLibrary(RuntimeRegistry([registry]).resolve(REAL_FAMILY, "sm_90a").artifact("select"),
-                         family=REAL_FAMILY)
+    return SelectLibrary(_artifact(tmp_path_factory, "select"), family=REAL_FAMILY)
+
+
+@pytest.fixture(scope="module")
+def packer(tmp_path_factory: pytest.TempPathFactory) -> PackLibrary:
+    return PackLibrary(_artifact(tmp_path_factory, "pack"), family=REAL_FAMILY)
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +109,7 @@ def test_empty_work_launches_nothing(library: SelectLibrary) -> None:
 def test_without_a_gpu_the_first_launch_is_a_load_error(library: SelectLibrary) -> None:
     lib = _raw(library)
     assert lib.kvgen_select_statistics(16, 16, 16, 16, 2, 100, None) == -2
-    assert lib.kvgen_select_last_error().decode().startswith("loading kernel statistics (sm_90a): ")
+    assert lib.kvgen_select_last_error().decode().startswith("loading the kernels (sm_90a): ")
 
 
 def test_cpu_tensors_are_refused(library: SelectLibrary) -> None:
@@ -105,10 +118,40 @@ def test_cpu_tensors_are_refused(library: SelectLibrary) -> None:
         library.statistics(scores, torch.tensor([16]))
 
 
-def test_a_codec_library_is_not_a_selection_library(tmp_path_factory: pytest.TempPathFactory) -> None:
-    codec = RuntimeRegistry([real_registry(tmp_path_factory)]).resolve(REAL_FAMILY, "sm_90a").artifact("codec")
+def test_a_codec_library_is_not_a_selection_or_pack_library(tmp_path_factory: pytest.TempPathFactory) -> None:
+    codec = _artifact(tmp_path_factory, "codec")
     with pytest.raises(LibraryError, match="missing entry point kvgen_select_abi_version; not a kvgen selection"):
         SelectLibrary(codec)
+    with pytest.raises(LibraryError, match="missing entry point kvgen_pack_abi_version; not a kvgen pack library"):
+        PackLibrary(codec)
+
+
+def test_the_pack_library_states_the_family_geometry(packer: PackLibrary) -> None:
+    jit = load_pack_module(ROOT / "generated" / REAL_FAMILY / "pack.py")
+    assert (packer.family, packer.arch) == (REAL_FAMILY, "sm_90a")
+    assert (packer.num_layers, packer.kv_heads, packer.swa_window, packer.block) == (
+        jit.NUM_LAYERS, jit.KV_HEADS, tuple(jit.SWA_WINDOW), jit.BLOCK)
+
+
+@pytest.mark.parametrize("call,args,message", [
+    ("kvgen_pack_offsets", (16, 16, 16, 4, 2, 8, None), "kvgen_pack_offsets: batch 4 and max_requests 2"),
+    ("kvgen_pack_offsets", (16, 16, 16, 2, 2, 0, None), "kvgen_pack_offsets: budget 0 must be at least 1"),
+    ("kvgen_pack_offsets", (None, 16, 16, 2, 2, 8, None), "kvgen_pack_offsets: a tensor is NULL"),
+    ("kvgen_pack_moves", (3, 16, 16, 16, 16, 16, 16, 16, 2, 2, 8, 64, None), "kvgen_pack_moves: mode 3"),
+    ("kvgen_pack_moves", (0, 16, 16, 16, 16, 16, 16, 16, 2, 2, 8, -1, None), "capacity -1 must not be negative"),
+    ("kvgen_pack_moves", (0, None, 16, 16, 16, 16, 16, 16, 2, 2, 8, 64, None), "kvgen_pack_moves: a tensor is NULL"),
+])
+def test_bad_pack_arguments_are_refused_before_the_device(packer: PackLibrary, call: str, args: tuple,
+                                                          message: str) -> None:
+    lib = packer._lib   # the raw entry points: bad arguments the Python side would refuse first
+    assert getattr(lib, call)(*args) == -1
+    assert message in lib.kvgen_pack_last_error().decode()
+
+
+def test_the_pack_library_refuses_cpu_tensors(packer: PackLibrary) -> None:
+    kept = torch.zeros(1, 1, 8, dtype=torch.int64)
+    with pytest.raises(ValueError, match="libkvgen_qwen3_8b_pack.so: tensors must be on a CUDA device"):
+        packer.pack_moves(kept, [0], [20], [0], [True], 8, "union")
 
 
 def test_family_targets_cover_every_member() -> None:
@@ -121,7 +164,7 @@ def test_the_family_build_holds_one_cubin_per_member(tmp_path: Path, toolchains:
     """sm_100f: every kernel's fatbinary has the 10.0, 10.3 and 10.7 cubins, compiled from exactly
     the JIT launches' specializations; a rebuild is a hit, a changed tunable a new key."""
     source = load_spec_source(SPECS_DIR / f"{REAL_FAMILY}.yaml")
-    (job,) = [j for j in family_jobs(source, "sm_100f") if j.ops == ("select",)]
+    (job,) = [j for j in family_jobs(source, "sm_100f") if j.ops == ("select",)]   # pack: the same recipe
     outcome = compile_one(job, tmp_path / "cache", toolchains)
     assert outcome.status == "built", outcome.error
     meta = json.loads((outcome.artifact.parent / "meta.json").read_text())
@@ -140,4 +183,14 @@ def test_the_family_build_holds_one_cubin_per_member(tmp_path: Path, toolchains:
     (other,) = [j for j in family_jobs(source, "sm_100f", {"select": {"block": 1024}}) if j.ops == ("select",)]
     toolchain = toolchain_for("sm_100f", toolchains.nvcc)
     assert other.artifact == job.artifact
-    assert cache_key(*other.rendered.values(), "sm_100f", toolchain) != outcome.key
+    assert cache_key("select", *other.rendered.values(), "sm_100f", toolchain) != outcome.key
+
+
+def test_the_public_headers_are_plain_c(tmp_path: Path) -> None:
+    """kvgen_select.h and kvgen_pack.h need no CUDA header and compile as C99, warnings as errors."""
+    source = tmp_path / "use.c"
+    source.write_text('#include "kvgen_select.h"\n#include "kvgen_pack.h"\n'
+                      "int main(void) { kvgen_select_geometry s; kvgen_pack_geometry p; (void)s; (void)p; "
+                      "return KVGEN_SELECT_ABI_VERSION + KVGEN_PACK_ABI_VERSION; }\n")
+    subprocess.run(["gcc", "-std=c99", "-Wall", "-Wextra", "-Werror", "-I", str(INCLUDE_DIR), "-c", str(source),
+                    "-o", str(tmp_path / "use.o")], check=True)
