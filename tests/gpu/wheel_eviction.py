@@ -2,14 +2,15 @@
 
 The child process that runs this file sees only: a copy of kvgen's run-time side (base modules,
 ``artifacts``, ``kernels``, ``reference``, ``runtime``), ``tri_sim.py`` beside it, and the wheel's
-install target; ``pydantic``, ``yaml``, ``jinja2`` and every build-side kvgen package are blocked,
-and its working directory is empty (no build tree, no ``generated/``, no ``specs/``).
+install target; ``pydantic``, ``yaml``, ``jinja2``, Triton and every build-side kvgen package are
+blocked, and its working directory is empty (no build tree, no ``generated/``, no ``specs/``).
 
 From the manifest it takes the family's ``EvictionConfig`` and every kernel: the CuTe DSL scorer,
-the Triton packer and the CUDA compactor. A synthetic decode runs rounds every ``beta`` tokens,
-and after each step the pools must be byte-identical to the oracle's ``eviction_round`` on a copy,
-the kept positions equal (K rows come from a small codebook, so scores tie exactly or lie far
-apart: the float32 kernel and the float32 oracle then keep the same tokens). Prints one JSON line.
+the AOT selection and packer libraries and the CUDA compactor. A synthetic decode runs rounds
+every ``beta`` tokens, and after each step the pools must be byte-identical to the oracle's
+``eviction_round`` on a copy, the kept positions equal (K rows come from a small codebook, so
+scores tie exactly or lie far apart: the float32 kernel and the float32 oracle then keep the same
+tokens). Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class _Block(importlib.abc.MetaPathFinder):
 
 def main() -> int:
     sys.meta_path.insert(0, _Block())
+    sys.modules["triton"] = None   # as if not installed: find_spec says None, an import fails
     import torch
     from tri_sim import DecodeSim, run_against_oracle, save_synthetic_calibration
 
@@ -63,7 +65,8 @@ def main() -> int:
     kvgen_modules = sorted({name.split(".")[1] for name in sys.modules if name.startswith("kvgen.")})
     print(json.dumps({"family": FAMILY, "source": resolved.source.describe(), "rounds": len(rounds),
                       "requests_per_round": [len(r["due"]) for r in rounds], "budget": budget, "beta": beta,
-                      "score_library": described["score_library"], "kvgen_packages_loaded": kvgen_modules,
+                      "score_library": described["score_library"], "selection": described["selection"],
+                      "kvgen_packages_loaded": kvgen_modules, "blocked": [*BLOCKED, "triton"],
                       "byte_identical": True}))
     return 0 if len(rounds) >= 3 else 1
 
