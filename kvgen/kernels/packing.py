@@ -17,17 +17,13 @@ from collections.abc import Sequence
 
 import torch
 
-MOVE_FILL = -1
-MODES = ("union", "per_head", "per_layer_perhead")
+from kvgen.kernels.selection import MODES, MOVE_FILL, next_power_of_2  # noqa: F401 - MODES, MOVE_FILL: this module's API
+
 OFFSETS_BLOCK = 1024  # requests per step of the cumulative sum
 
 
 def _as_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:  # noqa: ANN001
     return torch.as_tensor(values, dtype=dtype, device=device).reshape(-1).contiguous()
-
-
-def next_power_of_2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
 
 
 class PackHost:
