@@ -113,6 +113,14 @@ def cache_dir(explicit: Path | str | None = None, environ: Mapping[str, str] | N
     return Path(env) if env else Path.home() / ".cache" / "kvgen"
 
 
+def triton_cache_dir(environ: Mapping[str, str] | None = None) -> Path:
+    """Triton's kernel cache for the AOT builds: ``triton/`` in the default build cache
+    (``cache_dir(None, environ)``), whatever cache a build was given. Triton keys its entries by
+    source, constants, options, target and its own version, so every build of the user may share
+    it, and two build caches (a test's, a tune bundle's) do not compile the same kernel twice."""
+    return cache_dir(None, environ) / "triton"
+
+
 def results_dir(explicit: Path | str | None = None, environ: Mapping[str, str] | None = None) -> Path:
     """``explicit``, ``$OUT`` (what a device run brings back), else ``results/``."""
     if explicit is not None:

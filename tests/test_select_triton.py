@@ -36,7 +36,8 @@ from kvgen.runtime.select import SelectModuleError, Selector, check_round, impor
 from kvgen.spec.schema import load_spec
 
 ROOT = Path(__file__).resolve().parents[1]
-TUNABLES = {"rows": 2, "block_w": 64, "block": 64, "radix_bits": 4}
+TUNABLES = {"rows": 2, "stats_unroll": 2, "stats_warps": 4, "block_w": 64, "aggregate_warps": 2, "block": 64,
+            "radix_bits": 4}
 
 
 def _geometry(num_layers: int = 3, kv_heads: int = 2, group: int = 2, swa=(None, 8, None)) -> TriGeometry:
@@ -283,7 +284,8 @@ def test_kernels_compile_for_gpu_targets() -> None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    selector = kernels.TritonSelector(36, 8, 4, range(36), rows=2, block_w=128, block=1024, radix_bits=4)
+    selector = kernels.TritonSelector(36, 8, 4, range(36), rows=2, stats_unroll=4, stats_warps=8, block_w=128,
+                                      aggregate_warps=2, block=1024, radix_bits=4)
     specs = {spec.name: spec for spec in kernels.aot_specializations(selector)}
     assert list(specs) == ["statistics", "aggregate_union", "aggregate_per_head", "aggregate_per_layer_perhead",
                            "select"]

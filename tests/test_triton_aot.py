@@ -75,8 +75,9 @@ def test_the_library_states_the_family_geometry(library: SelectLibrary) -> None:
     assert (library.family, library.arch) == (REAL_FAMILY, "sm_90a")
     assert (library.num_layers, library.kv_heads, library.group, library.scored_layers) == (
         g.num_layers, g.kv_heads, g.group, tuple(g.scored_layers))
-    assert (library.rows, library.block_w, library.block, library.radix_bits) == (
-        jit.ROWS, jit.BLOCK_W, jit.BLOCK, jit.RADIX_BITS)
+    assert (library.rows, library.stats_unroll, library.block_w, library.block, library.radix_bits) == (
+        jit.ROWS, jit.STATS_UNROLL, jit.BLOCK_W, jit.BLOCK, jit.RADIX_BITS)
+    assert library.num_warps == {"statistics": jit.STATS_WARPS, "aggregate": jit.AGGREGATE_WARPS, "select": 4}
 
 
 def _raw(library: SelectLibrary) -> ctypes.CDLL:

@@ -2,7 +2,7 @@
 # family:   gemma-2-9b
 # op:       select
 # template: select.py.j2
-# plan key: c777a9d0ae709e3a15279b45fa2f2c30857c2247414ef1f8d6a46e5758db58da
+# plan key: 7159deda8b3af4f8d4eb221bfc962e150c29dc17497d850521c7a65f69f00955
 """Normalize, aggregate and select of family gemma-2-9b (TRIATTENTION.md §4-§5), in Triton.
 
 The family's constants bound to ``kvgen.kernels.triton.select.TritonSelector`` (the kernels live
@@ -23,12 +23,16 @@ SCORED_LAYERS = (
     1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23,
     25, 27, 29, 31, 33, 35, 37, 39, 41,
 )
-ROWS = 2  # score rows per statistics program (tunable "rows")
-BLOCK_W = 128  # columns per aggregation program (tunable "block_w")
+ROWS = 1  # score rows per statistics program (tunable "rows")
+STATS_UNROLL = 4  # steps of 512 columns a statistics program loads at once (tunable "stats_unroll")
+STATS_WARPS = 8  # warps per statistics program (tunable "stats_warps")
+BLOCK_W = 64  # columns per aggregation program (tunable "block_w")
+AGGREGATE_WARPS = 2  # warps per aggregation program (tunable "aggregate_warps")
 BLOCK = 512  # columns per selection step (tunable "block")
 RADIX_BITS = 4  # key bits found per selection pass (tunable "radix_bits")
 
-SELECTOR = TritonSelector(NUM_LAYERS, KV_HEADS, GROUP, SCORED_LAYERS, rows=ROWS, block_w=BLOCK_W, block=BLOCK,
+SELECTOR = TritonSelector(NUM_LAYERS, KV_HEADS, GROUP, SCORED_LAYERS, rows=ROWS, stats_unroll=STATS_UNROLL,
+                          stats_warps=STATS_WARPS, block_w=BLOCK_W, aggregate_warps=AGGREGATE_WARPS, block=BLOCK,
                           radix_bits=RADIX_BITS)
 decide = SELECTOR.decide
 statistics = SELECTOR.statistics

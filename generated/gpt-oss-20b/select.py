@@ -2,7 +2,7 @@
 # family:   gpt-oss-20b
 # op:       select
 # template: select.py.j2
-# plan key: 02c85bbd73e92e1a4216be38542744b59e40444b6c4136463cc31c30ea859e99
+# plan key: e96e73527561f3cc2a29ce094c79a390aeca129a0a73edae0f83c4e7b613c328
 """Normalize, aggregate and select of family gpt-oss-20b (TRIATTENTION.md §4-§5), in Triton.
 
 The family's constants bound to ``kvgen.kernels.triton.select.TritonSelector`` (the kernels live
@@ -22,12 +22,16 @@ GROUP = 8  # query heads per KV head
 SCORED_LAYERS = (
     1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23,
 )
-ROWS = 2  # score rows per statistics program (tunable "rows")
-BLOCK_W = 128  # columns per aggregation program (tunable "block_w")
+ROWS = 1  # score rows per statistics program (tunable "rows")
+STATS_UNROLL = 4  # steps of 512 columns a statistics program loads at once (tunable "stats_unroll")
+STATS_WARPS = 8  # warps per statistics program (tunable "stats_warps")
+BLOCK_W = 64  # columns per aggregation program (tunable "block_w")
+AGGREGATE_WARPS = 2  # warps per aggregation program (tunable "aggregate_warps")
 BLOCK = 512  # columns per selection step (tunable "block")
 RADIX_BITS = 4  # key bits found per selection pass (tunable "radix_bits")
 
-SELECTOR = TritonSelector(NUM_LAYERS, KV_HEADS, GROUP, SCORED_LAYERS, rows=ROWS, block_w=BLOCK_W, block=BLOCK,
+SELECTOR = TritonSelector(NUM_LAYERS, KV_HEADS, GROUP, SCORED_LAYERS, rows=ROWS, stats_unroll=STATS_UNROLL,
+                          stats_warps=STATS_WARPS, block_w=BLOCK_W, aggregate_warps=AGGREGATE_WARPS, block=BLOCK,
                           radix_bits=RADIX_BITS)
 decide = SELECTOR.decide
 statistics = SELECTOR.statistics

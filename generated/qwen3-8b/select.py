@@ -2,7 +2,7 @@
 # family:   qwen3-8b
 # op:       select
 # template: select.py.j2
-# plan key: a33f5e830b6da211a3e892716503b8689e38b15abc0dd2202f3e0fd7267f40fb
+# plan key: c25d6eae8f66ae5e1eb07f858dec0783781b71db77ccb03624346afbb21d45bf
 """Normalize, aggregate and select of family qwen3-8b (TRIATTENTION.md §4-§5), in Triton.
 
 The family's constants bound to ``kvgen.kernels.triton.select.TritonSelector`` (the kernels live
@@ -24,12 +24,16 @@ SCORED_LAYERS = (
     12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23,
     24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35,
 )
-ROWS = 2  # score rows per statistics program (tunable "rows")
-BLOCK_W = 128  # columns per aggregation program (tunable "block_w")
+ROWS = 1  # score rows per statistics program (tunable "rows")
+STATS_UNROLL = 4  # steps of 512 columns a statistics program loads at once (tunable "stats_unroll")
+STATS_WARPS = 8  # warps per statistics program (tunable "stats_warps")
+BLOCK_W = 64  # columns per aggregation program (tunable "block_w")
+AGGREGATE_WARPS = 2  # warps per aggregation program (tunable "aggregate_warps")
 BLOCK = 512  # columns per selection step (tunable "block")
 RADIX_BITS = 4  # key bits found per selection pass (tunable "radix_bits")
 
-SELECTOR = TritonSelector(NUM_LAYERS, KV_HEADS, GROUP, SCORED_LAYERS, rows=ROWS, block_w=BLOCK_W, block=BLOCK,
+SELECTOR = TritonSelector(NUM_LAYERS, KV_HEADS, GROUP, SCORED_LAYERS, rows=ROWS, stats_unroll=STATS_UNROLL,
+                          stats_warps=STATS_WARPS, block_w=BLOCK_W, aggregate_warps=AGGREGATE_WARPS, block=BLOCK,
                           radix_bits=RADIX_BITS)
 decide = SELECTOR.decide
 statistics = SELECTOR.statistics

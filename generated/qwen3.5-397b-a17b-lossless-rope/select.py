@@ -2,7 +2,7 @@
 # family:   qwen3.5-397b-a17b-lossless-rope
 # op:       select
 # template: select.py.j2
-# plan key: 6a164b75b3922b59c19c180e9e65f5fcc23aead6951605a2c41495ecfea7fe0e
+# plan key: b9fb21253a3f74365e431faa0ee2b38f0fb185de852467ac6bb3a9464613bb92
 """Normalize, aggregate and select of family qwen3.5-397b-a17b-lossless-rope (TRIATTENTION.md §4-§5), in Triton.
 
 The family's constants bound to ``kvgen.kernels.triton.select.TritonSelector`` (the kernels live
@@ -23,12 +23,16 @@ SCORED_LAYERS = (
     0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11,
     12, 13, 14,
 )
-ROWS = 2  # score rows per statistics program (tunable "rows")
-BLOCK_W = 128  # columns per aggregation program (tunable "block_w")
+ROWS = 1  # score rows per statistics program (tunable "rows")
+STATS_UNROLL = 4  # steps of 512 columns a statistics program loads at once (tunable "stats_unroll")
+STATS_WARPS = 8  # warps per statistics program (tunable "stats_warps")
+BLOCK_W = 64  # columns per aggregation program (tunable "block_w")
+AGGREGATE_WARPS = 2  # warps per aggregation program (tunable "aggregate_warps")
 BLOCK = 512  # columns per selection step (tunable "block")
 RADIX_BITS = 4  # key bits found per selection pass (tunable "radix_bits")
 
-SELECTOR = TritonSelector(NUM_LAYERS, KV_HEADS, GROUP, SCORED_LAYERS, rows=ROWS, block_w=BLOCK_W, block=BLOCK,
+SELECTOR = TritonSelector(NUM_LAYERS, KV_HEADS, GROUP, SCORED_LAYERS, rows=ROWS, stats_unroll=STATS_UNROLL,
+                          stats_warps=STATS_WARPS, block_w=BLOCK_W, aggregate_warps=AGGREGATE_WARPS, block=BLOCK,
                           radix_bits=RADIX_BITS)
 decide = SELECTOR.decide
 statistics = SELECTOR.statistics

@@ -2,7 +2,7 @@
 # family:   qwen3.5-397b-a17b
 # op:       select
 # template: select.py.j2
-# plan key: 801fa8e69545f5506ecefb86001f8b0c8fb3eba808f6fb9e5185288eb4dcd9bb
+# plan key: d930ac76ebe3d8626518ad0aff618fc2b04ee11d2b4ea9ed1273aaf3b71d9119
 """Normalize, aggregate and select of family qwen3.5-397b-a17b (TRIATTENTION.md §4-§5), in Triton.
 
 The family's constants bound to ``kvgen.kernels.triton.select.TritonSelector`` (the kernels live
@@ -23,12 +23,16 @@ SCORED_LAYERS = (
     0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11,
     12, 13, 14,
 )
-ROWS = 2  # score rows per statistics program (tunable "rows")
-BLOCK_W = 128  # columns per aggregation program (tunable "block_w")
+ROWS = 1  # score rows per statistics program (tunable "rows")
+STATS_UNROLL = 4  # steps of 512 columns a statistics program loads at once (tunable "stats_unroll")
+STATS_WARPS = 8  # warps per statistics program (tunable "stats_warps")
+BLOCK_W = 64  # columns per aggregation program (tunable "block_w")
+AGGREGATE_WARPS = 2  # warps per aggregation program (tunable "aggregate_warps")
 BLOCK = 512  # columns per selection step (tunable "block")
 RADIX_BITS = 4  # key bits found per selection pass (tunable "radix_bits")
 
-SELECTOR = TritonSelector(NUM_LAYERS, KV_HEADS, GROUP, SCORED_LAYERS, rows=ROWS, block_w=BLOCK_W, block=BLOCK,
+SELECTOR = TritonSelector(NUM_LAYERS, KV_HEADS, GROUP, SCORED_LAYERS, rows=ROWS, stats_unroll=STATS_UNROLL,
+                          stats_warps=STATS_WARPS, block_w=BLOCK_W, aggregate_warps=AGGREGATE_WARPS, block=BLOCK,
                           radix_bits=RADIX_BITS)
 decide = SELECTOR.decide
 statistics = SELECTOR.statistics

@@ -8,7 +8,7 @@ kernel module's ``TritonSelector`` / ``TritonPacker``; ``RECIPES`` names the fil
    the rendered module and compiles the kernel module's ``aot_specializations`` of its host
    object, exactly the kernels and constants its JIT launches would compile, for each Triton
    target of the arch (one; three for ``sm_100f``: 10.0, 10.3 and 10.7), line info off, Triton's
-   own cache under the build cache;
+   own cache shared by the user's builds (``kvgen.paths.triton_cache_dir``);
 2. ``fatbinary`` bundles each kernel's cubins; ``aot_family.h`` carries them as byte arrays with
    the family's constants (``aot_header_constants``: data, no logic);
 3. nvcc compiles the hand-written shim (host code only, no cudart: ``aot_launch.h`` opens the
@@ -125,7 +125,7 @@ def compile_aot(job: BuildJob, cache_dir: Path, toolchain: Toolchain) -> BuildOu
         return BuildOutcome(job.family, job.arch, job.backend, "failed", 0.0, None, "", str(exc))
     entry = entry_dir(cache_dir, __version__, job.arch, f"{job.family}-{op}", key)
     try:
-        meta, hit = get_or_build(entry, key, lambda tmp: _build_into(tmp, job, rendered, toolchain, cache_dir))
+        meta, hit = get_or_build(entry, key, lambda tmp: _build_into(tmp, job, rendered, toolchain))
     except (TritonAotError, CompileError) as exc:
         return BuildOutcome(job.family, job.arch, job.backend, "failed", time.perf_counter() - start, None, key,
                             f"{entry.name}: {exc} (kept in {failed_dir(entry)})")
@@ -134,14 +134,14 @@ def compile_aot(job: BuildJob, cache_dir: Path, toolchain: Toolchain) -> BuildOu
                         toolchain={"nvcc": meta["toolchain"]["version"], "triton": meta["triton"]})
 
 
-def _build_into(tmp: Path, job: BuildJob, rendered: str, toolchain: Toolchain, cache_dir: Path) -> dict[str, Any]:
+def _build_into(tmp: Path, job: BuildJob, rendered: str, toolchain: Toolchain) -> dict[str, Any]:
     (op,) = job.ops
     recipe = RECIPES[op]
     src = tmp / "src"
     src.mkdir()
     module = src / f"{op}.py"
     module.write_text(rendered, encoding="utf-8")
-    compiled = _compile_kernels(op, module, triton_targets(job.arch), src / "cubins", Path(cache_dir) / "triton")
+    compiled = _compile_kernels(op, module, triton_targets(job.arch), src / "cubins", paths.triton_cache_dir())
     images = {name: _fatbinary(src / "cubins", name, kernel["cubins"], toolchain)
               for name, kernel in compiled["kernels"].items()}
     (src / FAMILY_HEADER).write_text(family_header(compiled, images, recipe.kernel_order, job.arch), encoding="utf-8")

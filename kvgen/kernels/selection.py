@@ -53,15 +53,19 @@ def mode_index(mode: str) -> int:
 class SelectionHost:
     """Normalize -> aggregate -> select for one family: its layers, KV heads, query heads per KV
     head, scored layers, and the launch tunables (``rows`` statistics rows per program,
-    ``block_w`` columns per aggregation program, ``block`` columns per selection step,
-    ``radix_bits`` bits of the budget-th key found per pass)."""
+    ``stats_unroll`` steps of their columns loaded at once, ``block_w`` columns per aggregation
+    program, ``block`` columns per selection step, ``radix_bits`` bits of the budget-th key found
+    per pass, ``stats_warps`` / ``aggregate_warps`` warps per program; the selection's are 4)."""
 
     def __init__(self, num_layers: int, kv_heads: int, group: int, scored_layers: Sequence[int], *,
-                 rows: int, block_w: int, block: int, radix_bits: int):
+                 rows: int, stats_unroll: int, stats_warps: int, block_w: int, aggregate_warps: int, block: int,
+                 radix_bits: int):
         self.num_layers, self.kv_heads, self.group = num_layers, kv_heads, group
         self.query_heads = kv_heads * group
         self.scored_layers = tuple(scored_layers)
-        self.rows, self.block_w, self.block, self.radix_bits = rows, block_w, block, radix_bits
+        self.rows, self.stats_unroll = rows, stats_unroll
+        self.block_w, self.block, self.radix_bits = block_w, block, radix_bits
+        self.num_warps = {"statistics": stats_warps, "aggregate": aggregate_warps, "select": 4}
         self._layers: dict[torch.device, torch.Tensor] = {}
 
     def num_decision_rows(self, mode: str) -> int:
@@ -78,7 +82,7 @@ class SelectionHost:
 
     def stats_constants(self) -> dict[str, int | float]:
         return {"QUERY_HEADS": self.query_heads, "ROWS": self.rows, "LANES": REDUCTION_LANES,
-                "LOG2_LANES": LOG2_LANES, "STD_FLOOR": STD_FLOOR}
+                "LOG2_LANES": LOG2_LANES, "UNROLL": self.stats_unroll, "STD_FLOOR": STD_FLOOR}
 
     def aggregate_heads(self, mode: str) -> int:
         """Query heads one aggregation program reduces: all of them (union) or one KV group."""

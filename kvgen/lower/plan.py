@@ -114,8 +114,17 @@ TUNABLES: dict[str, dict[str, tuple[tuple[int, ...], int]]] = {
     # Normalize, aggregate, select (kvgen/kernels/triton/select.py); none changes a result bit: the
     # summation order of the statistics is fixed by the reference (REDUCTION_LANES), not by these.
     "select": {
-        "rows": ((1, 2, 4), 2),                # score rows per statistics program
-        "block_w": ((64, 128, 256), 128),      # columns per aggregation program
+        # Score rows per statistics program, its warps, and steps of LANES columns it loads at once.
+        # Each row is read twice (mean, then squared deviations); with one row of 8 warps few rows
+        # are between their two reads, so the second partly hits L2: qwen3-8b B32 1.245 -> 1.03 ms
+        # at rows 1, unroll 4, 8 warps against the old 2 / 1 / 4 (results/2026-12-03-h200-s8/callA).
+        "rows": ((1, 2, 4), 1),
+        "stats_unroll": ((1, 2, 4, 8), 4),
+        "stats_warps": ((4, 8), 8),
+        # Columns and warps per aggregation program: 64 / 2 took the union aggregate of qwen3-8b B32
+        # from 0.893 to 0.648 ms (128 / 4 before; same run).
+        "block_w": ((32, 64, 128, 256), 64),
+        "aggregate_warps": ((2, 4, 8), 2),
         # columns per selection step; each step compares BLOCK keys with 2^radix_bits candidates, so
         # 512 x 16 keeps the comparison tile at 64 registers a thread for 4 warps
         "block": ((256, 512, 1024, 2048), 512),

@@ -76,7 +76,8 @@ def test_selection_equals_the_oracle_on_the_kernel_scores(family: str, mode: str
     scores, g = case["scores"], case["manager"].geometry   # the scenario keeps 6 cache layers
     tuned = load_select_module(select_module(family))
     module = TritonSelector(g.num_layers, g.kv_heads, g.group, g.scored_layers, rows=tuned.ROWS,
-                            block_w=tuned.BLOCK_W, block=tuned.BLOCK, radix_bits=tuned.RADIX_BITS)
+                            stats_unroll=tuned.STATS_UNROLL, stats_warps=tuned.STATS_WARPS, block_w=tuned.BLOCK_W,
+                            aggregate_warps=tuned.AGGREGATE_WARPS, block=tuned.BLOCK, radix_bits=tuned.RADIX_BITS)
     P, width = _long(PROMPTS), _long(case["S"]) - _long(PROMPTS)
     values = _oracle(scores, width, mode, g)
     mean, std = module.statistics(scores, width)
@@ -134,8 +135,8 @@ def test_rounds_with_the_generated_selection_are_byte_identical(tmp_path: Path, 
 
 def test_a_nan_score_stops_the_round_before_anything_moves() -> None:
     g = tri_geometry(load_spec(SPECS_DIR / "qwen3-8b.yaml"))
-    selector = TritonSelector(g.num_layers, g.kv_heads, g.group, g.scored_layers, rows=2, block_w=128, block=512,
-                              radix_bits=4)
+    selector = TritonSelector(g.num_layers, g.kv_heads, g.group, g.scored_layers, rows=2, stats_unroll=1,
+                              stats_warps=4, block_w=128, aggregate_warps=4, block=512, radix_bits=4)
     scores = torch.randn(len(g.scored_layers), 2, g.query_heads, 300, device="cuda")
     scores[3, 1, 5, 17] = float("nan")
     width = _long([300, 200])

@@ -25,7 +25,7 @@
 extern "C" {
 #endif
 
-#define KVGEN_SELECT_ABI_VERSION 1
+#define KVGEN_SELECT_ABI_VERSION 2
 
 // Error codes (besides CUresult values of a failed launch, returned as is).
 #define KVGEN_SELECT_EINVAL (-1)   // an argument is out of range; the message names it
@@ -47,6 +47,9 @@ typedef struct {
   int32_t block_w;       // columns per aggregation program (tunable)
   int32_t block;         // columns per selection step (tunable)
   int32_t radix_bits;    // key bits found per selection pass (tunable)
+  int32_t stats_unroll;  // steps of 512 columns a statistics program loads at once (tunable)
+  int32_t stats_warps;   // warps per statistics program (tunable)
+  int32_t aggregate_warps;  // warps per aggregation program (tunable)
 } kvgen_select_geometry;
 
 int kvgen_select_abi_version(void);

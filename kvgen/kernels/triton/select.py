@@ -55,10 +55,32 @@ def _lane_fold(acc, ROWS: tl.constexpr, LANES: tl.constexpr, LOG2_LANES: tl.cons
 
 
 @triton.jit
+def _lane_sums(scores_ptr, base, width, lane, end, mean, SQUARES: tl.constexpr, ROWS: tl.constexpr,
+               LANES: tl.constexpr, UNROLL: tl.constexpr):
+    """``[ROWS, LANES]`` float64: column j of each row into lane j % LANES in ascending column order
+    (the values, or with ``SQUARES`` their squared deviations from ``mean``). UNROLL steps of
+    LANES columns are loaded at once; each lane still adds its columns one by one, in order."""
+    acc = tl.zeros((ROWS, LANES), dtype=tl.float64)
+    for start in range(0, end, LANES * UNROLL):
+        for step in tl.static_range(UNROLL):
+            column = start + step * LANES + lane
+            valid = column < width[:, None]
+            x = tl.load(scores_ptr + base + column, mask=valid, other=0.0).to(tl.float64)
+            if SQUARES:
+                deviation = tl.where(valid, x - mean[:, None], 0.0)
+                acc += deviation * deviation
+            else:
+                acc += x
+    return acc
+
+
+@triton.jit
 def _stats_kernel(scores_ptr, width_ptr, mean_ptr, std_ptr, num_rows, batch, W,
                   QUERY_HEADS: tl.constexpr, ROWS: tl.constexpr, LANES: tl.constexpr,
-                  LOG2_LANES: tl.constexpr, STD_FLOOR: tl.constexpr):
-    """Program p: rows p*ROWS .. p*ROWS+ROWS-1 of the scores ``[layers * B * Hq, W]``."""
+                  LOG2_LANES: tl.constexpr, UNROLL: tl.constexpr, STD_FLOOR: tl.constexpr):
+    """Program p: rows p*ROWS .. p*ROWS+ROWS-1 of the scores ``[layers * B * Hq, W]``, each read
+    twice (mean, then squared deviations: the second read partly hits L2 when few rows are in
+    flight, hence one row of 8 warps by default)."""
     row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     live = row < num_rows
     request = (row // QUERY_HEADS) % batch
@@ -69,23 +91,12 @@ def _stats_kernel(scores_ptr, width_ptr, mean_ptr, std_ptr, num_rows, batch, W,
     # Each row stops at its own width: the columns it skips would add +0.0, which changes no lane.
     end = tl.max(width, axis=0)
     count = tl.maximum(width, 1).to(tl.float64)
-
-    acc = tl.zeros((ROWS, LANES), dtype=tl.float64)
-    for start in range(0, end, LANES):
-        column = start + lane
-        valid = column < width[:, None]
-        acc += tl.load(scores_ptr + base + column, mask=valid, other=0.0).to(tl.float64)
+    no_mean = tl.zeros((ROWS,), dtype=tl.float64)
     # float64 '/' and sqrt are correctly rounded (div.rn.f64, sqrt.rn.f64; div_rn/sqrt_rn are float32-only)
-    mean = _lane_fold(acc, ROWS, LANES, LOG2_LANES) / count
-
-    acc = tl.zeros((ROWS, LANES), dtype=tl.float64)
-    for start in range(0, end, LANES):
-        column = start + lane
-        valid = column < width[:, None]
-        x = tl.load(scores_ptr + base + column, mask=valid, other=0.0).to(tl.float64)
-        deviation = tl.where(valid, x - mean[:, None], 0.0)
-        acc += deviation * deviation
-    std = tl.sqrt(_lane_fold(acc, ROWS, LANES, LOG2_LANES) / count).to(tl.float32)
+    sums = _lane_sums(scores_ptr, base, width, lane, end, no_mean, False, ROWS, LANES, UNROLL)
+    mean = _lane_fold(sums, ROWS, LANES, LOG2_LANES) / count
+    squares = _lane_sums(scores_ptr, base, width, lane, end, mean, True, ROWS, LANES, UNROLL)
+    std = tl.sqrt(_lane_fold(squares, ROWS, LANES, LOG2_LANES) / count).to(tl.float32)
     std = tl.where(std < STD_FLOOR, STD_FLOOR, std)  # torch's clamp: NaN stays NaN
     tl.store(mean_ptr + row, mean.to(tl.float32), mask=live)
     tl.store(std_ptr + row, std, mask=live)
@@ -232,16 +243,23 @@ SIGNATURES: dict[str, dict[str, str]] = {
                "rows_per_request": "i32", "W": "i32", "budget": "i32"},
 }
 KERNELS = {"statistics": _stats_kernel, "aggregate": _aggregate_kernel, "select": _select_kernel}
-# Triton's defaults but the fusion, stated so the JIT launches and the AOT build compile alike.
-OPTIONS = {"num_warps": 4, "num_stages": 3, "enable_fp_fusion": False}
+# Triton's defaults but the fusion and the warps (the host's tunables), stated so the JIT launches
+# and the AOT build compile alike.
+OPTIONS = {"num_stages": 3, "enable_fp_fusion": False}
+
+
+def options(host: SelectionHost, kernel: str) -> dict[str, int | bool]:
+    return {**OPTIONS, "num_warps": host.num_warps[kernel]}
 
 
 def aot_specializations(host: SelectionHost) -> list[Specialization]:
     """Every kernel a family's selection launches, with exactly the constants of its JIT launch."""
-    specs = [Specialization("statistics", _stats_kernel, SIGNATURES["statistics"], host.stats_constants(), OPTIONS)]
+    specs = [Specialization("statistics", _stats_kernel, SIGNATURES["statistics"], host.stats_constants(),
+                            options(host, "statistics"))]
     specs += [Specialization(f"aggregate_{mode}", _aggregate_kernel, SIGNATURES["aggregate"],
-                             host.aggregate_constants(mode), OPTIONS) for mode in MODES]
-    specs.append(Specialization("select", _select_kernel, SIGNATURES["select"], host.select_constants(), OPTIONS))
+                             host.aggregate_constants(mode), options(host, "aggregate")) for mode in MODES]
+    specs.append(Specialization("select", _select_kernel, SIGNATURES["select"], host.select_constants(),
+                                options(host, "select")))
     return specs
 
 
@@ -249,7 +267,8 @@ def aot_header_constants(host: SelectionHost) -> dict[str, int | list[int]]:
     """The family's constants ``select_abi.cpp`` reads (its names)."""
     return {"kNumLayers": host.num_layers, "kKvHeads": host.kv_heads, "kGroup": host.group,
             "kNumScored": len(host.scored_layers), "kRows": host.rows, "kBlockW": host.block_w, "kBlock": host.block,
-            "kRadixBits": host.radix_bits, "kScoredLayers": list(host.scored_layers)}
+            "kRadixBits": host.radix_bits, "kStatsUnroll": host.stats_unroll, "kStatsWarps": host.num_warps["statistics"],
+            "kAggregateWarps": host.num_warps["aggregate"], "kScoredLayers": list(host.scored_layers)}
 
 
 class TritonSelector(SelectionHost):
@@ -258,13 +277,13 @@ class TritonSelector(SelectionHost):
     def _launch_statistics(self, scores, width, mean, std, batch, W):  # noqa: ANN001, ANN202
         num_rows = mean.numel()
         _stats_kernel[(triton.cdiv(num_rows, self.rows),)](scores, width, mean, std, num_rows, batch, W,
-                                                            **self.stats_constants(), **OPTIONS)
+                                                            **self.stats_constants(), **options(self, "statistics"))
 
     def _launch_aggregate(self, mode, scores, mean, std, width, layers, out, batch, W):  # noqa: ANN001, ANN202
         grid = (triton.cdiv(W, self.block_w), batch, 1 if mode == "union" else self.kv_heads)
         _aggregate_kernel[grid](scores, mean, std, width, layers, out, batch, W, len(self.scored_layers),
-                                out.shape[1], **self.aggregate_constants(mode), **OPTIONS)
+                                out.shape[1], **self.aggregate_constants(mode), **options(self, "aggregate"))
 
     def _launch_select(self, values, width, P, kept, nan_rows, rows, W, budget):  # noqa: ANN001, ANN202
         _select_kernel[(kept.shape[0] * rows,)](values, width, P, kept, nan_rows, rows, W, budget,
-                                                **self.select_constants(), **OPTIONS)
+                                                **self.select_constants(), **options(self, "select"))
