@@ -219,12 +219,13 @@ def test_tune_prints_the_files_it_wrote_and_a_line_per_finished_study(specs: Pat
     pytest.importorskip("optuna")
     from .tuning_data import use_grid_space, write_codec_measurements
 
-    use_grid_space(monkeypatch.setitem)   # a whole grid is searched
+    use_grid_space(monkeypatch.setitem)   # every configuration it may sample is measured
     measurements = write_codec_measurements(tmp_path / "m.jsonl")
     tuning = tmp_path / "tuning"
+    # a few trials: what is printed is the point here (whole grids: tests/test_tuning.py)
     argv = ["--specs", str(specs), "tune", "--family", FAMILY, "--op", "codec", "--arch", "sm_90a", "--strategy",
-            "grid", "--measurements", str(measurements), "--storage", f"sqlite:///{tmp_path / 's.db'}",
-            "--tuning", str(tuning)]
+            "random", "--trials", "6", "--measurements", str(measurements), "--storage",
+            f"sqlite:///{tmp_path / 's.db'}", "--tuning", str(tuning)]
     assert main(argv) == 0
     captured = capsys.readouterr()
     assert f"wrote {tuning / 'sm_90a' / f'{FAMILY}.json'} (codec)" in captured.out

@@ -265,7 +265,7 @@ def test_tune_measurements_replace_the_models_pick_and_record_how_far_off_it_was
     use_grid_space(monkeypatch.setitem)   # a whole grid is searched
     measurements = write_codec_measurements(tmp_path / "m.jsonl", arch="sm_100a")
     tuning = tmp_path / "tuning"
-    model_pick = {**default_params("codec"), "threads": 256, "in_flight": 2, "rounding": 1, "min_blocks": 0}
+    model_pick = {**default_params("codec"), "threads": 256, "in_flight": 2, "rounding": 1, "min_blocks": 1}
     model = {**_entry(256, "13.0.88", "model"), "params": model_pick, "model_version": "1",
              "buckets": {b: {"best": config_id("codec", model_pick)} for b in ("small", "large", "offload")}}
     path = tuning_path(tuning, "sm_100a", "qwen3-8b")
