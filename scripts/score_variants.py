@@ -82,7 +82,7 @@ def worker(bundle: Path, family: str, configs: list[str], batches: list[int], wi
            records: Path) -> int:
     import torch
 
-    from kvgen.bench.score import score_family
+    from kvgen.bench.score import k_bytes_read, score_family
     from kvgen.measure.timing import time_ms
     from kvgen.measure.workloads.base import Failure
     from kvgen.measure.workloads.score import ScoreCache, ScoreWorkload
@@ -139,8 +139,7 @@ def worker(bundle: Path, family: str, configs: list[str], batches: list[int], wi
                      error=f"{type(exc).__name__}: {exc}")
                 exit_if_context_lost()
                 continue
-            passes = int(lib.geometry["passes"])
-            k_bytes = len(g.scored_layers) * batch * g.kv_heads * width * g.rotary_dim * elem * passes
+            k_bytes = k_bytes_read(g, batch, width, elem)
             gbps = (k_bytes + score_bytes) / t["median_ms"] / 1e6
             record = {"event": "time", "family": family, "config": config, "batch": batch, "width": width,
                       "median_ms": t["median_ms"], "min_ms": t.get("min_ms"), "k_bytes": k_bytes,

@@ -47,9 +47,9 @@ def test_space_folds_configurations_that_compile_to_the_same_kernel() -> None:
             for m in (4, 8, 16)} == {4, 8, 16}
     configs = configurations("score", QWEN)
     # threads x lanes x token_tiles x tokens_per_thread x (prefetch 0/1 without the shared-memory ring, or
-    # a ring of 2, 3 or 4 stages, which folds prefetch to 0) x unpack 0/1: 3 x 3 x 3 x 3 x 5 x 2; max_heads
-    # folds to one; plus the bulk ring (2, 3 or 4 stages) for one token per thread: 3 x 3 x 3 x 3 x 2
-    assert len(configs) == 810 + 162 and len({config_id("score", c) for c in configs}) == 972
+    # a ring of 2, 3 or 4 stages, which folds prefetch to 0) x unpack 0/1: 3 x 3 x 5 x 3 x 5 x 2; max_heads
+    # folds to one; plus the bulk ring (2, 3 or 4 stages) for one token per thread: 3 x 3 x 5 x 3 x 2
+    assert len(configs) == 1350 + 270 and len({config_id("score", c) for c in configs}) == 1620
     assert canonical("score", {**default_params("score"), "smem_stages": 2, "prefetch": 1}, QWEN)["prefetch"] == 0
     bulk = canonical("score", {**default_params("score"), "bulk_stages": 2, "smem_stages": 3, "prefetch": 1}, QWEN)
     assert (bulk["bulk_stages"], bulk["smem_stages"], bulk["prefetch"]) == (2, 0, 0)
@@ -142,6 +142,22 @@ def test_a_fixed_subspace_is_searched_whole_with_its_default_and_nothing_else(tm
     result = run_bucket(QWEN, "codec", "sm_90a", "large", evaluator, strategy="grid", fixed=away)
     assert result.failures == {} and len(result.measured) == 5   # the default and in_flight 1-8 at 512
     assert result.default_ms == pytest.approx(bowl(default_params("codec"), "large"))
+
+
+def test_the_search_evidence_replays_a_fixed_subspace_measured_whole(tmp_path: Path) -> None:
+    """``kvgen.tuning.evidence --fix``: the exhaustive reference is the subspace a ``--fix`` bundle
+    measured (its 16 launch shapes, the default among them), so no trial is lost to a missing one."""
+    from kvgen.tuning.evidence import main as evidence
+
+    measured = write_codec_measurements(tmp_path / "m.jsonl", fixed=SUBSPACE)
+    fix = ",".join(f"{k}={v}" for k, v in SUBSPACE.items())
+    assert evidence([str(measured), "--out", str(tmp_path / "e"), "--seeds", "2", "--fix", fix]) == 0
+    large = next(r for r in json.loads((tmp_path / "e" / "evidence.json").read_text()) if r["bucket"] == "large")
+    assert large["candidates"] == 16 and large["failed"] == {} and large["fixed"] == SUBSPACE
+    assert parse_config(large["exhaustive_best"]) == {**default_params("codec"), **SUBSPACE, "threads": 512,
+                                                      "in_flight": 4}
+    with pytest.raises(SystemExit):
+        evidence([str(measured), "--out", str(tmp_path / "e"), "--fix", "threads=96"])
 
 
 def test_fix_names_what_is_wrong_with_it(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

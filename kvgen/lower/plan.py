@@ -89,7 +89,7 @@ TUNABLES: dict[str, dict[str, tuple[tuple[int, ...], int]]] = {
         # threads per token (adjacent 16-byte pieces of its row); 2 measured 2.3x faster than 1 on the
         # H200 for head 128 and 2.0x for head 256 (results/2026-11-30-h200/bench_score-variants.json)
         "lanes": ((1, 2, 4), 2),
-        "token_tiles": ((1, 2, 4), 1),         # stages per CTA (amortizes the coefficient prologue)
+        "token_tiles": ((1, 2, 4, 8, 16), 1),  # stages per CTA (amortizes the coefficient prologue)
         # Bytes in flight per thread (the scorer is latency-bound: PERFORMANCE.md). Same scores,
         # bit for bit (same accumulation order); defaults are today's measured best until the H200
         # tuner says otherwise:

@@ -8,6 +8,10 @@ time and the tuned speed-up. Plot: best-so-far over trials (median over seeds) a
 exhaustive best, one panel per study.
 
     python -m kvgen.tuning.evidence results/.../measurements.jsonl --out docs/tuning
+
+``--fix name=value,...`` replays over the subspace a ``kvgen tune --build-only --fix`` bundle
+measured (the default, as there, is still trial 0), so a whole subspace measured once is the
+exhaustive reference.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from typing import Any
 from kvgen.lower.plan import default_params
 from kvgen.paths import spec_path
 from kvgen.spec.schema import load_spec
-from kvgen.tuning.space import canonical, config_id, configurations
+from kvgen.tuning.space import canonical, check_fixed, config_id, configurations, parse_config
 from kvgen.tuning.study import RecordedEvaluator, run_bucket
 
 BUDGET_SHARE = 0.25
@@ -34,16 +38,17 @@ def studies_in(evaluator: RecordedEvaluator) -> list[tuple[str, str, str, str]]:
     return sorted({key[:4] for key in evaluator.records})
 
 
-def compare(evaluator: RecordedEvaluator, family: str, op: str, arch: str, bucket: str, seeds: int) -> dict[str, Any]:
+def compare(evaluator: RecordedEvaluator, family: str, op: str, arch: str, bucket: str, seeds: int,
+            fixed: dict[str, int] | None = None) -> dict[str, Any]:
     spec = load_spec(spec_path(family))
-    space = configurations(op, spec)
+    space = configurations(op, spec, fixed)
     ok = {config_id(op, c): evaluator(family, op, arch, bucket, c) for c in space}
     times = {c: m.median_ms for c, m in ok.items() if m.status == "ok"}
     best_config = min(times, key=times.get)
     default = config_id(op, canonical(op, default_params(op), spec))
     budget = max(2, math.floor(BUDGET_SHARE * len(space)))
     out: dict[str, Any] = {
-        "family": family, "op": op, "arch": arch, "bucket": bucket, "candidates": len(space),
+        "family": family, "op": op, "arch": arch, "bucket": bucket, "fixed": fixed or {}, "candidates": len(space),
         "failed": {c: m.status for c, m in ok.items() if m.status != "ok"},
         "exhaustive_best": best_config, "exhaustive_best_ms": times[best_config],
         "default": default, "default_ms": times.get(default, math.nan),
@@ -54,7 +59,7 @@ def compare(evaluator: RecordedEvaluator, family: str, op: str, arch: str, bucke
         gaps, curves = [], []
         for seed in range(seeds):
             curve: list[float] = []
-            run_bucket(spec, op, arch, bucket, evaluator, strategy=strategy, trials=budget, seed=seed,
+            run_bucket(spec, op, arch, bucket, evaluator, strategy=strategy, trials=budget, seed=seed, fixed=fixed,
                        on_trial=lambda t, curve=curve: curve.append(
                            min(curve[-1] if curve else math.inf, t.value if t.value is not None else math.inf)))
             gaps.append(curve[-1] / times[best_config] - 1)
@@ -146,8 +151,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes-only", action="store_true",
                         help="write space-sizes.md only (with the verdicts of an existing --out/evidence.json); "
                              "no replay")
+    parser.add_argument("--fix", default="", help="name=value,...: the subspace the measurements cover (as kvgen tune)")
     args = parser.parse_args(argv)
     evaluator = RecordedEvaluator(args.measurements)
+    try:
+        fixed = parse_config(args.fix) if args.fix else None
+        check_fixed(sorted({key[1] for key in evaluator.records}), fixed or {})
+    except ValueError as exc:
+        parser.error(f"--fix {args.fix!r}: {exc}")
     if args.sizes_only:
         previous = args.out / "evidence.json"
         results = json.loads(previous.read_text()) if previous.is_file() else []
@@ -156,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         print(text)
         return 0
     wanted = {f for f in args.families.split(",") if f}
-    results = [compare(evaluator, *key, seeds=args.seeds) for key in studies_in(evaluator)
+    results = [compare(evaluator, *key, seeds=args.seeds, fixed=fixed) for key in studies_in(evaluator)
                if not wanted or key[0] in wanted]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "evidence.json").write_text(json.dumps(results, indent=1) + "\n")
