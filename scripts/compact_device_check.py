@@ -6,20 +6,16 @@ Two halves:
     python scripts/compact_device_check.py build build/device/compact              # here (nvcc, no GPU)
     python scripts/compact_device_check.py measure build/device/compact --out $OUT  # on the H200
 
-``build`` makes, under DIR, one xz bundle per variant (qwen3-8b's compaction library, sm_90a), all
-at qwen3-8b's tuned shape (threads 256, tile_tokens 32) unless said.  Kernels of a git revision
-(each step of this branch, so every change is measured alone) or of this tree:
-  ``main``        ``--base`` (default 2efb532, before these changes): clamped loads, every move
-                  loads its row and reads its page ids,
-  ``loads``       c5968fa: row loads predicated on the move storing (fill, identity, skipped moves
-                  read no pool byte),
-  ``new``         this tree: also no page-id reads for moves that copy nothing (what ships),
-  ``new-t16``     this tree, tile_tokens 16 (the tuner's batch-32 best),
-  ``new-128x64``  this tree, threads 128, tile_tokens 64 (twice the bytes in flight per CTA, but
-                  252 registers: 2 CTAs per SM where 256x32 fits 3).
-Measured on the H200 (results/2026-12-02-h200-s3/call3/): two more variants of that run, a tile's
-moves fetched one phase ahead (8d7db07: batch 1 0.85 -> 0.80) and CTAs of consecutive layers side by
-side (c853c7b's layer_fastest 1: 0.56 / 0.83 / 0.76), lost and were reverted.
+``build`` makes, under DIR, one xz bundle per variant (qwen3-8b's compaction library, sm_90a), at
+qwen3-8b's tuned shape (threads 256, tile_tokens 32) unless said, from this tree (a variant may
+name a git revision instead: ``base`` is ``--base``):
+  ``shipped``     slices 1: one CTA per (request, KV head, layer), as shipped before `slices`,
+  ``s2``, ``s4``  slices 2 / 4: that many CTAs per (request, KV head, layer), each copying its run
+                  of every K and V row (batch 1 launches 288 CTAs on 132 SMs with slices 1),
+  ``s2-t64``, ``s4-t128``  the same with tiles of as many bytes as the shipped tile (more moves).
+Earlier runs of this script measured the third session's steps (predicated loads, no page-id reads
+for moves that copy nothing, tile and thread shapes; results/2026-12-02-h200-s3/call3/): each is in
+git history, and ``--base``/a revision rebuilds it.
 
 ``measure`` measures the ceilings once, then per variant: an oracle check (4 requests, pools of
 random bytes, the last half of the layers given fill moves, every pool byte against the oracle's
@@ -47,11 +43,11 @@ from codec_device_check import guarded, tree_copy  # noqa: E402
 FAMILY = "qwen3-8b"
 # name -> (revision of the kernels ("base": --base, None: this tree), compact params)
 VARIANTS = {
-    "main": ("base", {"threads": 256, "tile_tokens": 32}),
-    "loads": ("c5968fa", {"threads": 256, "tile_tokens": 32}),
-    "new": (None, {"threads": 256, "tile_tokens": 32}),
-    "new-t16": (None, {"threads": 256, "tile_tokens": 16}),
-    "new-128x64": (None, {"threads": 128, "tile_tokens": 64}),
+    "shipped": (None, {"threads": 256, "tile_tokens": 32, "slices": 1}),
+    "s2": (None, {"threads": 256, "tile_tokens": 32, "slices": 2}),
+    "s4": (None, {"threads": 256, "tile_tokens": 32, "slices": 4}),
+    "s2-t64": (None, {"threads": 256, "tile_tokens": 64, "slices": 2}),
+    "s4-t128": (None, {"threads": 256, "tile_tokens": 128, "slices": 4}),
 }
 CHECK_BATCH = 4
 

@@ -66,7 +66,8 @@ def _grid_cases(count: int = 18) -> list[dict]:
     axes = {
         "layout": ["HND", "NHD"], "dtype": ["bf16", "fp16", "fp8_e4m3"], "head_dim": [64, 128, 256],
         "tpb": [16, 32, 64, 128], "threads": list(TUNABLES["compact"]["threads"][0]),
-        "tile": list(TUNABLES["compact"]["tile_tokens"][0]), "kv_heads": [1, 2, 4], "mode": list(MODES),
+        "tile": list(TUNABLES["compact"]["tile_tokens"][0]), "slices": list(TUNABLES["compact"]["slices"][0]),
+        "kv_heads": [1, 2, 4], "mode": list(MODES),
         "interleaved": [False, True], "stores_first": [False, True],
     }
     rng = random.Random(2026)
@@ -89,7 +90,8 @@ def _run_host_check(exe: Path, geo, table: torch.Tensor, moves, k_pools, v_pools
     page_bytes = k_pools[0][0].numel() * k_pools[0].element_size()
     header = [0 if geo.layout == "HND" else 1, page_bytes // (geo.kv_heads * geo.tokens_per_block), geo.kv_heads,
               geo.tokens_per_block, geo.num_layers, k_pools[0].shape[0], table.shape[0], table.shape[1],
-              moves.src.shape[-1], case["threads"], case["tile"], int(case["stores_first"]), int(case["interleaved"])]
+              moves.src.shape[-1], case["threads"], case["tile"], int(case["stores_first"]), int(case["interleaved"]),
+              case["slices"]]
     parts = [np.asarray(header, dtype="<i8").tobytes()]
     for t in (table, moves.src, moves.dst, moves.offsets):
         parts.append(t.to(torch.int32).contiguous().numpy().astype("<i4").tobytes())
@@ -129,7 +131,8 @@ def _case_inputs(case: dict):
 
 
 @pytest.mark.parametrize("case", CASES, ids=[
-    f"{c['layout']}-{c['dtype']}-d{c['head_dim']}-tpb{c['tpb']}-h{c['kv_heads']}-t{c['threads']}x{c['tile']}-"
+    f"{c['layout']}-{c['dtype']}-d{c['head_dim']}-tpb{c['tpb']}-h{c['kv_heads']}-t{c['threads']}x{c['tile']}"
+    f"s{c['slices']}-"
     f"{c['mode']}{'-kv' if c['interleaved'] else ''}{'-sf' if c['stores_first'] else ''}" for c in CASES])
 def test_host_walk_equals_oracle(host_check: Path, case: dict) -> None:
     geo, moves, table, k_pools, v_pools = _case_inputs(case)
@@ -231,6 +234,9 @@ def test_every_tunable_compiles_without_spills_for_the_longest_row(tmp_path: Pat
     for threads, tile in itertools.product(space["threads"][0], space["tile_tokens"][0]):
         source = render(_compact_plan(spec, {"threads": threads, "tile_tokens": tile}))
         jobs.append((f"t{threads}x{tile}", _nvcc(), source, "sm_90a"))
+    for slices in space["slices"][0][1:]:   # shorter runs per move: more moves per tile, the same vectors
+        source = render(_compact_plan(spec, {"threads": 512, "tile_tokens": 128, "slices": slices}))
+        jobs.append((f"t512x128s{slices}", _nvcc(), source, "sm_90a"))
     _assert_no_spills(_compile_all(jobs, tmp_path))
 
 
@@ -265,8 +271,8 @@ def compact_library(tmp_path_factory) -> Path:
 
 def test_library_describes_itself(compact_library: Path) -> None:
     lib = CompactLibrary(compact_library)
-    assert lib.info == {"abi_version": 1, "num_layers": 32, "kv_heads": 8, "head_dim": 128, "tokens_per_block": 16,
-                        "elem_bytes": 2, "layout": "NHD", "threads": 128, "tile_tokens": 32}
+    assert lib.info == {"abi_version": 2, "num_layers": 32, "kv_heads": 8, "head_dim": 128, "tokens_per_block": 16,
+                        "elem_bytes": 2, "layout": "NHD", "threads": 128, "tile_tokens": 32, "slices": 1}
 
 
 def test_argument_errors_come_back_without_a_gpu(compact_library: Path) -> None:

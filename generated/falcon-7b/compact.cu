@@ -2,13 +2,13 @@
 // family:   falcon-7b
 // op:       compact
 // template: compact.cu.j2
-// plan key: 4a6d1db21fae46d5960464e78147e0c7aa6a5f7e3d469d3604c763d4807f014a
+// plan key: abb9cfbfb4b36f0790f80e2651fbedccd35491dabc578bf763bc9faf9a295167
 //
 // TriAttention compaction of family falcon-7b (TRIATTENTION.md §7, C ABI kvgen_compact.h).
 // This file only describes the family; the kernel is kvgen/kernels/cuda/compact_kernels.cuh.
 //
 // Pages: NHD [tokens_per_block][kv_heads][head_dim] = [64][1][64] of bf16 (2 bytes), 32 layers, K and V pools per layer.
-// Launch: one CTA of 128 threads per (request, KV head, layer), tiles of up to 32 moves.
+// Launch: 1 CTA of 128 threads per (request, KV head, layer), tiles of up to 32 moves.
 #include "compact_host.cuh"
 
 namespace kvgen {
@@ -17,6 +17,7 @@ namespace compact_family {
 struct Family {
   static constexpr int kThreads = 128;
   static constexpr int kTileTokens = 32;
+  static constexpr int kSlices = 1;
 
   __host__ __device__ static constexpr compact::Geometry geometry() {
     return compact::Geometry{/*layout=*/compact::kNHD, /*kv_heads=*/1,
@@ -26,7 +27,8 @@ struct Family {
   static kvgen_compact_info info() {
     return kvgen_compact_info{KVGEN_COMPACT_ABI_VERSION, /*num_layers=*/32, /*kv_heads=*/1,
                               /*head_dim=*/64, /*tokens_per_block=*/64,
-                              /*elem_bytes=*/2, /*layout=*/KVGEN_LAYOUT_NHD, kThreads, kTileTokens};
+                              /*elem_bytes=*/2, /*layout=*/KVGEN_LAYOUT_NHD, kThreads, kTileTokens,
+                              kSlices};
   }
 };
 

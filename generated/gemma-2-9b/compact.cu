@@ -2,13 +2,13 @@
 // family:   gemma-2-9b
 // op:       compact
 // template: compact.cu.j2
-// plan key: f0d9c0a49627af17c2b923698f3c4ba41308614677c04fcdbb8fc003b520a6bd
+// plan key: 7b7bdf49a73ef892a95b6cc3b34fac786407c3a19a9535442c53d75994be44f5
 //
 // TriAttention compaction of family gemma-2-9b (TRIATTENTION.md §7, C ABI kvgen_compact.h).
 // This file only describes the family; the kernel is kvgen/kernels/cuda/compact_kernels.cuh.
 //
 // Pages: HND [kv_heads][tokens_per_block][head_dim] = [8][32][256] of bf16 (2 bytes), 42 layers, K and V pools per layer.
-// Launch: one CTA of 128 threads per (request, KV head, layer), tiles of up to 32 moves.
+// Launch: 1 CTA of 128 threads per (request, KV head, layer), tiles of up to 32 moves.
 #include "compact_host.cuh"
 
 namespace kvgen {
@@ -17,6 +17,7 @@ namespace compact_family {
 struct Family {
   static constexpr int kThreads = 128;
   static constexpr int kTileTokens = 32;
+  static constexpr int kSlices = 1;
 
   __host__ __device__ static constexpr compact::Geometry geometry() {
     return compact::Geometry{/*layout=*/compact::kHND, /*kv_heads=*/8,
@@ -26,7 +27,8 @@ struct Family {
   static kvgen_compact_info info() {
     return kvgen_compact_info{KVGEN_COMPACT_ABI_VERSION, /*num_layers=*/42, /*kv_heads=*/8,
                               /*head_dim=*/256, /*tokens_per_block=*/32,
-                              /*elem_bytes=*/2, /*layout=*/KVGEN_LAYOUT_HND, kThreads, kTileTokens};
+                              /*elem_bytes=*/2, /*layout=*/KVGEN_LAYOUT_HND, kThreads, kTileTokens,
+                              kSlices};
   }
 };
 

@@ -2,13 +2,13 @@
 // family:   gpt-oss-20b
 // op:       compact
 // template: compact.cu.j2
-// plan key: 470dda8108fe4bade056cd55841ae5151e0ce7714352f03d9158a60c4b870b1d
+// plan key: 2df7059bfe239a7560b84d434483bb199fdc5cfdea224362919e0de80123fabe
 //
 // TriAttention compaction of family gpt-oss-20b (TRIATTENTION.md §7, C ABI kvgen_compact.h).
 // This file only describes the family; the kernel is kvgen/kernels/cuda/compact_kernels.cuh.
 //
 // Pages: HND [kv_heads][tokens_per_block][head_dim] = [8][32][64] of bf16 (2 bytes), 24 layers, K and V pools per layer.
-// Launch: one CTA of 128 threads per (request, KV head, layer), tiles of up to 32 moves.
+// Launch: 1 CTA of 128 threads per (request, KV head, layer), tiles of up to 32 moves.
 #include "compact_host.cuh"
 
 namespace kvgen {
@@ -17,6 +17,7 @@ namespace compact_family {
 struct Family {
   static constexpr int kThreads = 128;
   static constexpr int kTileTokens = 32;
+  static constexpr int kSlices = 1;
 
   __host__ __device__ static constexpr compact::Geometry geometry() {
     return compact::Geometry{/*layout=*/compact::kHND, /*kv_heads=*/8,
@@ -26,7 +27,8 @@ struct Family {
   static kvgen_compact_info info() {
     return kvgen_compact_info{KVGEN_COMPACT_ABI_VERSION, /*num_layers=*/24, /*kv_heads=*/8,
                               /*head_dim=*/64, /*tokens_per_block=*/32,
-                              /*elem_bytes=*/2, /*layout=*/KVGEN_LAYOUT_HND, kThreads, kTileTokens};
+                              /*elem_bytes=*/2, /*layout=*/KVGEN_LAYOUT_HND, kThreads, kTileTokens,
+                              kSlices};
   }
 };
 

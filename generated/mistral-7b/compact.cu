@@ -2,13 +2,13 @@
 // family:   mistral-7b
 // op:       compact
 // template: compact.cu.j2
-// plan key: f44fdb9fb47d1074d823b544bfa8d6b73d689427872524274cd2ff30391ed57a
+// plan key: bc4f7d2ceacf6f35df50f6c2fc3620fc6c9de92dcdb7552a95d5d8ae58183ea1
 //
 // TriAttention compaction of family mistral-7b (TRIATTENTION.md §7, C ABI kvgen_compact.h).
 // This file only describes the family; the kernel is kvgen/kernels/cuda/compact_kernels.cuh.
 //
 // Pages: NHD [tokens_per_block][kv_heads][head_dim] = [16][8][128] of fp16 (2 bytes), 32 layers, K and V pools per layer.
-// Launch: one CTA of 128 threads per (request, KV head, layer), tiles of up to 32 moves.
+// Launch: 1 CTA of 128 threads per (request, KV head, layer), tiles of up to 32 moves.
 #include "compact_host.cuh"
 
 namespace kvgen {
@@ -17,6 +17,7 @@ namespace compact_family {
 struct Family {
   static constexpr int kThreads = 128;
   static constexpr int kTileTokens = 32;
+  static constexpr int kSlices = 1;
 
   __host__ __device__ static constexpr compact::Geometry geometry() {
     return compact::Geometry{/*layout=*/compact::kNHD, /*kv_heads=*/8,
@@ -26,7 +27,8 @@ struct Family {
   static kvgen_compact_info info() {
     return kvgen_compact_info{KVGEN_COMPACT_ABI_VERSION, /*num_layers=*/32, /*kv_heads=*/8,
                               /*head_dim=*/128, /*tokens_per_block=*/16,
-                              /*elem_bytes=*/2, /*layout=*/KVGEN_LAYOUT_NHD, kThreads, kTileTokens};
+                              /*elem_bytes=*/2, /*layout=*/KVGEN_LAYOUT_NHD, kThreads, kTileTokens,
+                              kSlices};
   }
 };
 

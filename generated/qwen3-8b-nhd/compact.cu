@@ -2,13 +2,13 @@
 // family:   qwen3-8b-nhd
 // op:       compact
 // template: compact.cu.j2
-// plan key: 4831b7e65eafb79ec5e43de91b63e1da709fb6b27b230d472640dccee1a89b1c
+// plan key: cd00a504bb79457d0ecbd2cc1d81fc67751e044e76088931aa7f3da7c01131fe
 //
 // TriAttention compaction of family qwen3-8b-nhd (TRIATTENTION.md §7, C ABI kvgen_compact.h).
 // This file only describes the family; the kernel is kvgen/kernels/cuda/compact_kernels.cuh.
 //
 // Pages: NHD [tokens_per_block][kv_heads][head_dim] = [32][8][128] of bf16 (2 bytes), 36 layers, K and V pools per layer.
-// Launch: one CTA of 128 threads per (request, KV head, layer), tiles of up to 32 moves.
+// Launch: 1 CTA of 128 threads per (request, KV head, layer), tiles of up to 32 moves.
 #include "compact_host.cuh"
 
 namespace kvgen {
@@ -17,6 +17,7 @@ namespace compact_family {
 struct Family {
   static constexpr int kThreads = 128;
   static constexpr int kTileTokens = 32;
+  static constexpr int kSlices = 1;
 
   __host__ __device__ static constexpr compact::Geometry geometry() {
     return compact::Geometry{/*layout=*/compact::kNHD, /*kv_heads=*/8,
@@ -26,7 +27,8 @@ struct Family {
   static kvgen_compact_info info() {
     return kvgen_compact_info{KVGEN_COMPACT_ABI_VERSION, /*num_layers=*/36, /*kv_heads=*/8,
                               /*head_dim=*/128, /*tokens_per_block=*/32,
-                              /*elem_bytes=*/2, /*layout=*/KVGEN_LAYOUT_NHD, kThreads, kTileTokens};
+                              /*elem_bytes=*/2, /*layout=*/KVGEN_LAYOUT_NHD, kThreads, kTileTokens,
+                              kSlices};
   }
 };
 

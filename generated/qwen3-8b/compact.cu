@@ -2,13 +2,13 @@
 // family:   qwen3-8b
 // op:       compact
 // template: compact.cu.j2
-// plan key: 3da248e6bd5d9f5e2d0bd0d9c22f6d28f90915c0c6adb7534ecb69cd3dc581d7
+// plan key: c4cfee9e0c682b1e9a36d7934764778e6b4c76c538d6323c88e6889121ba5cc6
 //
 // TriAttention compaction of family qwen3-8b (TRIATTENTION.md §7, C ABI kvgen_compact.h).
 // This file only describes the family; the kernel is kvgen/kernels/cuda/compact_kernels.cuh.
 //
 // Pages: HND [kv_heads][tokens_per_block][head_dim] = [8][32][128] of bf16 (2 bytes), 36 layers, K and V pools per layer.
-// Launch: one CTA of 128 threads per (request, KV head, layer), tiles of up to 32 moves.
+// Launch: 1 CTA of 128 threads per (request, KV head, layer), tiles of up to 32 moves.
 #include "compact_host.cuh"
 
 namespace kvgen {
@@ -17,6 +17,7 @@ namespace compact_family {
 struct Family {
   static constexpr int kThreads = 128;
   static constexpr int kTileTokens = 32;
+  static constexpr int kSlices = 1;
 
   __host__ __device__ static constexpr compact::Geometry geometry() {
     return compact::Geometry{/*layout=*/compact::kHND, /*kv_heads=*/8,
@@ -26,7 +27,8 @@ struct Family {
   static kvgen_compact_info info() {
     return kvgen_compact_info{KVGEN_COMPACT_ABI_VERSION, /*num_layers=*/36, /*kv_heads=*/8,
                               /*head_dim=*/128, /*tokens_per_block=*/32,
-                              /*elem_bytes=*/2, /*layout=*/KVGEN_LAYOUT_HND, kThreads, kTileTokens};
+                              /*elem_bytes=*/2, /*layout=*/KVGEN_LAYOUT_HND, kThreads, kTileTokens,
+                              kSlices};
   }
 };
 

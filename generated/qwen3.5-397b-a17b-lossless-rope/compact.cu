@@ -2,13 +2,13 @@
 // family:   qwen3.5-397b-a17b-lossless-rope
 // op:       compact
 // template: compact.cu.j2
-// plan key: eb1e8132a31611c4643e7b488d783f316d8cbc46107a540c401543b3c830ad92
+// plan key: 848c95181457f23879a2fbb82f511f24e2197a0285d5e32d58aa9e7f2d883bb6
 //
 // TriAttention compaction of family qwen3.5-397b-a17b-lossless-rope (TRIATTENTION.md §7, C ABI kvgen_compact.h).
 // This file only describes the family; the kernel is kvgen/kernels/cuda/compact_kernels.cuh.
 //
 // Pages: HND [kv_heads][tokens_per_block][head_dim] = [2][32][256] of bf16 (2 bytes), 15 layers, K and V pools per layer.
-// Launch: one CTA of 128 threads per (request, KV head, layer), tiles of up to 32 moves.
+// Launch: 1 CTA of 128 threads per (request, KV head, layer), tiles of up to 32 moves.
 #include "compact_host.cuh"
 
 namespace kvgen {
@@ -17,6 +17,7 @@ namespace compact_family {
 struct Family {
   static constexpr int kThreads = 128;
   static constexpr int kTileTokens = 32;
+  static constexpr int kSlices = 1;
 
   __host__ __device__ static constexpr compact::Geometry geometry() {
     return compact::Geometry{/*layout=*/compact::kHND, /*kv_heads=*/2,
@@ -26,7 +27,8 @@ struct Family {
   static kvgen_compact_info info() {
     return kvgen_compact_info{KVGEN_COMPACT_ABI_VERSION, /*num_layers=*/15, /*kv_heads=*/2,
                               /*head_dim=*/256, /*tokens_per_block=*/32,
-                              /*elem_bytes=*/2, /*layout=*/KVGEN_LAYOUT_HND, kThreads, kTileTokens};
+                              /*elem_bytes=*/2, /*layout=*/KVGEN_LAYOUT_HND, kThreads, kTileTokens,
+                              kSlices};
   }
 };
 

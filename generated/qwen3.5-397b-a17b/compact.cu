@@ -2,13 +2,13 @@
 // family:   qwen3.5-397b-a17b
 // op:       compact
 // template: compact.cu.j2
-// plan key: 805283cefe2e80d497da9af476b472977b4a07dddbd9f1c138c92038dd59ea63
+// plan key: 55ee855fd39059a8abd4d1fd74a7e5f1de297632886c6a126ff48c512d320163
 //
 // TriAttention compaction of family qwen3.5-397b-a17b (TRIATTENTION.md §7, C ABI kvgen_compact.h).
 // This file only describes the family; the kernel is kvgen/kernels/cuda/compact_kernels.cuh.
 //
 // Pages: HND [kv_heads][tokens_per_block][head_dim] = [2][32][256] of bf16 (2 bytes), 15 layers, K and V pools per layer.
-// Launch: one CTA of 128 threads per (request, KV head, layer), tiles of up to 32 moves.
+// Launch: 1 CTA of 128 threads per (request, KV head, layer), tiles of up to 32 moves.
 #include "compact_host.cuh"
 
 namespace kvgen {
@@ -17,6 +17,7 @@ namespace compact_family {
 struct Family {
   static constexpr int kThreads = 128;
   static constexpr int kTileTokens = 32;
+  static constexpr int kSlices = 1;
 
   __host__ __device__ static constexpr compact::Geometry geometry() {
     return compact::Geometry{/*layout=*/compact::kHND, /*kv_heads=*/2,
@@ -26,7 +27,8 @@ struct Family {
   static kvgen_compact_info info() {
     return kvgen_compact_info{KVGEN_COMPACT_ABI_VERSION, /*num_layers=*/15, /*kv_heads=*/2,
                               /*head_dim=*/256, /*tokens_per_block=*/32,
-                              /*elem_bytes=*/2, /*layout=*/KVGEN_LAYOUT_HND, kThreads, kTileTokens};
+                              /*elem_bytes=*/2, /*layout=*/KVGEN_LAYOUT_HND, kThreads, kTileTokens,
+                              kSlices};
   }
 };
 

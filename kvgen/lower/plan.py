@@ -79,6 +79,10 @@ TUNABLES: dict[str, dict[str, tuple[tuple[int, ...], int]]] = {
         # tile_moves() still caps a tile at 16 vectors per thread, so long rows do not spill.
         "threads": ((64, 128, 256, 512), 128),
         "tile_tokens": ((8, 16, 32, 64, 128), 32),
+        # CTAs per (request, KV head, layer), each copying its 1/slices run of every K and V row
+        # (compact_kernels.cuh): batch 1 launches only layers x KV heads CTAs (288 for qwen3-8b on
+        # 132 SMs). The same bytes land; folded to the largest choice dividing a move's vectors.
+        "slices": ((1, 2, 4), 1),
     },
     "pack": {
         "block": ((64, 128, 256, 512), 256),
@@ -285,6 +289,14 @@ def compact_geometry(spec: FamilySpec) -> dict[str, Any]:
     }
 
 
+def fold_compact_params(spec: FamilySpec, params: Mapping[str, int]) -> dict[str, int]:
+    """``slices`` lowered to the largest choice that divides a move's 16-byte vectors (its K and V
+    row): the kernel cuts them into equal runs."""
+    vectors = 2 * spec.row_dim * spec.elem_bytes // 16
+    slices = max(s for s in TUNABLES["compact"]["slices"][0] if s <= params["slices"] and vectors % s == 0)
+    return {**params, "slices": slices}
+
+
 def pack_geometry(spec: FamilySpec) -> dict[str, Any]:
     """What the move packer needs: its (layer, KV head) rows and which layers slide (window or None)."""
     return {
@@ -340,8 +352,8 @@ def plans_for(spec: FamilySpec, params: Mapping[Op, Mapping[str, int]] | None = 
     codec = fold_codec_params(spec, {**default_params("codec"), **params.get("codec", {})}, layout)
     plans = [KernelPlan(spec.name, "codec", "codec.cu.j2", codec_geometry(spec, layout), codec)]
     if spec.triattention.enabled:
-        plans.append(KernelPlan(spec.name, "compact", "compact.cu.j2", compact_geometry(spec),
-                                {**default_params("compact"), **params.get("compact", {})}))
+        compact = fold_compact_params(spec, {**default_params("compact"), **params.get("compact", {})})
+        plans.append(KernelPlan(spec.name, "compact", "compact.cu.j2", compact_geometry(spec), compact))
         plans.append(KernelPlan(spec.name, "pack", "pack.py.j2", pack_geometry(spec),
                                 {**default_params("pack"), **params.get("pack", {})}))
         plans.append(score_plan(spec, params.get("score")))

@@ -17,7 +17,7 @@ import torch
 
 from kvgen.runtime.library import LibraryError, load_typed
 
-COMPACT_ABI_VERSION = 1
+COMPACT_ABI_VERSION = 2  # 2: kvgen_compact_info.slices
 LAYOUTS = ("HND", "NHD")  # kvgen_page_layout
 
 
@@ -35,7 +35,7 @@ class CompactPoolExtent(ctypes.Structure):
 class CompactInfo(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int32) for name in ("abi_version", "num_layers", "kv_heads", "head_dim",
                                                     "tokens_per_block", "elem_bytes", "layout", "threads",
-                                                    "tile_tokens")]
+                                                    "tile_tokens", "slices")]
 
     def as_dict(self) -> dict[str, int | str]:
         info: dict[str, int | str] = {name: getattr(self, name) for name, _ in self._fields_}

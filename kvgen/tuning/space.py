@@ -16,7 +16,15 @@ from typing import Mapping
 
 from kvgen.kernels.cute.geometry import bulk_ring_fits, effective_lanes, row_chunks, vector_width
 from kvgen.lower.layout import family_layout
-from kvgen.lower.plan import TUNABLES, Op, default_params, f32_literal, fold_codec_params, score_geometry
+from kvgen.lower.plan import (
+    TUNABLES,
+    Op,
+    default_params,
+    f32_literal,
+    fold_codec_params,
+    fold_compact_params,
+    score_geometry,
+)
 from kvgen.spec.schema import FamilySpec
 
 TUNED_OPS: tuple[Op, ...] = ("codec", "compact", "score")
@@ -89,6 +97,8 @@ def canonical(op: Op, params: Mapping[str, int], spec: FamilySpec) -> dict[str, 
             out["prefetch"] = out["smem_stages"] = 0
         if spec.dtype != "bf16":             # shift / mask widening is bf16's only
             out["unpack"] = 0
+    if op == "compact":
+        out = fold_compact_params(spec, out)
     if op == "codec" and out["decode_split"] != 1 and (out["decode_route"] == 0 or not lut_decode_buffers(spec)):
         out["decode_split"] = 1  # half blocks exist only on the Lut route of 16-bit hot dtypes
     if op == "codec":

@@ -9,10 +9,11 @@
 //   nvcc -x cu -std=c++17 -I<repo> tests/csrc/compact_host_check.cu -o compact_host_check
 //
 // stdin (little-endian):
-//   int64 header[13]: layout (0 HND, 1 NHD), row_bytes, kv_heads, tokens_per_block, num_layers,
+//   int64 header[14]: layout (0 HND, 1 NHD), row_bytes, kv_heads, tokens_per_block, num_layers,
 //                     num_pages, max_requests, max_pages, moves_per_head (N), threads (64, 128,
 //                     256 or 512), tile_tokens, stores_first (0/1), kv_interleaved (0/1: K and V of a
-//                     layer share one buffer, page stride = 2 pages, as a combined KV pool)
+//                     layer share one buffer, page stride = 2 pages, as a combined KV pool), slices
+//                     (1, 2 or 4: CTAs per (layer, head, request), walked one after another)
 //   int32 page_table[max_requests * max_pages]
 //   int32 src[num_layers * kv_heads * N], int32 dst[same], int32 offsets[max_requests + 1]
 //   per layer: K pool bytes [num_pages * page_bytes], then V pool bytes
@@ -91,7 +92,7 @@ bool read_into(std::vector<T>& v, size_t n) {
 
 struct Case {
   kc::Geometry g;
-  int64_t num_layers, num_pages, max_requests, max_pages, moves_per_head, threads, tile_tokens;
+  int64_t num_layers, num_pages, max_requests, max_pages, moves_per_head, threads, tile_tokens, slices;
   bool stores_first, kv_interleaved;
   std::vector<int32_t> table, src, dst, offsets;
 };
@@ -105,9 +106,10 @@ template <int kThreads>
 Counts compact_all(const Case& c, std::vector<kc::LayerPools>& pools, kvgen::DeviceErrors& errors) {
   HostExec<kThreads> ex;
   ex.stores_first = c.stores_first;
-  ex.tile = kc::tile_moves(kThreads, (int)c.tile_tokens, c.g.row_vectors());
+  const int per_move = kc::move_vectors(c.g.row_vectors(), (int)c.slices);
+  ex.tile = kc::tile_moves(kThreads, (int)c.tile_tokens, per_move);
   ex.tiles_.resize(3 * ex.tile);
-  if (kc::vectors_per_thread(kThreads, ex.tile, c.g.row_vectors()) > kHostPer) {
+  if (kc::vectors_per_thread(kThreads, ex.tile, per_move) > kHostPer) {
     fprintf(stderr, "rows too long for %d threads\n", kThreads);
     return Counts{};
   }
@@ -115,11 +117,13 @@ Counts compact_all(const Case& c, std::vector<kc::LayerPools>& pools, kvgen::Dev
   // Any CTA order is valid (CTAs share no bytes); walk them as the grid enumerates them.
   for (int layer = 0; layer < c.num_layers; ++layer) {
     for (int head = 0; head < c.g.kv_heads; ++head) {
-      for (int r = 0; r < c.max_requests; ++r) {
+      for (int x = 0; x < c.max_requests * c.slices; ++x) {  // the grid's x: request * slices + slice
+        const int r = x / (int)c.slices;
         const kc::RequestRange range = kc::request_range(c.offsets.data(), r, c.moves_per_head);
         if (range.count == 0) continue;
         const kc::CtaTask task = kc::cta_task(c.g, pools[layer], c.table.data(), c.max_pages, c.src.data(),
-                                              c.dst.data(), c.moves_per_head, range, r, head, layer, limits);
+                                              c.dst.data(), c.moves_per_head, range, r, head, layer, limits,
+                                              (int)c.slices, x % (int)c.slices);
         kc::walk_moves<kThreads, kHostPer>(ex, c.g, task, ex.tile);
       }
     }
@@ -130,8 +134,8 @@ Counts compact_all(const Case& c, std::vector<kc::LayerPools>& pools, kvgen::Dev
 }  // namespace
 
 int main() {
-  int64_t h[13];
-  if (fread(h, sizeof(int64_t), 13, stdin) != 13) return 2;
+  int64_t h[14];
+  if (fread(h, sizeof(int64_t), 14, stdin) != 14) return 2;
   Case c;
   c.g = kc::Geometry{(int)h[0], (int)h[2], (int)h[3], (int)h[1]};
   c.num_layers = h[4];
@@ -143,6 +147,8 @@ int main() {
   c.tile_tokens = h[10];
   c.stores_first = h[11] != 0;
   c.kv_interleaved = h[12] != 0;
+  c.slices = h[13];
+  if (c.slices < 1 || 2 * c.g.row_vectors() % c.slices != 0) return 2;
   const size_t moves = (size_t)(c.num_layers * c.g.kv_heads * c.moves_per_head);
   if (!read_into(c.table, c.max_requests * c.max_pages) || !read_into(c.src, moves) || !read_into(c.dst, moves) ||
       !read_into(c.offsets, c.max_requests + 1)) {

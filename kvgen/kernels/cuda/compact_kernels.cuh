@@ -2,9 +2,14 @@
 // over a family's page geometry.
 //
 // A generated compact.cu describes one family (layout, heads, row bytes, tokens per block) and the
-// launch shape (threads, tile); the logic lives here, once.  One CTA owns one (layer, KV head,
-// request) and walks that request's moves in ascending order, copying the K and the V row of token
-// src(m) to token dst(m) through the page table, 16 bytes per access.
+// launch shape (threads, tile, slices); the logic lives here, once.  One CTA owns one slice of one
+// (layer, KV head, request) and walks that request's moves in ascending order, copying its slice of
+// the K and the V row of token src(m) to token dst(m) through the page table, 16 bytes per access.
+// A move's 2 x row_bytes (K row, then V row) are cut into `slices` equal runs of 16-byte vectors;
+// slice c of every move belongs to CTA c.  Each byte column of a row is its own in-place problem
+// (a move copies column j of src(m) to column j of dst(m) and touches no other column), so the
+// argument below holds per slice, and CTAs of different slices share no bytes.  Slices raise the
+// CTAs of a launch (batch 1: layers x KV heads) at the cost of resolving every move once per slice.
 //
 // The walk (walk_moves) is written once and run two ways: on the GPU, one call per thread with
 // __syncthreads() as the barrier; on the host (tests/csrc/compact_host_check.cu), every "thread"
@@ -180,7 +185,8 @@ __host__ __device__ inline RequestRange request_range(const int32_t* offsets, in
   return RequestRange{begin, end > begin ? (int)(end - begin) : 0};
 }
 
-// Everything one CTA needs: its request's slice of the (layer, head) move rows and its pools.
+// Everything one CTA needs: its request's slice of the (layer, head) move rows, its pools, and
+// which run of each move's vectors it copies.
 struct CtaTask {
   const int32_t* src;        // src[(layer * kv_heads + head) * N + begin]
   const int32_t* dst;
@@ -189,18 +195,23 @@ struct CtaTask {
   int head;
   LayerPools pools;
   MoveLimits limits;
+  int slices;                // runs a move's 2 x row_vectors vectors are cut into
+  int slice;                 // the run this CTA copies, 0 .. slices-1
 };
 
-// The task of the CTA (request, head, layer) whose request owns `range`; src/dst rows are
+// The task of the CTA (request, head, layer, slice) whose request owns `range`; src/dst rows are
 // [layer][head][moves_per_head].
 __host__ __device__ inline CtaTask cta_task(const Geometry& g, const LayerPools& pools, const int32_t* page_table,
                                             int64_t page_table_stride, const int32_t* src, const int32_t* dst,
                                             int64_t moves_per_head, RequestRange range, int request, int head,
-                                            int layer, const MoveLimits& limits) {
+                                            int layer, const MoveLimits& limits, int slices, int slice) {
   const int64_t row = ((int64_t)layer * g.kv_heads + head) * moves_per_head + range.begin;
   return CtaTask{src + row, dst + row, range.count, page_table + (int64_t)request * page_table_stride, head, pools,
-                 limits};
+                 limits, slices, slice};
 }
+
+// 16-byte vectors of one move a CTA copies: its run of the K and V rows.
+__host__ __device__ constexpr int move_vectors(int row_vectors, int slices) { return 2 * row_vectors / slices; }
 
 // ---------------------------------------------------------------------------------------------
 // Tiles: which 16-byte vectors a thread copies
@@ -218,28 +229,33 @@ __host__ __device__ constexpr int max_vectors_per_thread(int threads) {
 
 // Moves per tile: the tunable tile_tokens, reduced when long rows would need more than
 // max_vectors_per_thread vectors per thread (then the kernel would spill), and to one move per
-// thread (each thread resolves at most one move of a tile).  At least one move.
-__host__ __device__ constexpr int tile_moves(int threads, int tile_tokens, int row_vectors) {
-  const int spill_cap = max_vectors_per_thread(threads) * threads / (2 * row_vectors);
+// thread (each thread resolves at most one move of a tile).  At least one move.  per_move: the
+// vectors of a move the CTA copies (move_vectors).
+__host__ __device__ constexpr int tile_moves(int threads, int tile_tokens, int per_move) {
+  const int spill_cap = max_vectors_per_thread(threads) * threads / per_move;
   const int cap = spill_cap < threads ? spill_cap : threads;
   return cap < 1 ? 1 : (tile_tokens < cap ? tile_tokens : cap);
 }
 
-// Vectors one thread copies per tile (K and V rows of every move, spread over the threads).
-__host__ __device__ constexpr int vectors_per_thread(int threads, int tile, int row_vectors) {
-  return (tile * 2 * row_vectors + threads - 1) / threads;
+// Vectors one thread copies per tile (its slice of the K and V rows of every move, spread over the
+// threads).
+__host__ __device__ constexpr int vectors_per_thread(int threads, int tile, int per_move) {
+  return (tile * per_move + threads - 1) / threads;
 }
 
-// Vector i of a tile: move i / (2V), pool (i / V) % 2 (0 = K, 1 = V), vector i % V of that row.
-// Consecutive threads take consecutive vectors, so a warp reads whole rows (coalesced).
+// Vector i of a tile: move i / P (P = move_vectors), and vector w = slice * P + i % P of the move's
+// K row then V row: pool w / V (0 = K, 1 = V), vector w % V of that row.  Consecutive threads take
+// consecutive vectors, so a warp reads whole runs of rows (coalesced).
 struct TileVector {
   int move;
   int pool;
   int vec;
 };
 
-__host__ __device__ inline TileVector tile_vector(int i, int row_vectors) {
-  return TileVector{i / (2 * row_vectors), (i / row_vectors) & 1, i % row_vectors};
+__host__ __device__ inline TileVector tile_vector(int i, int row_vectors, int slices, int slice) {
+  const int per_move = move_vectors(row_vectors, slices);
+  const int w = slice * per_move + i % per_move;
+  return TileVector{i / per_move, w / row_vectors, w % row_vectors};
 }
 
 // The registers of one thread: the tile being stored, the tile being loaded, and the moves it
@@ -299,8 +315,8 @@ struct Walk {
   // around them, and a tile's loads issue back to back.
 #pragma nv_exec_check_disable
   __host__ __device__ uint8_t* address(int i, int k, bool source) const {
-    const bool in_tile = i < tile * 2 * g.row_vectors();
-    const TileVector tv = tile_vector(in_tile ? i : 0, g.row_vectors());
+    const bool in_tile = i < tile * move_vectors(g.row_vectors(), task.slices);
+    const TileVector tv = tile_vector(in_tile ? i : 0, g.row_vectors(), task.slices, task.slice);
     const ResolvedMove rm = ex.moves(k % 3)[tv.move];
     uint8_t* base = tv.pool == 0 ? task.pools.k : task.pools.v;
     const int64_t stride = tv.pool == 0 ? task.pools.k_page_stride : task.pools.v_page_stride;
@@ -406,8 +422,8 @@ struct ThreadExec {
   __device__ __forceinline__ void store16(uint8_t* p, uint4 v) { __stcs(reinterpret_cast<uint4*>(p), v); }
 };
 
-// F (generated) provides: static geometry(), kThreads, kTileTokens.
-// Grid: x = request, y = KV head, z = layer within this launch's LaunchPools.
+// F (generated) provides: static geometry(), kThreads, kTileTokens, kSlices.
+// Grid: x = request * kSlices + slice, y = KV head, z = layer within this launch's LaunchPools.
 template <class F>
 __global__ void __launch_bounds__(F::kThreads)
     compact_kernel(LaunchPools pools, const int32_t* __restrict__ page_table, int64_t page_table_stride,
@@ -415,12 +431,15 @@ __global__ void __launch_bounds__(F::kThreads)
                    const int32_t* __restrict__ offsets, int64_t moves_per_head, int64_t table_tokens,
                    DeviceErrors* errors) {
   constexpr Geometry g = F::geometry();
-  constexpr int kTile = tile_moves(F::kThreads, F::kTileTokens, g.row_vectors());
-  constexpr int kPer = vectors_per_thread(F::kThreads, kTile, g.row_vectors());
   static_assert(g.row_bytes % 16 == 0, "rows are copied in 16-byte vectors");
+  static_assert(2 * g.row_vectors() % F::kSlices == 0, "a move's vectors split into equal slices");
+  constexpr int kPerMove = move_vectors(g.row_vectors(), F::kSlices);
+  constexpr int kTile = tile_moves(F::kThreads, F::kTileTokens, kPerMove);
+  constexpr int kPer = vectors_per_thread(F::kThreads, kTile, kPerMove);
   static_assert(kPer <= 2 * kMaxVectorsPerThread, "rows too long for the register tiles");
 
-  const int request = blockIdx.x;
+  const int request = blockIdx.x / F::kSlices;
+  const int slice = blockIdx.x % F::kSlices;
   const int head = blockIdx.y;
   const int layer = pools.first_layer + (int)blockIdx.z;
   const RequestRange range = request_range(offsets, request, moves_per_head);
@@ -428,7 +447,7 @@ __global__ void __launch_bounds__(F::kThreads)
 
   const MoveLimits limits = move_limits(table_tokens, pools.num_pages[blockIdx.z], errors);
   const CtaTask task = cta_task(g, pools.layers[blockIdx.z], page_table, page_table_stride, src, dst, moves_per_head,
-                                range, request, head, layer, limits);
+                                range, request, head, layer, limits, F::kSlices, slice);
   __shared__ ResolvedMove tiles[3][kTile];
   ThreadExec<kPer, kTile> ex{tiles, {}};
   walk_moves<F::kThreads, kPer>(ex, g, task, kTile);

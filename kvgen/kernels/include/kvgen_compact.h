@@ -36,7 +36,7 @@
 extern "C" {
 #endif
 
-#define KVGEN_COMPACT_ABI_VERSION 1
+#define KVGEN_COMPACT_ABI_VERSION 2
 
 typedef enum kvgen_page_layout { KVGEN_LAYOUT_HND = 0, KVGEN_LAYOUT_NHD = 1 } kvgen_page_layout;
 
@@ -58,6 +58,7 @@ typedef struct kvgen_compact_info {
   int32_t layout;           /* kvgen_page_layout */
   int32_t threads;          /* launch parameters the library was built with */
   int32_t tile_tokens;
+  int32_t slices;           /* CTAs per (request, KV head, layer), each copying 1/slices of every row (ABI 2) */
 } kvgen_compact_info;
 
 int kvgen_compact_abi_version(void);

@@ -72,20 +72,23 @@ def compact_launches(features: Mapping[str, KernelFeatures], params: Mapping[str
     after the kernel's cap on registers), and resolving a later tile chains two dependent loads, the
     move's index (HBM) then its page-table entry (shared by every head and layer of the request, an
     L2 hit). Before the first tile: the request's range, then two tiles' resolves and the first
-    tile's loads, three HBM round trips."""
+    tile's loads, three HBM round trips. With ``slices`` CTAs per (request, layer, KV head), each
+    copies 1/slices of every move's K and V row."""
     kernel = pick_kernel(features, "compact_kernel")
-    ctas = batch * geometry["kv_heads"] * geometry["layers"]
+    slices = params.get("slices", 1)
+    ctas = batch * geometry["kv_heads"] * geometry["layers"] * slices
     row = geometry["head_dim"] * geometry["elem_bytes"]
-    moved = 2.0 * ctas * moves * row   # K and V rows
+    per_move = 2 * row // slices                              # bytes of a move one CTA copies
+    moved = 1.0 * ctas * moves * per_move
     walk = pick_loop(kernel, "global_load", "global_store")
     if walk is None:
         raise WorkloadError(f"{kernel.name}: no loop that loads and stores global memory (the tile walk)")
     vectors = walk.memory["global_store"]                     # per thread per tile
-    tile = max(1, vectors * params["threads"] // (2 * row // 16))
+    tile = max(1, vectors * params["threads"] // (per_move // 16))
     steps = math.ceil(moves / tile)
     return [Launch("compact", kernel, ctas, params["threads"], 0,
                    (Phase("move", 2 * moved, "hbm", walk, float(walk.load_bytes),
-                          walk=Walk(steps, 2.0 * tile * 2 * row, ("hbm", "l2"), prologue=3)),))]
+                          walk=Walk(steps, 2.0 * tile * per_move, ("hbm", "l2"), prologue=3)),))]
 
 
 def score_launches(features: Mapping[str, KernelFeatures], params: Mapping[str, int], geometry: Mapping,
