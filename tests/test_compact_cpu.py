@@ -244,6 +244,8 @@ def test_blackwell_and_rubin_targets(tmp_path: Path) -> None:
     specs = _triattention_specs()
     jobs = [(f"{family}-{arch}", _nvcc(), render(_compact_plan(specs[family])), arch)
             for family in ("qwen3-8b", "mistral-7b") for arch in ("sm_100a", "sm_103a")]
+    jobs.append(("qwen3-8b-slices2-sm_100a", _nvcc(), render(_compact_plan(specs["qwen3-8b"], {"slices": 2})),
+                 "sm_100a"))
     if PIP_NVCC:
         jobs.append(("qwen3-8b-sm_107a", str(PIP_NVCC[0]), render(_compact_plan(specs["qwen3-8b"])), "sm_107a"))
     _assert_no_spills(_compile_all(jobs, tmp_path))
