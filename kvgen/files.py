@@ -103,3 +103,12 @@ def file_lock(path: Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+
+
+def require_writable(directory: Path) -> None:
+    """Create ``directory`` and write (then remove) one file in it, so that a destination that
+    cannot take what a long job makes fails with its ``OSError`` (path included) before the job."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=directory, prefix=".kvgen-writable-"):
+        pass

@@ -61,6 +61,8 @@ def test_a_read_only_directory_is_one_plain_line(specs: Path, tmp_path: Path, ca
         pytest.skip("the build stops earlier without nvcc")
     assert main(_build(specs, tmp_path, **{where: READ_ONLY})) == 2
     assert str(READ_ONLY) in _plain_error(capsys)
+    if where == "registry":   # refused before compiling, not after
+        assert not list((tmp_path / "cache").rglob("*.so"))
 
 
 def test_a_full_disk_while_rendering_is_one_plain_line(specs: Path, tmp_path: Path, capsys, monkeypatch) -> None:

@@ -35,7 +35,7 @@ from kvgen.build.environment import build_environments, gpu_fingerprint, gpu_nam
 from kvgen.build.job import BACKENDS, Backend, BuildJob, BuildOutcome, SpecSource, Status, family_jobs, load_spec_source
 from kvgen.build.nvcc import Toolchain
 from kvgen.build.stamp import Stamps, common_inputs, replayed_outcomes
-from kvgen.files import copy_if_different, file_lock
+from kvgen.files import copy_if_different, file_lock, require_writable
 from kvgen.kernels import KERNELS_DIR
 from kvgen.lower.layout import family_layout, to_json
 from kvgen.lower.tuned import TunedParams, load_tuned, switch_notes
@@ -217,6 +217,7 @@ def build(specs: Sequence[SpecSource | Path], archs: Sequence[str] | None, out_g
     rendered = render_all(sources, templates_dir)
     for files in rendered.values():
         report.rendered += write_rendered(files, Path(out_generated))
+    require_writable(Path(registry_dir))   # before minutes of compiling, not at publish
     toolchains = tuple(toolchains() if callable(toolchains) else toolchains)
     compilers = Toolchains(toolchains, cute_toolchain)
     if _needs_score(pairs, backends):
