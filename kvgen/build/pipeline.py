@@ -217,7 +217,6 @@ def build(specs: Sequence[SpecSource | Path], archs: Sequence[str] | None, out_g
     rendered = render_all(sources, templates_dir)
     for files in rendered.values():
         report.rendered += write_rendered(files, Path(out_generated))
-    require_writable(Path(registry_dir))   # before minutes of compiling, not at publish
     toolchains = tuple(toolchains() if callable(toolchains) else toolchains)
     compilers = Toolchains(toolchains, cute_toolchain)
     if _needs_score(pairs, backends):
@@ -227,6 +226,8 @@ def build(specs: Sequence[SpecSource | Path], archs: Sequence[str] | None, out_g
     todo = [job for source, arch in pairs
             for job in family_jobs(source, arch, tuned.for_family(arch, source.spec.name), templates_dir)
             if job.backend in backends]
+    if todo:
+        require_writable(Path(registry_dir))   # before minutes of compiling, not at publish
     progress.start(len(todo))
     outcomes = compile_many(todo, Path(cache_dir), compilers, workers=jobs,
                             kernels_dir=Path(kernels_dir), extra_flags=extra_flags, on_done=progress.advance)
