@@ -85,6 +85,12 @@ def family_geometry(family: str) -> dict:
     return {"k_bytes": g["rotary_dim"] * spec.elem_bytes, "score_bytes": 4 * (g["query_heads"] // g["kv_heads"])}
 
 
+def threads_per_token(params: dict) -> float:
+    """Threads a token's work is spread over: ``lanes`` (form 0); form 1's warp scores 16 tokens per
+    MMA tile (a warp-instruction covers 16 · mma_tiles tokens: 32 / that threads a token)."""
+    return params["lanes"] if params.get("form", 0) == 0 else 32 / (16 * params["mma_tiles"])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("bundle", type=Path, help="an unpacked bundle (bundle.json) or its directory with the archive")
@@ -100,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         candidates = [c for c in json.loads((bundle / "bundle.json").read_text())["candidates"] if c["artifact"]]
         results = []
         for c in candidates:
-            geometry = {**family_geometry(c["family"]), "lanes": c["params"]["lanes"]}
+            geometry = {**family_geometry(c["family"]), "lanes": threads_per_token(c["params"])}
             r = analyse(c, bundle, Path(tmp), geometry)
             results.append(r)
             t = r["per_thread_token"]

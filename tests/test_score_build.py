@@ -33,7 +33,7 @@ from kvgen.build.cute_aot import (
 )
 from kvgen.build.job import BuildJob, SpecSource, family_jobs
 from kvgen.files import file_sha256
-from kvgen.lower.plan import default_params, score_plan
+from kvgen.lower.plan import default_params, score_geometry, score_plan
 from kvgen.lower.triattention import calibration_defaults, require_scorable, tri_geometry
 from kvgen.reference.triattention import GeometryError, load_calibration, save_calibration, synthetic_calibration
 from kvgen.reference.triattention_calib import rope_freq_scale_sq, rope_omega
@@ -410,3 +410,63 @@ def test_pipelined_and_fp8_scorers_compile_for_sm100_targets(tmp_path: Path, too
     for build in compile_scores(specs, arch, tmp_path / "cache", toolchain, params):
         assert build.status == "built", build.error
         _check_library(build.artifact, build.family, arch, specs[1] if build.family.endswith("fp8") else None)
+
+
+# ---------------------------------------------------------------- form 1: the tensor-core scorer
+
+MMA_VARIANTS = [  # (family, params): both magnitude routes, several MMA tiles and ring depths, 2 head tiles
+    ("qwen3-8b", {"form": 1, "token_tiles": 16, "bulk_stages": 2, "mag_mma": 1}),
+    ("qwen3-8b", {"form": 1, "threads": 64, "token_tiles": 4, "bulk_stages": 3, "mma_tiles": 2}),
+    ("falcon-7b", {"form": 1, "threads": 128, "token_tiles": 2, "bulk_stages": 2, "mag_mma": 1}),   # NHD, 5 passes
+    ("gemma-2-9b", {"form": 1, "threads": 128, "token_tiles": 8, "bulk_stages": 2}),                 # 512-byte rows
+    ("qwen3.5-397b-a17b", {"form": 1, "threads": 128, "token_tiles": 4, "bulk_stages": 2, "mma_tiles": 2,
+                           "mag_mma": 1}),                                                           # 16 heads
+]
+
+
+def test_tensor_core_scorer_sizes_its_shared_memory_as_the_tuner_does() -> None:
+    """The tuner folds form 1 to what fits ``MMA_SHARED_BUDGET`` without importing CUTLASS
+    (``geometry.mma_coefficient_bytes`` / ``mma_ring_bytes``); the kernel allocates its own words."""
+    pytest.importorskip("cutlass", reason="the kernel objects are CuTe DSL")
+    from kvgen.kernels.cute.geometry import mma_coefficient_bytes, mma_ring_bytes
+    from kvgen.kernels.cute.score_mma import TriScoreMmaKernel, make_score_kernel
+
+    for family, params in MMA_VARIANTS:
+        render_params = {**default_params("score"), **params}
+        kernel = make_score_kernel(**_kernel_geometry(family), **render_params)
+        assert isinstance(kernel, TriScoreMmaKernel)
+        assert 4 * (kernel.b_words + kernel.m_words) == mma_coefficient_bytes(kernel.heads, kernel.rotary_dim,
+                                                                              kernel.mag_mma)
+        assert kernel.ring_bytes == mma_ring_bytes(kernel.warps, kernel.stages, kernel.rows, kernel.span_bytes)
+    with pytest.raises(ValueError, match="form 1: needs bf16 K, half pairs"):
+        make_score_kernel(**_kernel_geometry("mistral-7b"), **{**default_params("score"), "form": 1})
+
+
+def _kernel_geometry(family: str) -> dict:
+    g = score_geometry(ALL_SPECS[family])
+    return {k: g[k] for k in ("dtype", "layout", "head_dim", "query_heads", "kv_heads", "rotary_start",
+                              "rotary_dim", "pairing", "tokens_per_block")}
+
+
+@pytest.mark.parametrize("family,params", MMA_VARIANTS, ids=[f"{f}-{i}" for i, (f, _) in enumerate(MMA_VARIANTS)])
+def test_tensor_core_scorer_compiles_without_spills_and_reports_its_launch_shape(tmp_path: Path, toolchain,
+                                                                                  family: str, params: dict) -> None:
+    """Form 1 for sm_90a: built, loadable, no stack or local memory, and a CTA covers warps x
+    token_tiles x 16·mma_tiles tokens (the shim's grid)."""
+    (build,) = compile_scores([ALL_SPECS[family]], "sm_90a", tmp_path / "cache", toolchain, params)
+    assert build.status == "built", build.error
+    lib = ScoreLibrary(build.artifact, family=build.family)
+    merged = {**default_params("score"), **params}
+    assert lib.geometry["tokens_per_cta"] == merged["threads"] // 32 * merged["token_tiles"] * 16 * merged["mma_tiles"]
+    if CUOBJDUMP.is_file():
+        usage = _resource_usage(build.artifact, tmp_path)
+        assert " STACK:0 " in usage and " LOCAL:0 " in usage, (params, usage)
+
+
+@pytest.mark.parametrize("arch", ["sm_100a", "sm_103a", "sm_107a"])
+def test_tensor_core_scorer_compiles_for_sm100_targets(tmp_path: Path, toolchain, arch: str) -> None:
+    params = {"form": 1, "token_tiles": 16, "bulk_stages": 2, "mag_mma": 1}
+    spec = ALL_SPECS[PROBE_FAMILY].model_copy(update={"targets": [arch]})
+    (build,) = compile_scores([spec], arch, tmp_path / "cache", toolchain, params)
+    assert build.status == "built", build.error
+    _check_library(build.artifact, build.family, arch)

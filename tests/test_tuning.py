@@ -46,10 +46,14 @@ def test_space_folds_configurations_that_compile_to_the_same_kernel() -> None:
     assert {canonical("score", {**default_params("score"), "max_heads": m}, falcon)["max_heads"]
             for m in (4, 8, 16)} == {4, 8, 16}
     configs = configurations("score", QWEN)
-    # threads x lanes x token_tiles x tokens_per_thread x (prefetch 0/1 without the shared-memory ring, or
-    # a ring of 2, 3 or 4 stages, which folds prefetch to 0) x unpack 0/1: 3 x 3 x 5 x 3 x 5 x 2; max_heads
-    # folds to one; plus the bulk ring (2, 3 or 4 stages) for one token per thread: 3 x 3 x 5 x 3 x 2
-    assert len(configs) == 1350 + 270 and len({config_id("score", c) for c in configs}) == 1620
+    # form 0: threads x lanes x token_tiles x tokens_per_thread x (prefetch 0/1 without the shared-memory
+    # ring, or a ring of 2, 3 or 4 stages, which folds prefetch to 0) x unpack 0/1: 3 x 3 x 7 x 3 x 5 x 2;
+    # max_heads folds to one; plus the bulk ring (2, 3 or 4 stages) for one token per thread: 3 x 3 x 7 x 3 x 2.
+    # form 1: threads x token_tiles x ring stages x mma_tiles x mag_mma = 3 x 7 x 3 x 3 x 2 = 378 before the
+    # rings that do not fit the shared-memory budget fold onto smaller ones: 182 distinct
+    assert len([c for c in configs if c["form"] == 0]) == 1890 + 378
+    assert len([c for c in configs if c["form"] == 1]) == 182
+    assert len({config_id("score", c) for c in configs}) == len(configs)
     assert canonical("score", {**default_params("score"), "smem_stages": 2, "prefetch": 1}, QWEN)["prefetch"] == 0
     bulk = canonical("score", {**default_params("score"), "bulk_stages": 2, "smem_stages": 3, "prefetch": 1}, QWEN)
     assert (bulk["bulk_stages"], bulk["smem_stages"], bulk["prefetch"]) == (2, 0, 0)
@@ -392,3 +396,25 @@ def test_bad_measurement_files_are_named_with_what_is_wrong(tmp_path: Path, caps
                      "--no-write"]) == 1
         out = capsys.readouterr().out
         assert str(path) in out and why in out
+
+
+def test_the_tensor_core_form_folds_where_it_cannot_serve_and_ignores_the_other_forms_params() -> None:
+    """Form 1 (score_mma.py) serves bf16 K with half pairs only; it reads mma_tiles / mag_mma and takes
+    bulk_stages as its ring depth, form 0 reads neither: each form's unread parameters are folded to
+    their defaults, so the space holds each kernel once."""
+    mma = {**default_params("score"), "form": 1, "lanes": 4, "prefetch": 1, "tokens_per_thread": 2, "mag_mma": 1}
+    folded = canonical("score", mma, QWEN)
+    assert folded["form"] == 1 and folded["mag_mma"] == 1
+    assert {k: folded[k] for k in ("lanes", "prefetch", "tokens_per_thread", "smem_stages", "unpack")} == {
+        k: default_params("score")[k] for k in ("lanes", "prefetch", "tokens_per_thread", "smem_stages", "unpack")}
+    assert folded["bulk_stages"] == 3                          # 0 is not a ring: the default depth
+    for family in ("qwen3-8b-fp8", "mistral-7b"):              # fp8 / fp16 K: form 0, form 1's params unread
+        other = canonical("score", mma, load_spec(SPECS_DIR / f"{family}.yaml"))
+        assert other["form"] == 0 and other["mma_tiles"] == 1 and other["mag_mma"] == 0
+    # a ring that does not fit the shared-memory budget takes fewer MMA tiles, then stages, then warps
+    gemma = load_spec(SPECS_DIR / "gemma-2-9b.yaml")          # 512-byte rows
+    wide = canonical("score", {**mma, "threads": 256, "mma_tiles": 4, "bulk_stages": 4}, gemma)
+    assert (wide["mma_tiles"], wide["bulk_stages"], wide["threads"]) == (1, 2, 128)
+    # an old record without the form's parameters is form 0
+    old = {k: v for k, v in default_params("score").items() if k not in ("form", "mma_tiles", "mag_mma")}
+    assert canonical("score", old, QWEN) == canonical("score", default_params("score"), QWEN)

@@ -2,10 +2,11 @@
 # family:   qwen3-8b-nhd
 # op:       score
 # template: score.py.j2
-# plan key: df0aa1051f68f0297c69bb2db5539366953afb45f83e7c8653bb4da1d859e2a5
+# plan key: 943abe3558180747856f03d6aee9ede32889be10737212f1bef39a93e0848367
 """TriAttention scorer of family qwen3-8b-nhd (TRIATTENTION.md §3), CuTe DSL, compiled ahead of time.
 
-This file only fixes the family's constants; the kernel is ``kvgen.kernels.cute.score_kernel.TriScoreKernel``.
+This file only fixes the family's constants; the kernel is ``kvgen.kernels.cute.score_kernel.TriScoreKernel``
+(form 0, CUDA cores) or ``kvgen.kernels.cute.score_mma.TriScoreMmaKernel`` (form 1, tensor cores).
 ``kvgen.build.cute_aot`` imports it in a process with ``CUTE_DSL_ARCH`` set, compiles
 ``make_kernel()`` for that arch with symbolic sizes and exports it to C.
 
@@ -32,7 +33,9 @@ GEOMETRY = {
 # Tunable launch parameters: threads per CTA, query heads accumulated per pass over K, threads
 # per token, stages per CTA, tokens per thread and stage, next stage's loads issued ahead (0/1),
 # stages of the cp.async ring in shared memory (0: K loads into registers), bf16 widened from
-# 32-bit words by shift/mask (0/1), stages of the ring of rows copied by cp.async.bulk (0: none).
+# 32-bit words by shift/mask (0/1), stages of the ring of rows copied by cp.async.bulk (0: none),
+# the form (0: CUDA-core FMAs, 1: tensor-core MMAs), form 1's 16-token MMA tiles per warp stage and
+# its route for the magnitude term (0: f32 FMAs, 1: tf32 MMAs).
 PARAMS = {
     "threads": 128,
     "max_heads": 16,
@@ -43,6 +46,9 @@ PARAMS = {
     "smem_stages": 0,
     "unpack": 0,
     "bulk_stages": 0,
+    "form": 0,
+    "mma_tiles": 1,
+    "mag_mma": 0,
 }
 
 # Cache layers the kernel is launched for, in the order of its layer grid dimension.
@@ -55,6 +61,6 @@ SCORED_LAYERS = (
 
 def make_kernel():
     """The family's kernel object (imports CUTLASS: build machine only)."""
-    from kvgen.kernels.cute.score_kernel import TriScoreKernel
+    from kvgen.kernels.cute.score_mma import make_score_kernel
 
-    return TriScoreKernel(**GEOMETRY, **PARAMS)
+    return make_score_kernel(**GEOMETRY, **PARAMS)

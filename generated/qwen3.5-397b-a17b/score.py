@@ -2,10 +2,11 @@
 # family:   qwen3.5-397b-a17b
 # op:       score
 # template: score.py.j2
-# plan key: 2d238c9b6c81b8ea68a778ea2506832390db045800a7fdb47d91b8353715adf1
+# plan key: 8525614a9771ea7e4626f972182390a3ed23f1ffad3db39c64a7d596bb3b94b6
 """TriAttention scorer of family qwen3.5-397b-a17b (TRIATTENTION.md §3), CuTe DSL, compiled ahead of time.
 
-This file only fixes the family's constants; the kernel is ``kvgen.kernels.cute.score_kernel.TriScoreKernel``.
+This file only fixes the family's constants; the kernel is ``kvgen.kernels.cute.score_kernel.TriScoreKernel``
+(form 0, CUDA cores) or ``kvgen.kernels.cute.score_mma.TriScoreMmaKernel`` (form 1, tensor cores).
 ``kvgen.build.cute_aot`` imports it in a process with ``CUTE_DSL_ARCH`` set, compiles
 ``make_kernel()`` for that arch with symbolic sizes and exports it to C.
 
@@ -32,7 +33,9 @@ GEOMETRY = {
 # Tunable launch parameters: threads per CTA, query heads accumulated per pass over K, threads
 # per token, stages per CTA, tokens per thread and stage, next stage's loads issued ahead (0/1),
 # stages of the cp.async ring in shared memory (0: K loads into registers), bf16 widened from
-# 32-bit words by shift/mask (0/1), stages of the ring of rows copied by cp.async.bulk (0: none).
+# 32-bit words by shift/mask (0/1), stages of the ring of rows copied by cp.async.bulk (0: none),
+# the form (0: CUDA-core FMAs, 1: tensor-core MMAs), form 1's 16-token MMA tiles per warp stage and
+# its route for the magnitude term (0: f32 FMAs, 1: tf32 MMAs).
 PARAMS = {
     "threads": 128,
     "max_heads": 16,
@@ -43,6 +46,9 @@ PARAMS = {
     "smem_stages": 0,
     "unpack": 0,
     "bulk_stages": 0,
+    "form": 0,
+    "mma_tiles": 1,
+    "mag_mma": 0,
 }
 
 # Cache layers the kernel is launched for, in the order of its layer grid dimension.
@@ -53,6 +59,6 @@ SCORED_LAYERS = (
 
 def make_kernel():
     """The family's kernel object (imports CUTLASS: build machine only)."""
-    from kvgen.kernels.cute.score_kernel import TriScoreKernel
+    from kvgen.kernels.cute.score_mma import make_score_kernel
 
-    return TriScoreKernel(**GEOMETRY, **PARAMS)
+    return make_score_kernel(**GEOMETRY, **PARAMS)

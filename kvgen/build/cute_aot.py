@@ -39,7 +39,8 @@ from kvgen.build.process import run_in_group
 from kvgen.files import file_sha256
 from kvgen.kernels import CUTE_DIR, INCLUDE_DIR, KERNELS_DIR
 
-KERNEL_SOURCE = CUTE_DIR / "score_kernel.py"
+# the kernel modules the rendered score.py imports (both forms and the geometry they share)
+KERNEL_SOURCES = (CUTE_DIR / "score_kernel.py", CUTE_DIR / "score_mma.py", CUTE_DIR / "geometry.py")
 SHIM_SOURCE = CUTE_DIR / "score_abi.cpp"
 SHIM_HEADER = INCLUDE_DIR / "kvgen_score.h"
 TEMPLATE = "score.py.j2"
@@ -126,7 +127,7 @@ def find_cute_toolchain(python: str | None = None, cxx: str = "g++",
 def source_texts(rendered: str) -> dict[str, str]:
     """Every source the artifact is made of, by a stable relative name (part of the key)."""
     texts = {"score.py": rendered}
-    for path in (KERNEL_SOURCE, SHIM_SOURCE, SHIM_HEADER):
+    for path in (*KERNEL_SOURCES, SHIM_SOURCE, SHIM_HEADER):
         texts[f"kernels/{path.relative_to(KERNELS_DIR).as_posix()}"] = path.read_text(encoding="utf-8")
     return texts
 

@@ -93,7 +93,7 @@ TUNABLES: dict[str, dict[str, tuple[tuple[int, ...], int]]] = {
         # threads per token (adjacent 16-byte pieces of its row); 2 measured 2.3x faster than 1 on the
         # H200 for head 128 and 2.0x for head 256 (results/2026-11-30-h200/bench_score-variants.json)
         "lanes": ((1, 2, 4), 2),
-        "token_tiles": ((1, 2, 4, 8, 16), 1),  # stages per CTA (amortizes the coefficient prologue)
+        "token_tiles": ((1, 2, 4, 8, 16, 32, 64), 1),  # stages per CTA (amortizes the coefficient prologue)
         # Bytes in flight per thread (the scorer is latency-bound: PERFORMANCE.md). Same scores,
         # bit for bit (same accumulation order); defaults are today's measured best until the H200
         # tuner says otherwise:
@@ -114,6 +114,17 @@ TUNABLES: dict[str, dict[str, tuple[tuple[int, ...], int]]] = {
         # heads >= 8, scripts/score_variants_coef_reuse.json). Same values, same scores; folded
         # to 0 for other dtypes by the tuner. Unmeasured: 0 until the H200 says otherwise.
         "unpack": ((0, 1), 0),
+        # 1: the linear part of the score (a·re + b·im) by tensor-core MMAs over K tiles in shared
+        # memory, coefficients split into three bf16 terms (kvgen/kernels/cute/score_mma.py): not
+        # the same bits as form 0, within the same stated bound. bf16 K, half pairs and a rotated
+        # span of 32-element blocks only (folded to 0 otherwise); the ring depth is bulk_stages
+        # (0 -> 3), and lanes, tokens_per_thread, prefetch, smem_stages and unpack are form 0's
+        # (folded). qwen3-8b B32 0.70 -> 0.92 of copy (results/2026-12-04-h200-s10/callC-score).
+        "form": ((0, 1), 0),
+        "mma_tiles": ((1, 2, 4), 1),           # form 1: 16-token MMA tiles per warp stage
+        # form 1: 1 takes the magnitude term m·|k| to tf32 MMAs too (3xTF32); 0 keeps f32 FMAs, one
+        # per pair and query head, and a shuffle sum over the 4 lanes of a row.
+        "mag_mma": ((0, 1), 0),
     },
     # Normalize, aggregate, select (kvgen/kernels/triton/select.py); none changes a result bit: the
     # summation order of the statistics is fixed by the reference (REDUCTION_LANES), not by these.

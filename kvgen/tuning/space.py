@@ -14,7 +14,17 @@ import math
 from dataclasses import dataclass
 from typing import Mapping
 
-from kvgen.kernels.cute.geometry import bulk_ring_fits, effective_lanes, row_chunks, vector_width
+from kvgen.kernels.cute.geometry import (
+    MMA_SHARED_BUDGET,
+    bulk_ring_fits,
+    effective_lanes,
+    mma_coefficient_bytes,
+    mma_form_fits,
+    mma_magnitude_fits,
+    mma_ring_bytes,
+    row_chunks,
+    vector_width,
+)
 from kvgen.lower.layout import family_layout
 from kvgen.lower.plan import (
     TUNABLES,
@@ -57,6 +67,10 @@ BUCKETS: dict[Op, tuple[Bucket, ...]] = {
     "score": (
         Bucket("b1", {"batch": 1, "width": 4096}, "one request due"),
         Bucket("b32", {"batch": 32, "width": 4096}, "a full decode batch due at once"),
+        # kvgen bench's width (its goals are stated there): 4x the tokens per (layer, head) row, so
+        # more stages per CTA pay (qwen3-8b form 1: token_tiles 8 at 4096, 16 at 16384, callC/callE
+        # of results/2026-12-04-h200-s10)
+        Bucket("b32-wide", {"batch": 32, "width": 16384}, "a full batch of long decodes (the bench's width)"),
     ),
 }
 
@@ -81,28 +95,78 @@ def canonical(op: Op, params: Mapping[str, int], spec: FamilySpec) -> dict[str, 
     out = dict(params)
     if op == "score":
         g = score_geometry(spec)
+        out = fold_score_form(out, spec, g)
         group = g["query_heads"] // g["kv_heads"]
         passes = math.ceil(group / out["max_heads"])
         # the smallest declared max_heads giving the same passes (so the same heads per pass)
         out["max_heads"] = min(m for m in TUNABLES["score"]["max_heads"][0] if math.ceil(group / m) == passes)
-        chunks = row_chunks(g["rotary_start"], g["rotary_dim"], g["pairing"], spec.elem_bytes)
-        out["lanes"] = effective_lanes(out["lanes"], chunks)
-        if out.get("smem_stages", 0) > 0:   # the shared-memory ring replaces the register prefetch
-            out["prefetch"] = 0
-        vec = vector_width(g["rotary_start"], g["rotary_dim"], g["pairing"], spec.elem_bytes)
-        if out.get("bulk_stages", 0) > 0 and not bulk_ring_fits(vec, spec.elem_bytes, out["lanes"],
-                                                                out["tokens_per_thread"]):
-            out["bulk_stages"] = 0           # the bulk ring needs one token per thread, 16-byte pieces
-        if out.get("bulk_stages", 0) > 0:   # it replaces the cp.async ring and the register prefetch
-            out["prefetch"] = out["smem_stages"] = 0
-        if spec.dtype != "bf16":             # shift / mask widening is bf16's only
-            out["unpack"] = 0
+        if out["form"] == 1:                 # form 0's parameters at their defaults (unread)
+            out.update({name: SCORE_DEFAULTS[name] for name in FORM0_PARAMS})
+        else:
+            out = fold_cuda_core_score(out, spec, g)
     if op == "compact":
         out = fold_compact_params(spec, out)
     if op == "codec" and out["decode_split"] != 1 and (out["decode_route"] == 0 or not lut_decode_buffers(spec)):
         out["decode_split"] = 1  # half blocks exist only on the Lut route of 16-bit hot dtypes
     if op == "codec":
         out = fold_codec_params(spec, out)  # the packed fp16 route (rounding 3) needs an fp8 Q = 1 buffer
+    return out
+
+
+def fold_cuda_core_score(params: dict[str, int], spec: FamilySpec, g: Mapping) -> dict[str, int]:
+    """Form 0's equivalences: lanes that divide the row's chunks, and the rings that replace the
+    register prefetch (or cannot hold the row)."""
+    out = dict(params)
+    chunks = row_chunks(g["rotary_start"], g["rotary_dim"], g["pairing"], spec.elem_bytes)
+    out["lanes"] = effective_lanes(out["lanes"], chunks)
+    if out.get("smem_stages", 0) > 0:   # the shared-memory ring replaces the register prefetch
+        out["prefetch"] = 0
+    vec = vector_width(g["rotary_start"], g["rotary_dim"], g["pairing"], spec.elem_bytes)
+    if out.get("bulk_stages", 0) > 0 and not bulk_ring_fits(vec, spec.elem_bytes, out["lanes"],
+                                                            out["tokens_per_thread"]):
+        out["bulk_stages"] = 0           # the bulk ring needs one token per thread, 16-byte pieces
+    if out.get("bulk_stages", 0) > 0:   # it replaces the cp.async ring and the register prefetch
+        out["prefetch"] = out["smem_stages"] = 0
+    if spec.dtype != "bf16":             # shift / mask widening is bf16's only
+        out["unpack"] = 0
+    return out
+
+
+# Score parameters only form 0 reads; form 1 reads mma_tiles and takes bulk_stages as its ring depth.
+FORM0_PARAMS = ("lanes", "tokens_per_thread", "prefetch", "smem_stages", "unpack")
+MMA_PARAMS = ("mma_tiles", "mag_mma")
+SCORE_DEFAULTS = {name: choices[1] for name, choices in TUNABLES["score"].items()}
+MMA_DEFAULT_STAGES = 3
+
+
+def fold_score_form(params: dict[str, int], spec: FamilySpec, g: Mapping) -> dict[str, int]:
+    """Form 1 where it serves the family (else form 0), its ring depth at least 2 stages and its
+    shared memory within budget (fewer MMA tiles, then fewer stages, then fewer warps: the largest
+    shape that fits); form 0 with form 1's parameters at their defaults (unread)."""
+    out = {**{name: SCORE_DEFAULTS[name] for name in ("form", *MMA_PARAMS)}, **params}
+    if out["form"] == 1 and not mma_form_fits(spec.dtype, g["rotary_start"], g["rotary_dim"], g["pairing"]):
+        out["form"] = 0
+    if not mma_magnitude_fits(g["rotary_dim"]):
+        out["mag_mma"] = 0
+    if out["form"] == 0:
+        out.update({name: SCORE_DEFAULTS[name] for name in MMA_PARAMS})
+        return out
+    if out["bulk_stages"] == 0:
+        out["bulk_stages"] = MMA_DEFAULT_STAGES
+    span = g["rotary_dim"] * spec.elem_bytes
+    group = g["query_heads"] // g["kv_heads"]
+    heads = math.ceil(group / math.ceil(group / out["max_heads"]))   # query heads per pass
+    coefficients = mma_coefficient_bytes(heads, g["rotary_dim"], out["mag_mma"])
+    while (mma_ring_bytes(out["threads"] // 32, out["bulk_stages"], 16 * out["mma_tiles"], span) + coefficients
+           > MMA_SHARED_BUDGET):
+        if out["mma_tiles"] > 1:
+            out["mma_tiles"] //= 2
+        elif out["bulk_stages"] > 2:
+            out["bulk_stages"] -= 1
+        elif out["threads"] > min(TUNABLES["score"]["threads"][0]):
+            out["threads"] //= 2
+        else:
+            break
     return out
 
 

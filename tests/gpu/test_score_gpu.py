@@ -14,6 +14,11 @@ the magnitudes every rounding error is relative to) the first-order worst case i
 coefficients and the magnitude. The bound is asserted everywhere, so it holds for any inputs, not
 only on average. Columns past a request's width must be exactly 0.
 
+The tensor-core form (``form`` 1, ``kvgen/kernels/cute/score_mma.py``) is held to the same bound: its
+own, ``(F/2 + 23)·u·T`` with f32 magnitude FMAs and ``(F/2 + 69)·u·T`` with tf32 magnitude MMAs
+(stated and derived in its docstring), is inside ``(3F + 16)·u·T`` for every shipped F (32-128).
+Its scores are not bit-identical to form 0's; kept sets and rounds are compared as below.
+
 fp8 E4M3 K (qwen3-8b-fp8): every code widens exactly, the kernel reads K as stored (no scale), so
 the same bound holds with T taken over the fp8 values, and the kept sets are compared the same way.
 Variants of the pipeline tunables

@@ -43,3 +43,49 @@ def bulk_ring_fits(vec: int, elem_bytes: int, lanes: int, tokens_per_thread: int
     copy moves multiples of 16 bytes between 16-byte aligned addresses), at most 4 effective lanes
     (its row padding gives 8 bank groups) and one token per thread."""
     return vec * elem_bytes == VECTOR_BYTES and lanes <= 4 and tokens_per_thread == 1
+
+
+# Shared memory one CTA of the tensor-core scorer (form 1) may take: two CTAs fit an SM of
+# sm_90a / sm_100a (227 KiB each).
+MMA_SHARED_BUDGET = 110 * 1024
+
+
+def mma_form_fits(dtype: str, rotary_start: int, rotary_dim: int, pairing: str) -> bool:
+    """Whether the tensor-core scorer (form 1) serves a family: bf16 K (an exact MMA operand), half
+    pairs (element f and f + F at the same place of two MMA blocks: the lane holds both parts), a
+    rotated span of whole pair blocks (32 elements) starting 16-byte aligned (a bulk copy per row)."""
+    return dtype == "bf16" and pairing == "half" and rotary_dim % 32 == 0 and rotary_start % 8 == 0
+
+
+def mma_magnitude_fits(rotary_dim: int) -> bool:
+    """Whether form 1 may take the magnitude term to tf32 MMAs (``mag_mma``): its bound,
+    ``(F/2 + 69)·u·T``, is within the stated ``(3F + 16)·u·T`` for F >= 32 pairs only."""
+    return rotary_dim // 2 >= 32
+
+
+def mma_row_stride(span_bytes: int) -> int:
+    """Bytes per ring row: the span padded to 16 (mod 128), so ``ldmatrix``'s 8 rows hit 8 bank groups."""
+    return span_bytes + (16 - span_bytes) % 128
+
+
+def mma_coefficient_bytes(heads: int, rotary_dim: int, mag_mma: int) -> int:
+    """Shared bytes of form 1's coefficients: B fragments ([head tile][block][3 splits][32 lanes][2
+    words]) and the magnitude coefficients: tf32 B fragments ([head tile][block / 2][2 slot pairs][hi,
+    lo][32 lanes][2 words]) with ``mag_mma``, else [block / 2][4][4 · heads, padded to 4 (mod 8) words]."""
+    blocks = rotary_dim // 16
+    head_tiles = -(-heads // 8)
+    if mag_mma:
+        m_words = head_tiles * (blocks // 2) * 2 * 2 * 64
+    else:
+        m_row = 4 * heads
+        m_words = (blocks // 2) * 4 * (m_row + (4 - m_row) % 8)
+    return 4 * (head_tiles * blocks * 3 * 64 + m_words)
+
+
+def mma_ring_bytes(warps: int, stages: int, rows: int, span_bytes: int) -> int:
+    """Shared bytes of the rings of all warps: per warp ``stages`` slots of ``rows`` rows, a used mask
+    per 32 rows of a slot, an mbarrier per slot; each warp's part a multiple of 128 bytes."""
+    copies = (rows + 31) // 32
+    part = stages * rows * mma_row_stride(span_bytes) + stages * copies * 4
+    part += (8 - part % 8) % 8 + stages * 8
+    return warps * (part + (128 - part % 128) % 128)

@@ -389,19 +389,24 @@ class TriScoreKernel:
 
     # ------------------------------------------------------------------ device side
 
+    def cta_item(self, scores: cute.Tensor) -> tuple:
+        """This CTA's ``(tile, layer, request, KV head, first group member of its pass)`` from the
+        grid ``(tiles, Hkv · passes, layers · B)``."""
+        tile, head_pass, layer_request = cute.arch.block_idx()
+        batch = scores.shape[1]
+        layer = layer_request // batch
+        request = layer_request - layer * batch
+        kv_head = head_pass // self.passes
+        return tile, layer, request, kv_head, (head_pass - kv_head * self.passes) * self.heads
+
     @cute.kernel
     def kernel(self, k_ptrs: cute.Tensor, page_table: cute.Tensor, P: cute.Tensor, S: cute.Tensor,
                c: cute.Tensor, d: cute.Tensor, qr: cute.Tensor, qi: cute.Tensor, mlr: cute.Tensor,
                freq_scale_sq: cute.Tensor, scores: cute.Tensor, errors: cute.Tensor, page_stride: Int64,
                num_pages: Int32):
         tid, _, _ = cute.arch.thread_idx()
-        tile, head_pass, layer_request = cute.arch.block_idx()
-        batch = scores.shape[1]
+        tile, layer, request, kv_head, first = self.cta_item(scores)
         width = scores.shape[3]
-        layer = layer_request // batch
-        request = layer_request - layer * batch
-        kv_head = head_pass // self.passes
-        first = (head_pass - kv_head * self.passes) * self.heads   # first group member of this pass
         lane = tid % self.lanes
         token = RowSource(k_ptrs, page_table, P, errors, page_stride, num_pages, layer, request, kv_head, lane,
                           S[request] - P[request], hoist=self.pipelined)
