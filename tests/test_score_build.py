@@ -470,3 +470,28 @@ def test_tensor_core_scorer_compiles_for_sm100_targets(tmp_path: Path, toolchain
     (build,) = compile_scores([spec], arch, tmp_path / "cache", toolchain, params)
     assert build.status == "built", build.error
     _check_library(build.artifact, build.family, arch)
+
+
+def test_tensor_core_scorer_places_each_pair_once_where_the_mma_fragments_hold_it() -> None:
+    """The index arithmetic of form 1 against the PTX fragment layout of ``mma.m16n8k16`` (A: lane
+    ``4g + t4`` holds columns ``2·t4 + {0, 1}`` and ``+ 8``) and ``m16n8k8`` (B: lane ``4n + t4``
+    holds rows ``t4`` and ``t4 + 4``): every pair has one (block, lane, slot), and the magnitude
+    B fragments fill their words exactly once."""
+    pytest.importorskip("cutlass", reason="the kernel objects are CuTe DSL")
+    from kvgen.kernels.cute.score_mma import make_score_kernel
+
+    for family in ("qwen3-8b", "gemma-2-9b", "qwen3.5-397b-a17b"):
+        kernel = make_score_kernel(**_kernel_geometry(family), **{**default_params("score"), "form": 1,
+                                                                   "bulk_stages": 2, "mag_mma": 1})
+        places = {kernel.pair_place(f) for f in range(kernel.freqs)}
+        assert len(places) == kernel.freqs
+        for f in range(kernel.freqs):
+            block, t4, slot = kernel.pair_place(f)
+            # register q of lane t4 holds columns 2·t4 + 8·(q // 2) + {0, 1}: slot 2·(q // 2) + e
+            assert block < kernel.mag_blocks and 16 * block + 2 * t4 + 8 * (slot // 2) + slot % 2 == f
+            # the im element f + F is the same place of block + blocks / 2
+            assert (f + kernel.freqs) // 16 == block + kernel.mag_blocks and (f + kernel.freqs) % 16 == f % 16
+        words = [kernel.m_fragment_word(nt, block, j, split, lane, r)
+                 for nt in range(kernel.head_tiles) for block in range(kernel.mag_blocks)
+                 for j in range(kernel.slot_pairs) for split in range(2) for lane in range(32) for r in range(2)]
+        assert sorted(words) == list(range(kernel.m_words))
