@@ -426,17 +426,17 @@ MMA_VARIANTS = [  # (family, params): both magnitude routes, several MMA tiles a
 
 def test_tensor_core_scorer_sizes_its_shared_memory_as_the_tuner_does() -> None:
     """The tuner folds form 1 to what fits ``MMA_SHARED_BUDGET`` without importing CUTLASS
-    (``geometry.mma_coefficient_bytes`` / ``mma_ring_bytes``); the kernel allocates its own words."""
+    (``geometry.mma_coefficient_words`` / ``mma_ring_bytes``), and the kernel allocates exactly that."""
     pytest.importorskip("cutlass", reason="the kernel objects are CuTe DSL")
-    from kvgen.kernels.cute.geometry import mma_coefficient_bytes, mma_ring_bytes
+    from kvgen.kernels.cute.geometry import mma_coefficient_words, mma_ring_bytes
     from kvgen.kernels.cute.score_mma import TriScoreMmaKernel, make_score_kernel
 
     for family, params in MMA_VARIANTS:
         render_params = {**default_params("score"), **params}
         kernel = make_score_kernel(**_kernel_geometry(family), **render_params)
         assert isinstance(kernel, TriScoreMmaKernel)
-        assert 4 * (kernel.b_words + kernel.m_words) == mma_coefficient_bytes(kernel.heads, kernel.rotary_dim,
-                                                                              kernel.mag_mma)
+        assert (kernel.b_words, kernel.m_words) == mma_coefficient_words(kernel.heads, kernel.rotary_dim,
+                                                                          kernel.mag_mma)
         assert kernel.ring_bytes == mma_ring_bytes(kernel.warps, kernel.stages, kernel.rows, kernel.span_bytes)
     with pytest.raises(ValueError, match="form 1: needs bf16 K, half pairs"):
         make_score_kernel(**_kernel_geometry("mistral-7b"), **{**default_params("score"), "form": 1})
@@ -478,7 +478,7 @@ def test_tensor_core_scorer_places_each_pair_once_where_the_mma_fragments_hold_i
     holds rows ``t4`` and ``t4 + 4``): every pair has one (block, lane, slot), and the magnitude
     B fragments fill their words exactly once."""
     pytest.importorskip("cutlass", reason="the kernel objects are CuTe DSL")
-    from kvgen.kernels.cute.score_mma import make_score_kernel
+    from kvgen.kernels.cute.score_mma import SLOT_PAIRS, make_score_kernel
 
     for family in ("qwen3-8b", "gemma-2-9b", "qwen3.5-397b-a17b"):
         kernel = make_score_kernel(**_kernel_geometry(family), **{**default_params("score"), "form": 1,
@@ -493,5 +493,5 @@ def test_tensor_core_scorer_places_each_pair_once_where_the_mma_fragments_hold_i
             assert (f + kernel.freqs) // 16 == block + kernel.mag_blocks and (f + kernel.freqs) % 16 == f % 16
         words = [kernel.m_fragment_word(nt, block, j, split, lane, r)
                  for nt in range(kernel.head_tiles) for block in range(kernel.mag_blocks)
-                 for j in range(kernel.slot_pairs) for split in range(2) for lane in range(32) for r in range(2)]
+                 for j in range(SLOT_PAIRS) for split in range(2) for lane in range(32) for r in range(2)]
         assert sorted(words) == list(range(kernel.m_words))

@@ -18,7 +18,7 @@ from kvgen.kernels.cute.geometry import (
     MMA_SHARED_BUDGET,
     bulk_ring_fits,
     effective_lanes,
-    mma_coefficient_bytes,
+    mma_coefficient_words,
     mma_form_fits,
     mma_magnitude_fits,
     mma_ring_bytes,
@@ -95,11 +95,11 @@ def canonical(op: Op, params: Mapping[str, int], spec: FamilySpec) -> dict[str, 
     out = dict(params)
     if op == "score":
         g = score_geometry(spec)
-        out = fold_score_form(out, spec, g)
         group = g["query_heads"] // g["kv_heads"]
         passes = math.ceil(group / out["max_heads"])
         # the smallest declared max_heads giving the same passes (so the same heads per pass)
         out["max_heads"] = min(m for m in TUNABLES["score"]["max_heads"][0] if math.ceil(group / m) == passes)
+        out = fold_score_form(out, spec, g, heads=math.ceil(group / passes))
         if out["form"] == 1:                 # form 0's parameters at their defaults (unread)
             out.update({name: SCORE_DEFAULTS[name] for name in FORM0_PARAMS})
         else:
@@ -135,14 +135,15 @@ def fold_cuda_core_score(params: dict[str, int], spec: FamilySpec, g: Mapping) -
 # Score parameters only form 0 reads; form 1 reads mma_tiles and takes bulk_stages as its ring depth.
 FORM0_PARAMS = ("lanes", "tokens_per_thread", "prefetch", "smem_stages", "unpack")
 MMA_PARAMS = ("mma_tiles", "mag_mma")
-SCORE_DEFAULTS = {name: choices[1] for name, choices in TUNABLES["score"].items()}
+SCORE_DEFAULTS = default_params("score")
 MMA_DEFAULT_STAGES = 3
 
 
-def fold_score_form(params: dict[str, int], spec: FamilySpec, g: Mapping) -> dict[str, int]:
+def fold_score_form(params: dict[str, int], spec: FamilySpec, g: Mapping, heads: int) -> dict[str, int]:
     """Form 1 where it serves the family (else form 0), its ring depth at least 2 stages and its
     shared memory within budget (fewer MMA tiles, then fewer stages, then fewer warps: the largest
-    shape that fits); form 0 with form 1's parameters at their defaults (unread)."""
+    shape that fits, with ``heads`` query heads a pass); form 0 with form 1's parameters at their
+    defaults (unread)."""
     out = {**{name: SCORE_DEFAULTS[name] for name in ("form", *MMA_PARAMS)}, **params}
     if out["form"] == 1 and not mma_form_fits(spec.dtype, g["rotary_start"], g["rotary_dim"], g["pairing"]):
         out["form"] = 0
@@ -154,9 +155,7 @@ def fold_score_form(params: dict[str, int], spec: FamilySpec, g: Mapping) -> dic
     if out["bulk_stages"] == 0:
         out["bulk_stages"] = MMA_DEFAULT_STAGES
     span = g["rotary_dim"] * spec.elem_bytes
-    group = g["query_heads"] // g["kv_heads"]
-    heads = math.ceil(group / math.ceil(group / out["max_heads"]))   # query heads per pass
-    coefficients = mma_coefficient_bytes(heads, g["rotary_dim"], out["mag_mma"])
+    coefficients = 4 * sum(mma_coefficient_words(heads, g["rotary_dim"], out["mag_mma"]))
     while (mma_ring_bytes(out["threads"] // 32, out["bulk_stages"], 16 * out["mma_tiles"], span) + coefficients
            > MMA_SHARED_BUDGET):
         if out["mma_tiles"] > 1:

@@ -68,18 +68,20 @@ def mma_row_stride(span_bytes: int) -> int:
     return span_bytes + (16 - span_bytes) % 128
 
 
-def mma_coefficient_bytes(heads: int, rotary_dim: int, mag_mma: int) -> int:
-    """Shared bytes of form 1's coefficients: B fragments ([head tile][block][3 splits][32 lanes][2
-    words]) and the magnitude coefficients: tf32 B fragments ([head tile][block / 2][2 slot pairs][hi,
-    lo][32 lanes][2 words]) with ``mag_mma``, else [block / 2][4][4 · heads, padded to 4 (mod 8) words]."""
+def mma_m_stride(heads: int) -> int:
+    """Words per quad lane of form 1's f32 magnitude coefficients (4 slots x ``heads``), padded to 4
+    (mod 8) so the 4 addresses of a warp's read fall in different banks."""
+    return 4 * heads + (4 - 4 * heads) % 8
+
+
+def mma_coefficient_words(heads: int, rotary_dim: int, mag_mma: int) -> tuple[int, int]:
+    """Shared words of form 1's coefficients: the B fragments ([head tile][block][3 splits][32
+    lanes][2 words]) and the magnitude coefficients: tf32 B fragments ([head tile][block / 2][2 slot
+    pairs][hi, lo][32 lanes][2 words]) with ``mag_mma``, else [block / 2][4 quad lanes][``mma_m_stride``]."""
     blocks = rotary_dim // 16
     head_tiles = -(-heads // 8)
-    if mag_mma:
-        m_words = head_tiles * (blocks // 2) * 2 * 2 * 64
-    else:
-        m_row = 4 * heads
-        m_words = (blocks // 2) * 4 * (m_row + (4 - m_row) % 8)
-    return 4 * (head_tiles * blocks * 3 * 64 + m_words)
+    m_words = head_tiles * (blocks // 2) * 2 * 2 * 64 if mag_mma else (blocks // 2) * 4 * mma_m_stride(heads)
+    return head_tiles * blocks * 3 * 64, m_words
 
 
 def mma_ring_bytes(warps: int, stages: int, rows: int, span_bytes: int) -> int:

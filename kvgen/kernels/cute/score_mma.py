@@ -57,8 +57,9 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 
 from kvgen.kernels.cute.geometry import (
     MMA_SHARED_BUDGET,
-    mma_coefficient_bytes,
+    mma_coefficient_words,
     mma_form_fits,
+    mma_m_stride,
     mma_magnitude_fits,
     mma_ring_bytes,
     mma_row_stride,
@@ -78,12 +79,15 @@ SPLITS = 3          # bf16 terms per coefficient
 MMA_ROWS = 16       # tokens per MMA tile (m16)
 MMA_HEADS = 8       # query heads per MMA tile (n8)
 BLOCK = 16          # rotated elements per MMA step (k16)
+SLOTS = 4           # pairs a lane holds per magnitude block (2 columns x 2 registers), in 2 rows
+SLOT_PAIRS = 2      # tf32 k8 MMAs per magnitude block: slots (0, 1) and (2, 3)
 
 
-def _asm(result_types, operands, text, constraints, *, loc=None, ip=None):
+def _asm(result_types, operands, text, constraints, *, side_effects=False, loc=None, ip=None):
+    """One inline PTX statement; ``side_effects``: kept where it is (shared-memory traffic)."""
     return llvm.inline_asm(result_types, [v.ir_value(loc=loc, ip=ip) for v in operands], text, constraints,
-                           has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
-                           loc=loc, ip=ip)
+                           has_side_effects=side_effects, is_align_stack=False,
+                           asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
 
 
 def _unpack(struct_value, ir_type, count, dtype, *, loc=None, ip=None) -> list:
@@ -96,10 +100,8 @@ def ldmatrix_x4(address: Int32, *, loc=None, ip=None) -> list:
     matrix ``i // 8``), one 32-bit word of each per lane: the A fragment of ``mma.m16n8k16``. Volatile
     (after the barrier wait, never hoisted)."""
     struct = llvm.StructType.get_literal([T.i32()] * 4)
-    value = llvm.inline_asm(struct, [Int32(address).ir_value(loc=loc, ip=ip)],
-                            "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,r",
-                            has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
-                            loc=loc, ip=ip)
+    value = _asm(struct, [Int32(address)], "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {$0, $1, $2, $3}, [$4];",
+                 "=r,=r,=r,=r,r", side_effects=True, loc=loc, ip=ip)
     return _unpack(value, T.i32(), 4, Int32, loc=loc, ip=ip)
 
 
@@ -126,9 +128,13 @@ def tf32_split(x: Float32) -> tuple:
     """``x ≈ hi + lo`` as two tf32 words, each an f32 truncated to 10 fraction bits by a mask (a
     conversion instruction is emulated on sm_90a: ~9 instructions): ``hi`` leaves ``x - hi`` exactly,
     ``lo`` truncates that, so ``|x - hi - lo| < 2⁻²⁰·|x|``. The tensor core reads exactly these bits."""
-    hi = Int32(llvm.bitcast(T.i32(), Float32(x).ir_value())) & Int32(TF32_MASK)
-    rest = x - word_as_f32(hi)
-    return hi, Int32(llvm.bitcast(T.i32(), Float32(rest).ir_value())) & Int32(TF32_MASK)
+    hi = f32_bits(x) & Int32(TF32_MASK)
+    return hi, f32_bits(x - word_as_f32(hi)) & Int32(TF32_MASK)
+
+
+def f32_bits(x: Float32) -> Int32:
+    """The 32 bits of an f32 (a bit cast: no instruction)."""
+    return Int32(llvm.bitcast(T.i32(), Float32(x).ir_value()))
 
 
 @dsl_user_op
@@ -148,9 +154,8 @@ def sqrt_ftz(x: Float32, *, loc=None, ip=None) -> Float32:
 @dsl_user_op
 def shared_store_b16(address: Int32, value: Int32, *, loc=None, ip=None) -> None:
     """The low 16 bits of ``value`` into shared memory at a byte address."""
-    llvm.inline_asm(None, [Int32(address).ir_value(loc=loc, ip=ip), Int32(value).ir_value(loc=loc, ip=ip)],
-                    "{ .reg .b16 h; cvt.u16.u32 h, $1; st.shared.b16 [$0], h; }", "r,r", has_side_effects=True,
-                    is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+    _asm(None, [Int32(address), Int32(value)], "{ .reg .b16 h; cvt.u16.u32 h, $1; st.shared.b16 [$0], h; }", "r,r",
+         side_effects=True, loc=loc, ip=ip)
 
 
 def bf16_low(word: Int32) -> Float32:
@@ -194,20 +199,15 @@ class TriScoreMmaKernel(TriScoreKernel):
         # Magnitude blocks: the re elements of pairs 16q .. 16q + 15 are block q, their im elements
         # block q + blocks / 2; a lane holds 4 pairs (slots) of each, in 2 rows.
         self.mag_blocks = self.blocks // 2
-        self.mag_slots = 4
         # mag_mma 1: Σ m·|k| by tf32 MMAs (k8: two pair slots of each lane per MMA), three per MMA
         # step for the hi/lo splits of both operands; 0: f32 FMAs and a shuffle sum over the quad.
         self.mag_mma = mag_mma
-        self.slot_pairs = self.mag_slots // 2
         self.row_stride = mma_row_stride(self.span_bytes)
         # Shared memory: B fragments [head_tile][block][split][lane][2 words]; m [mag_block][t4][slot][head]
         # with the t4 rows 4 (mod 8) words apart (the 4 addresses of a warp's read in different banks);
         # then per warp its ring of rows, the used masks [slot][copy] and the mbarriers [slot].
-        self.b_words = self.head_tiles * self.blocks * SPLITS * 64
-        m_row = self.mag_slots * self.heads
-        self.m_stride = m_row + (4 - m_row) % 8
-        self.m_words = (self.head_tiles * self.mag_blocks * self.slot_pairs * 2 * 64 if mag_mma
-                        else self.mag_blocks * 4 * self.m_stride)
+        self.b_words, self.m_words = mma_coefficient_words(self.heads, rotary_dim, mag_mma)
+        self.m_stride = mma_m_stride(self.heads)
         self.m_width = 4 if self.heads % 4 == 0 else 2 if self.heads % 2 == 0 else 1
         self.ring_bytes = mma_ring_bytes(self.warps, self.stages, self.rows, self.span_bytes)
         if self.ring_bytes + 4 * (self.b_words + self.m_words) > MMA_SHARED_BUDGET:
@@ -348,7 +348,7 @@ class TriScoreMmaKernel(TriScoreKernel):
         """``Σ m·|k|`` into the accumulators by tf32 MMAs: MMA ``j`` takes slots ``2j`` (k = t4) and
         ``2j + 1`` (k = t4 + 4) of rows g and g + 8; 3xTF32 (hi·hi, hi·lo, lo·hi), one per chain."""
         place = {(q % 2, self.slot_of(q, e)): v for q, values in enumerate(magnitudes) for e, v in enumerate(values)}
-        for j in range(self.slot_pairs):
+        for j in range(SLOT_PAIRS):
             fragment = [place[(0, 2 * j)], place[(1, 2 * j)], place[(0, 2 * j + 1)], place[(1, 2 * j + 1)]]
             split = [tf32_split(v) for v in fragment]
             hi, lo = [x[0] for x in split], [x[1] for x in split]
@@ -382,10 +382,10 @@ class TriScoreMmaKernel(TriScoreKernel):
         ``[head_tile][slot pair]`` -> (hi, lo) B fragments of two words each (mag_mma)."""
         if self.mag_mma:
             return [[[volatile_shared_load(m_coef + self.m_fragment_word(nt, block, j, split, lane) * 4, 2, Int32)
-                      for split in range(2)] for j in range(self.slot_pairs)] for nt in range(self.head_tiles)]
+                      for split in range(2)] for j in range(SLOT_PAIRS)] for nt in range(self.head_tiles)]
         base = (block * 4 + lane % 4) * self.m_stride
         values = []
-        for i in range(0, self.mag_slots * self.heads, self.m_width):
+        for i in range(0, SLOTS * self.heads, self.m_width):
             values += volatile_shared_load(m_coef + (base + i) * 4, self.m_width)
         return values
 
@@ -474,7 +474,7 @@ class TriScoreMmaKernel(TriScoreKernel):
 
     def m_fragment_word(self, nt, block, j, split, lane, r=0):
         """Word of ``m``'s tf32 B fragments: [head tile][block][slot pair][hi, lo][lane][b0, b1]."""
-        return ((((nt * self.mag_blocks + block) * self.slot_pairs + j) * 2 + split) * 32 + lane) * 2 + r
+        return ((((nt * self.mag_blocks + block) * SLOT_PAIRS + j) * 2 + split) * 32 + lane) * 2 + r
 
     def store_m_fragment(self, m_coef: Int32, h, f, m: Float32) -> None:
         """``m`` of (head ``h``, pair ``f``) as tf32 hi and lo at its B fragment place: lane
