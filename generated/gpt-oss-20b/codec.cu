@@ -2,14 +2,14 @@
 // family:   gpt-oss-20b
 // op:       codec
 // template: codec.cu.j2
-// plan key: 0c9da6faff0056318c5d435da60f9810a599b9743cef567fc889350f8e06e100
+// plan key: c2c566b66fb5a0308abb5e42e7b8048127d383d14c160586434637dc15a99704
 //
 // Cold-page codec of family gpt-oss-20b (COLD_PAGE_FORMAT.md, version 1).
 // This file only describes the family; the kernels are kvgen/kernels/cuda/codec_kernels.cuh.
 //
 // Layer record: 18432 bytes (18432 before padding), hot dtype bf16, layout HND.
 // Launch: 256 threads per CTA (min_blocks 0), one CTA per (page pair, layer), the record staged in shared memory;
-// 4 16-byte loads in flight per thread when the record crosses the bus;
+// 4 16-byte loads in flight per thread when the record crosses the bus (decode: record load route 0; encode: bulk record store 0);
 // E2M1 rounding route 4 of the software path (nvfp4::Rounding), decode route 1 of plain blocks (nvfp4::DecodeRoute);
 // encode loads 1 plain block(s) per thread before quantizing them; decode splits a plain block over 2 thread(s).
 #include "codec_host.cuh"
@@ -75,6 +75,18 @@ using Layer = codec::Layer<18432, 18432, codec::Quantized<Buffer_k, Hot, kRoundi
 template <>
 struct codec::LaunchBounds<family::Layer> {
   static constexpr int kMinBlocks = 0;
+};
+
+// How decode loads the record into shared memory (codec::RecordLoad, a tunable; 0: through registers).
+template <>
+struct codec::DecodeLoad<family::Layer> {
+  static constexpr auto kRoute = static_cast<codec::RecordLoad>(0);
+};
+
+// Whether encode stores the record with one cp.async.bulk (codec::EncodeStore, a tunable).
+template <>
+struct codec::EncodeStore<family::Layer> {
+  static constexpr bool kBulk = 0;  // encode_store 1
 };
 
 namespace family {

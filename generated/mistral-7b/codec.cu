@@ -2,14 +2,14 @@
 // family:   mistral-7b
 // op:       codec
 // template: codec.cu.j2
-// plan key: c45a55f52c7fa1b15a4ecf2064acf41e6818eb0c8b861dbdc20ba8572cb7b30f
+// plan key: 73c7c3dce85b5b2a4b9d5a863835bdef24ef09ebc914ff1b3eef892e667c2314
 //
 // Cold-page codec of family mistral-7b (COLD_PAGE_FORMAT.md, version 1).
 // This file only describes the family; the kernels are kvgen/kernels/cuda/codec_kernels.cuh.
 //
 // Layer record: 18432 bytes (18432 before padding), hot dtype fp16, layout NHD.
 // Launch: 256 threads per CTA (min_blocks 0), one CTA per (page pair, layer), the record staged in shared memory;
-// 4 16-byte loads in flight per thread when the record crosses the bus;
+// 4 16-byte loads in flight per thread when the record crosses the bus (decode: record load route 0; encode: bulk record store 0);
 // E2M1 rounding route 2 of the software path (nvfp4::Rounding), decode route 1 of plain blocks (nvfp4::DecodeRoute);
 // encode loads 1 plain block(s) per thread before quantizing them; decode splits a plain block over 2 thread(s).
 #include "codec_host.cuh"
@@ -75,6 +75,18 @@ using Layer = codec::Layer<18432, 18432, codec::Quantized<Buffer_k, Hot, kRoundi
 template <>
 struct codec::LaunchBounds<family::Layer> {
   static constexpr int kMinBlocks = 0;
+};
+
+// How decode loads the record into shared memory (codec::RecordLoad, a tunable; 0: through registers).
+template <>
+struct codec::DecodeLoad<family::Layer> {
+  static constexpr auto kRoute = static_cast<codec::RecordLoad>(0);
+};
+
+// Whether encode stores the record with one cp.async.bulk (codec::EncodeStore, a tunable).
+template <>
+struct codec::EncodeStore<family::Layer> {
+  static constexpr bool kBulk = 0;  // encode_store 1
 };
 
 namespace family {

@@ -73,6 +73,15 @@ TUNABLES: dict[str, dict[str, tuple[tuple[int, ...], int]]] = {
         # 0.622 -> 0.871, deepseek-v4-csa 0.740 -> 0.812 (results/2026-12-02-h200/codec_device_check.json;
         # qwen3-8b-fp8 measured 0.775 -> 0.747 is the same kernel, folded to 1, i.e. run-to-run noise).
         "decode_split": ((1, 2), 2),
+        # How decode brings the record from the cold slot into shared memory (codec_kernels.cuh
+        # RecordLoad): 0 = through registers, in_flight 16-byte loads per thread at a time (a memory
+        # round trip per threads x in_flight words), 1 = cp.async, every word of a thread in flight at
+        # once, 2 = one cp.async.bulk of the whole record (sm_90+) waited on with an mbarrier. Same bytes.
+        "decode_load": ((0, 1, 2), 0),
+        # How encode stores the finished record from shared memory to the cold slot: 0 = through
+        # registers (in_flight words per thread at a time), 1 = one cp.async.bulk store by one thread
+        # (sm_90+; the other warps retire at once). Same bytes.
+        "encode_store": ((0, 1), 0),
     },
     "compact": {
         # 512 threads and 128-move tiles raise the bytes in flight per CTA (batch 1 has few CTAs);

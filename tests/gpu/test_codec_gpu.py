@@ -122,7 +122,9 @@ def test_encode_decode_bit_exact(family, where, index_location, n):
 VARIANTS = [{"decode_route": 0}, {"decode_route": 1}, {"rounding": 0}, {"rounding": 1},
             *({"threads": 512, "min_blocks": m} for m in (1, 2, 3, 4)), {"threads": 256, "min_blocks": 4},
             {"hot_batch": 2}, {"hot_batch": 4}, {"hot_batch": 4, "threads": 64}, {"rounding": 2},
-            {"decode_split": 2}, {"decode_split": 2, "threads": 64}]  # rounding 3 is the default
+            {"decode_split": 2}, {"decode_split": 2, "threads": 64},  # rounding 3 is the default
+            {"decode_load": 1}, {"decode_load": 2}, {"decode_load": 2, "threads": 64},
+            {"encode_store": 1}, {"encode_store": 1, "threads": 64}]
 VARIANT_FAMILIES = ["qwen3-8b", "mistral-7b", "qwen3-8b-fp8", "deepseek-v4-csa"]
 
 
@@ -150,8 +152,8 @@ def variant_libraries(tmp_path_factory):
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: ",".join(f"{k}={x}" for k, x in v.items()))
 @pytest.mark.parametrize("family", VARIANT_FAMILIES)
 def test_codec_variants_bit_exact(variant_libraries, family, variant):
-    """Every value of decode_route / rounding / min_blocks / hot_batch / decode_split writes the oracle's
-    bytes, both ways."""
+    """Every value of decode_route / rounding / min_blocks / hot_batch / decode_split / decode_load /
+    encode_store writes the oracle's bytes, both ways."""
     from kvgen.lower.plan import default_params
     from kvgen.tuning.space import config_id
 

@@ -572,6 +572,135 @@ __device__ __forceinline__ void copy_record(uint8_t* __restrict__ dst, const uin
   }
 }
 
+// How decode brings a record from its cold slot into shared memory (the tunable decode_load; the
+// same bytes land).  The register copy costs one memory round trip per kThreads * kInFlight words
+// (a qwen3-8b record, 2304 words, takes three at 256 x 4), and a CTA decodes nothing until the last
+// one returns; the asynchronous copies put the whole record in flight at once and hold no registers:
+//   Registers  copy_record: kInFlight 16-byte loads per thread, then their shared-memory stores;
+//   Async      cp.async (LDGSTS): every 16-byte word of a thread issued at once, one wait;
+//   Bulk       one cp.async.bulk of the whole record by one thread, the CTA waiting on an mbarrier
+//              (the copy engine of the SM does the addressing: no per-word instructions at all).
+// kvgen builds only for sm_90 and later, where these copies and EncodeStore's exist; device code
+// compiled for an older architecture (the host test programs' device pass) takes the register copy.
+enum class RecordLoad : int { Registers = 0, Async = 1, Bulk = 2 };
+
+template <class L>
+struct DecodeLoad {
+  static constexpr RecordLoad kRoute = RecordLoad::Registers;
+};
+
+// How encode sends the finished record from shared memory to its cold slot (the tunable
+// encode_store; the same bytes land): through registers (copy_record), or one cp.async.bulk store
+// issued by thread 0, which alone waits for shared memory to be read while the other warps retire.
+template <class L>
+struct EncodeStore {
+  static constexpr bool kBulk = false;
+};
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define KVGEN_CODEC_ASYNC_COPIES 1
+#else
+#define KVGEN_CODEC_ASYNC_COPIES 0
+#endif
+
+#if KVGEN_CODEC_ASYNC_COPIES
+// RecordLoad::Async.  .cg: the record is read once, so it bypasses L1.
+template <int kBytes, int kThreads>
+__device__ __forceinline__ void load_record_async(uint8_t* __restrict__ dst, const uint8_t* __restrict__ src) {
+  const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  for (int i = threadIdx.x; i < kBytes / 16; i += kThreads) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(base + 16 * i), "l"(src + 16 * i) : "memory");
+  }
+  asm volatile("cp.async.wait_all;" ::: "memory");
+}
+
+// RecordLoad::Bulk.  The barrier's initialization must be visible to the copy (the async proxy)
+// and to every waiting thread before thread 0 arms it; the transaction count of one mbarrier phase
+// is below 2^20 bytes, far above any record.
+template <int kBytes>
+__device__ __forceinline__ void load_record_bulk(uint8_t* __restrict__ dst, const uint8_t* __restrict__ src) {
+  static_assert(kBytes % 16 == 0 && kBytes < (1 << 20), "one bulk copy, within one mbarrier phase");
+  __shared__ alignas(8) uint64_t arrived;
+  const uint32_t bar = static_cast<uint32_t>(__cvta_generic_to_shared(&arrived));
+  if (threadIdx.x == 0) {
+    asm volatile(
+        "mbarrier.init.shared::cta.b64 [%0], 1;\n\t"
+        "fence.mbarrier_init.release.cluster;\n\t"
+        "fence.proxy.async.shared::cta;" ::"r"(bar)
+        : "memory");
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    asm volatile(
+        "mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n\t"
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%2], [%3], %1, [%0];"
+        ::"r"(bar), "r"(kBytes), "r"(static_cast<uint32_t>(__cvta_generic_to_shared(dst))), "l"(src)
+        : "memory");
+  }
+  asm volatile(
+      "{\n\t.reg .pred done;\n\t"
+      "wait:\n\tmbarrier.try_wait.parity.shared::cta.b64 done, [%0], 0;\n\t"
+      "@!done bra wait;\n\t}" ::"r"(bar)
+      : "memory");
+}
+
+// EncodeStore::kBulk.  Every thread's shared-memory writes (generic proxy) are made visible to the
+// bulk copy (async proxy) before the barrier that precedes it (fence_record_for_bulk_store); the
+// wait is for the reads of shared memory only, which must end before the CTA's memory is reused:
+// the global writes complete before the kernel does.
+__device__ __forceinline__ void fence_record_for_bulk_store() {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
+template <int kBytes>
+__device__ __forceinline__ void store_record_bulk(uint8_t* __restrict__ dst, const uint8_t* __restrict__ src) {
+  static_assert(kBytes % 16 == 0, "bulk copies move multiples of 16 bytes");
+  if (threadIdx.x == 0) {
+    asm volatile(
+        "cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n\t"
+        "cp.async.bulk.commit_group;\n\t"
+        "cp.async.bulk.wait_group.read 0;" ::"l"(dst), "r"(static_cast<uint32_t>(__cvta_generic_to_shared(src))),
+        "r"(kBytes)
+        : "memory");
+  }
+}
+#endif
+
+template <class L, int kThreads, int kInFlight>
+__device__ __forceinline__ void load_record(uint8_t* __restrict__ rec, const uint8_t* __restrict__ slot) {
+#if KVGEN_CODEC_ASYNC_COPIES
+  if constexpr (DecodeLoad<L>::kRoute == RecordLoad::Bulk) {
+    load_record_bulk<L::kRecordBytes>(rec, slot);
+    return;
+  } else if constexpr (DecodeLoad<L>::kRoute == RecordLoad::Async) {
+    load_record_async<L::kRecordBytes, kThreads>(rec, slot);
+    return;
+  }
+#endif
+  copy_record<L::kRecordBytes, kThreads, kInFlight>(rec, slot);
+}
+
+template <class L, int kThreads, int kInFlight>
+__device__ __forceinline__ void store_record(uint8_t* __restrict__ slot, const uint8_t* __restrict__ rec) {
+#if KVGEN_CODEC_ASYNC_COPIES
+  if constexpr (EncodeStore<L>::kBulk) {
+    store_record_bulk<L::kRecordBytes>(slot, rec);
+    return;
+  }
+#endif
+  copy_record<L::kRecordBytes, kThreads, kInFlight>(slot, rec);
+}
+
+// Before the barrier between building the record and storing it.
+template <class L>
+__device__ __forceinline__ void record_built() {
+#if KVGEN_CODEC_ASYNC_COPIES
+  if constexpr (EncodeStore<L>::kBulk) fence_record_for_bulk_store();
+#endif
+  __syncthreads();
+}
+#undef KVGEN_CODEC_ASYNC_COPIES
+
 // Minimum resident CTAs per SM the kernels of layer type L ask ptxas for (the second
 // __launch_bounds__ argument): it caps registers at about 64K / (threads * kMinBlocks), trading
 // registers (and possibly spills) for occupancy.  A tunable: a generated file specializes this for
@@ -609,9 +738,9 @@ encode_kernel(const PoolDesc* __restrict__ pools, uint8_t* cold, int64_t cold_pa
   const PagePair pair = pair_at<kDevicePairs>(batch, pairs, blockIdx.x);
   if (!pair_in_range<true>(pair, limits, threadIdx.x == 0 && blockIdx.y == 0)) return;
   L::encode(rec, pools + blockIdx.y * L::kNumParts, pair.src, layer_scales<L>(pools), cta_lanes());
-  __syncthreads();
+  record_built<L>();
   uint8_t* slot = cold + pair.dst * cold_page_bytes + (int64_t)blockIdx.y * L::kRecordBytes;
-  copy_record<L::kRecordBytes, kThreads, kInFlight>(slot, rec);
+  store_record<L, kThreads, kInFlight>(slot, rec);
 }
 
 template <class L, int kThreads, int kInFlight, bool kDevicePairs>
@@ -623,7 +752,7 @@ decode_kernel(const PoolDesc* __restrict__ pools, const uint8_t* cold, int64_t c
   const PagePair pair = pair_at<kDevicePairs>(batch, pairs, blockIdx.x);
   if (!pair_in_range<false>(pair, limits, threadIdx.x == 0 && blockIdx.y == 0)) return;
   const uint8_t* slot = cold + pair.src * cold_page_bytes + (int64_t)blockIdx.y * L::kRecordBytes;
-  copy_record<L::kRecordBytes, kThreads, kInFlight>(rec, slot);
+  load_record<L, kThreads, kInFlight>(rec, slot);
   __syncthreads();
   L::decode(rec, pools + blockIdx.y * L::kNumParts, pair.dst, layer_scales<L>(pools), cta_lanes());
 }
