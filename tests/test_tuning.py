@@ -125,8 +125,8 @@ def test_missing_measurements_are_failed_trials_with_a_reason(tmp_path: Path, gr
     assert result.failures.get("missing") == dropped and result.best["threads"] != 512
 
 
-SUBSPACE = {"rounding": 4, "decode_route": 1, "min_blocks": 0, "hot_batch": 1, "decode_split": 2, "decode_load": 0,
-            "encode_store": 0}
+SUBSPACE = {"rounding": 4, "decode_route": 1, "min_blocks": 0, "hot_batch": 1, "decode_split": 2, "decode_load": 1,
+            "encode_store": 1}
 
 
 def test_a_fixed_subspace_is_searched_whole_with_its_default_and_nothing_else(tmp_path: Path) -> None:

@@ -2,14 +2,14 @@
 // family:   deepseek-v3
 // op:       codec
 // template: codec.cu.j2
-// plan key: ed810cdbe49d168e19aeb967e70a63a61638eaa2fec43b796875edc571dda3f0
+// plan key: f448924b8471ca5cc7ca1224c124b9966c737c520d7fc89446396245b5aad755
 //
 // Cold-page codec of family deepseek-v3 (COLD_PAGE_FORMAT.md, version 1).
 // This file only describes the family; the kernels are kvgen/kernels/cuda/codec_kernels.cuh.
 //
 // Layer record: 20736 bytes (20736 before padding), hot dtype bf16, layout HND.
 // Launch: 256 threads per CTA (min_blocks 0), one CTA per (page pair, layer), the record staged in shared memory;
-// 4 16-byte loads in flight per thread when the record crosses the bus (decode: record load route 0; encode: bulk record store 0);
+// 4 16-byte loads in flight per thread when the record crosses the bus (decode: record load route 1; encode: bulk record store 1);
 // E2M1 rounding route 4 of the software path (nvfp4::Rounding), decode route 1 of plain blocks (nvfp4::DecodeRoute);
 // encode loads 1 plain block(s) per thread before quantizing them; decode splits a plain block over 2 thread(s).
 #include "codec_host.cuh"
@@ -58,13 +58,13 @@ struct codec::LaunchBounds<family::Layer> {
 // How decode loads the record into shared memory (codec::RecordLoad, a tunable; 0: through registers).
 template <>
 struct codec::DecodeLoad<family::Layer> {
-  static constexpr auto kRoute = static_cast<codec::RecordLoad>(0);
+  static constexpr auto kRoute = static_cast<codec::RecordLoad>(1);
 };
 
 // Whether encode stores the record with one cp.async.bulk (codec::EncodeStore, a tunable).
 template <>
 struct codec::EncodeStore<family::Layer> {
-  static constexpr bool kBulk = 0;  // encode_store 1
+  static constexpr bool kBulk = 1;  // encode_store 1
 };
 
 namespace family {

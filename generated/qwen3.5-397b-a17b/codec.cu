@@ -2,14 +2,14 @@
 // family:   qwen3.5-397b-a17b
 // op:       codec
 // template: codec.cu.j2
-// plan key: 727527258aa19b8934b2a1421c71816b223d32c83b3bd980170b469cb45333d1
+// plan key: 647318a3a896efbb7c8813c20b1e5e94d1a699da3f47e53fe5b79845b5759982
 //
 // Cold-page codec of family qwen3.5-397b-a17b (COLD_PAGE_FORMAT.md, version 1).
 // This file only describes the family; the kernels are kvgen/kernels/cuda/codec_kernels.cuh.
 //
 // Layer record: 18432 bytes (18432 before padding), hot dtype bf16, layout HND.
 // Launch: 256 threads per CTA (min_blocks 0), one CTA per (page pair, layer), the record staged in shared memory;
-// 4 16-byte loads in flight per thread when the record crosses the bus (decode: record load route 0; encode: bulk record store 0);
+// 4 16-byte loads in flight per thread when the record crosses the bus (decode: record load route 1; encode: bulk record store 1);
 // E2M1 rounding route 4 of the software path (nvfp4::Rounding), decode route 1 of plain blocks (nvfp4::DecodeRoute);
 // encode loads 1 plain block(s) per thread before quantizing them; decode splits a plain block over 2 thread(s).
 #include "codec_host.cuh"
@@ -80,13 +80,13 @@ struct codec::LaunchBounds<family::Layer> {
 // How decode loads the record into shared memory (codec::RecordLoad, a tunable; 0: through registers).
 template <>
 struct codec::DecodeLoad<family::Layer> {
-  static constexpr auto kRoute = static_cast<codec::RecordLoad>(0);
+  static constexpr auto kRoute = static_cast<codec::RecordLoad>(1);
 };
 
 // Whether encode stores the record with one cp.async.bulk (codec::EncodeStore, a tunable).
 template <>
 struct codec::EncodeStore<family::Layer> {
-  static constexpr bool kBulk = 0;  // encode_store 1
+  static constexpr bool kBulk = 1;  // encode_store 1
 };
 
 namespace family {

@@ -76,12 +76,18 @@ TUNABLES: dict[str, dict[str, tuple[tuple[int, ...], int]]] = {
         # How decode brings the record from the cold slot into shared memory (codec_kernels.cuh
         # RecordLoad): 0 = through registers, in_flight 16-byte loads per thread at a time (a memory
         # round trip per threads x in_flight words), 1 = cp.async, every word of a thread in flight at
-        # once, 2 = one cp.async.bulk of the whole record (sm_90+) waited on with an mbarrier. Same bytes.
-        "decode_load": ((0, 1, 2), 0),
+        # once, 2 = one cp.async.bulk of the whole record (sm_90+) waited on with an mbarrier, for slots
+        # in device memory (host slots take 1: the bulk engine reads host memory at half the bus).
+        # Same bytes.
+        "decode_load": ((0, 1, 2), 1),
         # How encode stores the finished record from shared memory to the cold slot: 0 = through
         # registers (in_flight words per thread at a time), 1 = one cp.async.bulk store by one thread
-        # (sm_90+; the other warps retire at once). Same bytes.
-        "encode_store": ((0, 1), 0),
+        # (sm_90+; the other warps retire at once, and the copy's registers are gone: qwen3-8b encode
+        # 47 -> 40 registers, 5 -> 6 CTAs per SM). Same bytes.
+        # Defaults 1 and 1: H200, encode + decode of 1 GiB scattered, 256 threads, 0 / 0 -> 1 / 1:
+        # qwen3-8b 0.730 -> 0.726 ms, deepseek-v3 0.711 -> 0.705, deepseek-v4-csa 0.843 -> 0.835,
+        # qwen3-8b-fp8 1.003 -> 0.977, every candidate oracle-checked (results/2026-12-07-h200-s11/call1).
+        "encode_store": ((0, 1), 1),
     },
     "compact": {
         # 512 threads and 128-move tiles raise the bytes in flight per CTA (batch 1 has few CTAs);

@@ -298,6 +298,8 @@ class Codec {
       return false;
     }
     if (n == 0) return true;
+    bool cold_on_device = false;
+    if (!kEncode && !cold_is_device_memory(cold, &cold_on_device)) return false;
     const PairLimits limits{hot_pages_[lifecycle], cold_slots, errors_};
     const int64_t page_bytes = cold_page_bytes(lifecycle);
     const int layers = layers_in(lifecycle);
@@ -307,28 +309,40 @@ class Codec {
     if (location_ == KVGEN_INDEX_DEVICE) {
       for (int64_t first = 0; first < n; first += kMaxGridX) {
         const int64_t count = n - first < kMaxGridX ? n - first : kMaxGridX;
-        enqueue<kEncode, true>(table, cold, page_bytes, batch, device_pairs + first, limits, dim3(count, layers),
-                               stream);
+        enqueue<kEncode, true>(table, cold, page_bytes, batch, device_pairs + first, limits, cold_on_device,
+                               dim3(count, layers), stream);
       }
     } else {
       for (int64_t first = 0; first < n; first += kPairsPerLaunch) {
         const int count = (int)(n - first < kPairsPerLaunch ? n - first : kPairsPerLaunch);
         memcpy(batch.pairs, pairs + first, count * sizeof(PagePair));
-        enqueue<kEncode, false>(table, cold, page_bytes, batch, nullptr, limits, dim3(count, layers), stream);
+        enqueue<kEncode, false>(table, cold, page_bytes, batch, nullptr, limits, cold_on_device, dim3(count, layers),
+                                stream);
       }
     }
     return cuda_ok(cudaGetLastError(), kEncode ? "encode launch" : "decode launch");
   }
 
+  // Whether the cold slots are device memory (the staging ring, a device tier) rather than mapped host
+  // memory: decode's bulk record load (DecodeLoad) is only issued for device memory.  A host query,
+  // no stream work, so a launch stays graph-capturable.
+  static bool cold_is_device_memory(const void* cold, bool* on_device) {
+    cudaPointerAttributes attr{};
+    if (!cuda_ok(cudaPointerGetAttributes(&attr, cold), "cold base attributes")) return false;
+    *on_device = attr.type == cudaMemoryTypeDevice;
+    return true;
+  }
+
   template <bool kEncode, bool kDevicePairs>
   static void enqueue(const PoolDesc* table, void* cold, int64_t page_bytes, const PairBatch& batch,
-                      const PagePair* pairs, const PairLimits& limits, dim3 grid, cudaStream_t stream) {
+                      const PagePair* pairs, const PairLimits& limits, bool cold_on_device, dim3 grid,
+                      cudaStream_t stream) {
     if constexpr (kEncode) {
       encode_kernel<L, kThreads, kInFlight, kDevicePairs><<<grid, kThreads, L::kRecordBytes, stream>>>(
           table, static_cast<uint8_t*>(cold), page_bytes, batch, pairs, limits);
     } else {
       decode_kernel<L, kThreads, kInFlight, kDevicePairs><<<grid, kThreads, L::kRecordBytes, stream>>>(
-          table, static_cast<const uint8_t*>(cold), page_bytes, batch, pairs, limits);
+          table, static_cast<const uint8_t*>(cold), page_bytes, batch, pairs, limits, cold_on_device);
     }
   }
 

@@ -579,7 +579,11 @@ __device__ __forceinline__ void copy_record(uint8_t* __restrict__ dst, const uin
 //   Registers  copy_record: kInFlight 16-byte loads per thread, then their shared-memory stores;
 //   Async      cp.async (LDGSTS): every 16-byte word of a thread issued at once, one wait;
 //   Bulk       one cp.async.bulk of the whole record by one thread, the CTA waiting on an mbarrier
-//              (the copy engine of the SM does the addressing: no per-word instructions at all).
+//              (the copy engine of the SM does the addressing: no per-word instructions at all),
+//              for a cold slot in device memory; a slot in mapped host memory takes Async instead:
+//              the bulk copy engine reads host memory at half the bus (H200: zero-copy decode at 0.47
+//              of pinned bandwidth against 0.92, results/2026-12-07-h200-s11/call1), so the launcher
+//              says where the slot is (cold_on_device).
 // kvgen builds only for sm_90 and later, where these copies and EncodeStore's exist; device code
 // compiled for an older architecture (the host test programs' device pass) takes the register copy.
 enum class RecordLoad : int { Registers = 0, Async = 1, Bulk = 2 };
@@ -667,13 +671,15 @@ __device__ __forceinline__ void store_record_bulk(uint8_t* __restrict__ dst, con
 #endif
 
 template <class L, int kThreads, int kInFlight>
-__device__ __forceinline__ void load_record(uint8_t* __restrict__ rec, const uint8_t* __restrict__ slot) {
+__device__ __forceinline__ void load_record(uint8_t* __restrict__ rec, const uint8_t* __restrict__ slot,
+                                            bool cold_on_device) {
 #if KVGEN_CODEC_ASYNC_COPIES
-  if constexpr (DecodeLoad<L>::kRoute == RecordLoad::Bulk) {
-    load_record_bulk<L::kRecordBytes>(rec, slot);
-    return;
-  } else if constexpr (DecodeLoad<L>::kRoute == RecordLoad::Async) {
-    load_record_async<L::kRecordBytes, kThreads>(rec, slot);
+  if constexpr (DecodeLoad<L>::kRoute != RecordLoad::Registers) {
+    if (DecodeLoad<L>::kRoute == RecordLoad::Bulk && cold_on_device) {  // uniform over the launch
+      load_record_bulk<L::kRecordBytes>(rec, slot);
+    } else {
+      load_record_async<L::kRecordBytes, kThreads>(rec, slot);
+    }
     return;
   }
 #endif
@@ -746,13 +752,13 @@ encode_kernel(const PoolDesc* __restrict__ pools, uint8_t* cold, int64_t cold_pa
 template <class L, int kThreads, int kInFlight, bool kDevicePairs>
 __global__ void __launch_bounds__(kThreads, LaunchBounds<L>::kMinBlocks)
 decode_kernel(const PoolDesc* __restrict__ pools, const uint8_t* cold, int64_t cold_page_bytes, PairBatch batch,
-              const PagePair* __restrict__ pairs, PairLimits limits) {
+              const PagePair* __restrict__ pairs, PairLimits limits, bool cold_on_device) {
   extern __shared__ uint4 smem[];
   uint8_t* rec = reinterpret_cast<uint8_t*>(smem);
   const PagePair pair = pair_at<kDevicePairs>(batch, pairs, blockIdx.x);
   if (!pair_in_range<false>(pair, limits, threadIdx.x == 0 && blockIdx.y == 0)) return;
   const uint8_t* slot = cold + pair.src * cold_page_bytes + (int64_t)blockIdx.y * L::kRecordBytes;
-  load_record<L, kThreads, kInFlight>(rec, slot);
+  load_record<L, kThreads, kInFlight>(rec, slot, cold_on_device);
   __syncthreads();
   L::decode(rec, pools + blockIdx.y * L::kNumParts, pair.dst, layer_scales<L>(pools), cta_lanes());
 }
