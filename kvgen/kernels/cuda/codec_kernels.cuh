@@ -621,9 +621,11 @@ __device__ __forceinline__ void load_record_async(uint8_t* __restrict__ dst, con
 // RecordLoad::Bulk.  The barrier's initialization must be visible to the copy (the async proxy)
 // and to every waiting thread before thread 0 arms it; the transaction count of one mbarrier phase
 // is below 2^20 bytes, far above any record.
+constexpr int kMaxBulkRecordBytes = 1 << 20;
+
 template <int kBytes>
 __device__ __forceinline__ void load_record_bulk(uint8_t* __restrict__ dst, const uint8_t* __restrict__ src) {
-  static_assert(kBytes % 16 == 0 && kBytes < (1 << 20), "one bulk copy, within one mbarrier phase");
+  static_assert(kBytes % 16 == 0 && kBytes < kMaxBulkRecordBytes, "one bulk copy, within one mbarrier phase");
   __shared__ alignas(8) uint64_t arrived;
   const uint32_t bar = static_cast<uint32_t>(__cvta_generic_to_shared(&arrived));
   if (threadIdx.x == 0) {
@@ -674,12 +676,15 @@ template <class L, int kThreads, int kInFlight>
 __device__ __forceinline__ void load_record(uint8_t* __restrict__ rec, const uint8_t* __restrict__ slot,
                                             bool cold_on_device) {
 #if KVGEN_CODEC_ASYNC_COPIES
-  if constexpr (DecodeLoad<L>::kRoute != RecordLoad::Registers) {
-    if (DecodeLoad<L>::kRoute == RecordLoad::Bulk && cold_on_device) {  // uniform over the launch
+  // A record past one mbarrier phase's transaction count (no GPU's shared memory holds one) takes Async.
+  if constexpr (DecodeLoad<L>::kRoute == RecordLoad::Bulk && L::kRecordBytes < kMaxBulkRecordBytes) {
+    if (cold_on_device) {  // uniform over the launch
       load_record_bulk<L::kRecordBytes>(rec, slot);
-    } else {
-      load_record_async<L::kRecordBytes, kThreads>(rec, slot);
+      return;
     }
+  }
+  if constexpr (DecodeLoad<L>::kRoute != RecordLoad::Registers) {
+    load_record_async<L::kRecordBytes, kThreads>(rec, slot);
     return;
   }
 #endif
