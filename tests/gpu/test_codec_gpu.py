@@ -162,6 +162,18 @@ def test_codec_variants_bit_exact(variant_libraries, family, variant):
     roundtrip(FamilyLibrary(path, family), family, "device", "device", 40)
 
 
+@pytest.mark.parametrize("family", VARIANT_FAMILIES)
+def test_bulk_record_load_reads_pinned_slots_through_cp_async(variant_libraries, family):
+    """decode_load 2 issues its bulk copy only for device-memory slots; mapped pinned slots take the
+    cp.async route (the launcher asks where they are) and decode the oracle's bytes all the same."""
+    from kvgen.lower.plan import default_params
+    from kvgen.tuning.space import config_id
+
+    path = variant_libraries.get((family, config_id("codec", {**default_params("codec"), "decode_load": 2})))
+    assert path is not None, f"{family} decode_load=2: build failed"
+    roundtrip(FamilyLibrary(path, family), family, "pinned", "host", 24)
+
+
 def roundtrip(library, family: str, where: str, index_location: str, n: int) -> None:
     """Encode n scattered pairs against the oracle's records, then decode the oracle's records into
     fresh pools against the oracle's hot pages (pages not hit keep FILL)."""

@@ -298,8 +298,10 @@ class Codec {
       return false;
     }
     if (n == 0) return true;
-    bool cold_on_device = false;
-    if (!kEncode && !cold_is_device_memory(cold, &cold_on_device)) return false;
+    bool cold_on_device = false;  // read only by the bulk record load
+    if constexpr (!kEncode && DecodeLoad<L>::kRoute == RecordLoad::Bulk) {
+      if (!cold_is_device_memory(cold, &cold_on_device)) return false;
+    }
     const PairLimits limits{hot_pages_[lifecycle], cold_slots, errors_};
     const int64_t page_bytes = cold_page_bytes(lifecycle);
     const int layers = layers_in(lifecycle);
