@@ -346,3 +346,15 @@ def test_the_manifest_and_show_config_say_how_params_were_chosen(tmp_path: Path)
     write_manifest(path, Manifest(arch="sm_100a", families=(family,)))
     assert parse_manifest(path).families[0].ops[0].tuning == "model-tuned"
     assert _registry_tuning(tmp_path) == {"sm_100a qwen3-8b codec": "model-tuned"}
+
+
+def test_the_record_load_route_sets_decode_bytes_in_flight_and_round_trips() -> None:
+    """decode_load 0 keeps in_flight 16-byte words per thread outstanding, round after round; the
+    asynchronous routes put the whole record in flight in one round trip (qwen3-8b: 36864 bytes)."""
+    from kvgen.tuning.costmodel.workload import record_load
+
+    base = {"threads": 256, "in_flight": 4}
+    assert record_load({**base, "decode_load": 0}, 36864) == (64.0, 3)
+    assert record_load({**base, "decode_load": 1}, 36864) == (144.0, 1)
+    assert record_load({**base, "decode_load": 2}, 36864) == (144.0, 1)
+    assert record_load({"threads": 512, "in_flight": 8, "decode_load": 0}, 4096) == (8.0, 1)

@@ -45,8 +45,9 @@ from typing import Literal, Sequence
 from kvgen.tuning.costmodel.features import KernelFeatures, Mix
 from kvgen.tuning.costmodel.targets import Target
 
-VERSION = "3"   # 2: the walk term (dependent chain, per-warp bytes in flight), noise-aware validation
+VERSION = "4"   # 2: the walk term (dependent chain, per-warp bytes in flight), noise-aware validation
 #                 3: the L1 data-pipe wavefront term; the scorer's K bytes are the rotated span it reads
+#                 4: decode's record load by route (decode_load: one round trip for cp.async and bulk)
 
 
 @dataclass(frozen=True)

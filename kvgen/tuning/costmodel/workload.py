@@ -41,14 +41,26 @@ def pick_loop(kernel: KernelFeatures, *kinds: str) -> Mix | None:
     return max(loops, key=lambda m: m.total) if loops else None
 
 
+def record_load(params: Mapping[str, int], record_bytes: int) -> tuple[float, int]:
+    """Bytes a decode thread has in flight while the record comes in, and the round trips it takes
+    (``decode_load``, codec_kernels.cuh RecordLoad): the register copy keeps ``in_flight`` words per
+    thread outstanding, round after round; cp.async and the bulk copy put the whole record in flight
+    at once (a host slot takes cp.async under route 2: the same single round trip)."""
+    threads = params["threads"]
+    if params.get("decode_load", 0):
+        return record_bytes / threads, 1
+    in_flight = params["in_flight"]
+    return min(16.0 * in_flight, record_bytes / threads), math.ceil(record_bytes / 16 / (threads * in_flight))
+
+
 def codec_launches(features: Mapping[str, KernelFeatures], params: Mapping[str, int], size: Mapping,
                    record_bytes: int) -> list[Launch]:
     """Encode + decode of ``size["pages"]`` pages (``size``: the measurement's hot/cold bytes)."""
     hot, cold = float(size["hot_bytes"]), float(size["cold_bytes"])
     where = "host" if size.get("cold") == "pinned" else "hbm"
     ctas = max(1, round(cold / record_bytes))
-    threads, in_flight = params["threads"], params["in_flight"]
-    record_in_flight = min(16.0 * in_flight, record_bytes / threads)
+    threads = params["threads"]
+    record_in_flight, rounds = record_load(params, record_bytes)
     encode, decode = pick_kernel(features, "encode_kernel"), pick_kernel(features, "decode_kernel")
     quantize = pick_loop(encode, "global_load", "shared_store")
     dequantize = pick_loop(decode, "shared_load", "global_store")
@@ -57,8 +69,7 @@ def codec_launches(features: Mapping[str, KernelFeatures], params: Mapping[str, 
             Phase("quantize", hot, "hbm", quantize, float(quantize.load_bytes) if quantize else 16.0),
             Phase("store", cold, where, None, 0.0))),
         Launch("decode", decode, ctas, threads, record_bytes, (
-            Phase("load", cold, where, None, record_in_flight,
-                  rounds=math.ceil(record_bytes / 16 / (threads * in_flight))),
+            Phase("load", cold, where, None, record_in_flight, rounds=rounds),
             Phase("dequantize", hot, "hbm", dequantize, 0.0))),
     ]
 
