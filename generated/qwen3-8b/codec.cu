@@ -86,7 +86,7 @@ struct codec::DecodeLoad<family::Layer> {
 // Whether encode stores the record with one cp.async.bulk (codec::EncodeStore, a tunable).
 template <>
 struct codec::EncodeStore<family::Layer> {
-  static constexpr bool kBulk = 1;  // encode_store 1
+  static constexpr bool kBulk = 1;
 };
 
 namespace family {

@@ -149,29 +149,29 @@ def variant_libraries(tmp_path_factory):
     return {(c.family, c.config): out / "bundle" / c.artifact for c in built if c.status != "failed"}
 
 
-@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: ",".join(f"{k}={x}" for k, x in v.items()))
-@pytest.mark.parametrize("family", VARIANT_FAMILIES)
-def test_codec_variants_bit_exact(variant_libraries, family, variant):
-    """Every value of decode_route / rounding / min_blocks / hot_batch / decode_split / decode_load /
-    encode_store writes the oracle's bytes, both ways."""
+def variant_library(variant_libraries, family: str, variant: dict) -> FamilyLibrary:
+    """The library of ``family`` built with ``variant`` (the other tunables at their defaults)."""
     from kvgen.lower.plan import default_params
     from kvgen.tuning.space import config_id
 
     path = variant_libraries.get((family, config_id("codec", {**default_params("codec"), **variant})))
     assert path is not None, f"{family} {variant}: build failed"
-    roundtrip(FamilyLibrary(path, family), family, "device", "device", 40)
+    return FamilyLibrary(path, family)
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: ",".join(f"{k}={x}" for k, x in v.items()))
+@pytest.mark.parametrize("family", VARIANT_FAMILIES)
+def test_codec_variants_bit_exact(variant_libraries, family, variant):
+    """Every value of decode_route / rounding / min_blocks / hot_batch / decode_split / decode_load /
+    encode_store writes the oracle's bytes, both ways."""
+    roundtrip(variant_library(variant_libraries, family, variant), family, "device", "device", 40)
 
 
 @pytest.mark.parametrize("family", VARIANT_FAMILIES)
 def test_bulk_record_load_reads_pinned_slots_through_cp_async(variant_libraries, family):
     """decode_load 2 issues its bulk copy only for device-memory slots; mapped pinned slots take the
     cp.async route (the launcher asks where they are) and decode the oracle's bytes all the same."""
-    from kvgen.lower.plan import default_params
-    from kvgen.tuning.space import config_id
-
-    path = variant_libraries.get((family, config_id("codec", {**default_params("codec"), "decode_load": 2})))
-    assert path is not None, f"{family} decode_load=2: build failed"
-    roundtrip(FamilyLibrary(path, family), family, "pinned", "host", 24)
+    roundtrip(variant_library(variant_libraries, family, {"decode_load": 2}), family, "pinned", "host", 24)
 
 
 def roundtrip(library, family: str, where: str, index_location: str, n: int) -> None:

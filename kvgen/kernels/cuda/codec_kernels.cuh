@@ -619,8 +619,8 @@ __device__ __forceinline__ void load_record_async(uint8_t* __restrict__ dst, con
 }
 
 // RecordLoad::Bulk.  The barrier's initialization must be visible to the copy (the async proxy)
-// and to every waiting thread before thread 0 arms it; the transaction count of one mbarrier phase
-// is below 2^20 bytes, far above any record.
+// and to every waiting thread before thread 0 arms it; one mbarrier phase counts fewer than 2^20
+// bytes, so a larger record (none fits a GPU's shared memory) takes Async (load_record).
 constexpr int kMaxBulkRecordBytes = 1 << 20;
 
 template <int kBytes>
@@ -650,14 +650,8 @@ __device__ __forceinline__ void load_record_bulk(uint8_t* __restrict__ dst, cons
       : "memory");
 }
 
-// EncodeStore::kBulk.  Every thread's shared-memory writes (generic proxy) are made visible to the
-// bulk copy (async proxy) before the barrier that precedes it (fence_record_for_bulk_store); the
-// wait is for the reads of shared memory only, which must end before the CTA's memory is reused:
-// the global writes complete before the kernel does.
-__device__ __forceinline__ void fence_record_for_bulk_store() {
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-}
-
+// EncodeStore::kBulk.  The wait is for the reads of shared memory only, which must end before the
+// CTA's memory is reused: the global writes complete before the kernel does.
 template <int kBytes>
 __device__ __forceinline__ void store_record_bulk(uint8_t* __restrict__ dst, const uint8_t* __restrict__ src) {
   static_assert(kBytes % 16 == 0, "bulk copies move multiples of 16 bytes");
@@ -702,11 +696,12 @@ __device__ __forceinline__ void store_record(uint8_t* __restrict__ slot, const u
   copy_record<L::kRecordBytes, kThreads, kInFlight>(slot, rec);
 }
 
-// Before the barrier between building the record and storing it.
+// The barrier between building the record and storing it.  For the bulk store, every thread's
+// shared-memory writes (generic proxy) are first made visible to the bulk copy (async proxy).
 template <class L>
 __device__ __forceinline__ void record_built() {
 #if KVGEN_CODEC_ASYNC_COPIES
-  if constexpr (EncodeStore<L>::kBulk) fence_record_for_bulk_store();
+  if constexpr (EncodeStore<L>::kBulk) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 #endif
   __syncthreads();
 }
