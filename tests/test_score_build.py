@@ -421,6 +421,8 @@ MMA_VARIANTS = [  # (family, params): both magnitude routes, several MMA tiles a
     ("gemma-2-9b", {"form": 1, "threads": 128, "token_tiles": 8, "bulk_stages": 2}),                 # 512-byte rows
     ("qwen3.5-397b-a17b", {"form": 1, "threads": 128, "token_tiles": 4, "bulk_stages": 2, "mma_tiles": 2,
                            "mag_mma": 1}),                                                           # 16 heads
+    ("qwen3-8b-fp8", {"form": 1, "token_tiles": 16, "bulk_stages": 2, "mag_mma": 1}),                # E4M3 widened
+    ("qwen3-8b-fp8", {"form": 1, "threads": 64, "token_tiles": 4, "bulk_stages": 3, "mma_tiles": 2}),
 ]
 
 
@@ -438,7 +440,7 @@ def test_tensor_core_scorer_sizes_its_shared_memory_as_the_tuner_does() -> None:
         assert (kernel.b_words, kernel.m_words) == mma_coefficient_words(kernel.heads, kernel.rotary_dim,
                                                                           kernel.mag_mma)
         assert kernel.ring_bytes == mma_ring_bytes(kernel.warps, kernel.stages, kernel.rows, kernel.span_bytes)
-    with pytest.raises(ValueError, match="form 1: needs bf16 K, half pairs"):
+    with pytest.raises(ValueError, match="form 1: needs bf16 or fp8_e4m3 K, half pairs"):
         make_score_kernel(**_kernel_geometry("mistral-7b"), **{**default_params("score"), "form": 1})
 
 
@@ -466,31 +468,54 @@ def test_tensor_core_scorer_compiles_without_spills_and_reports_its_launch_shape
 @pytest.mark.parametrize("arch", ["sm_100a", "sm_103a", "sm_107a"])
 def test_tensor_core_scorer_compiles_for_sm100_targets(tmp_path: Path, toolchain, arch: str) -> None:
     params = {"form": 1, "token_tiles": 16, "bulk_stages": 2, "mag_mma": 1}
-    spec = ALL_SPECS[PROBE_FAMILY].model_copy(update={"targets": [arch]})
-    (build,) = compile_scores([spec], arch, tmp_path / "cache", toolchain, params)
-    assert build.status == "built", build.error
-    _check_library(build.artifact, build.family, arch)
+    specs = [spec.model_copy(update={"targets": [arch]}) for spec in (ALL_SPECS[PROBE_FAMILY], fp8_family())]
+    for build in compile_scores(specs, arch, tmp_path / "cache", toolchain, params):
+        assert build.status == "built", build.error
+        _check_library(build.artifact, build.family, arch, specs[1] if build.family.endswith("fp8") else None)
 
 
 def test_tensor_core_scorer_places_each_pair_once_where_the_mma_fragments_hold_it() -> None:
-    """The index arithmetic of form 1 against the PTX fragment layout of ``mma.m16n8k16`` (A: lane
-    ``4g + t4`` holds columns ``2·t4 + {0, 1}`` and ``+ 8``) and ``m16n8k8`` (B: lane ``4n + t4``
-    holds rows ``t4`` and ``t4 + 4``): every pair has one (block, lane, slot), and the magnitude
-    B fragments fill their words exactly once."""
+    """The index arithmetic of form 1 against the PTX fragment layouts: ``mma.m16n8k16`` (A: lane
+    ``4g + t4`` holds columns ``2·t4 + {0, 1}`` and ``+ 8``; B: the same columns of head ``g``),
+    ``m16n8k8`` (B: lane ``4n + t4`` holds rows ``t4`` and ``t4 + 4``) and ``ldmatrix.x4`` (lane ``4g
+    + t4`` gets bytes ``4·t4 .. 4·t4 + 3`` of a 16-byte matrix row). bf16: a pair's slot is where the
+    A fragment holds its element. fp8: it is where ``ldmatrix`` puts its byte, and the coefficient of
+    that element sits at the B column the A fragment gives it (``mma_column``). Every pair has one
+    (block, lane, slot), every coefficient one B place, and the magnitude B fragments fill their
+    words exactly once."""
     pytest.importorskip("cutlass", reason="the kernel objects are CuTe DSL")
-    from kvgen.kernels.cute.score_mma import SLOT_PAIRS, make_score_kernel
+    from kvgen.kernels.cute.score_mma import SLOT_PAIRS, SPLITS, make_score_kernel
 
-    for family in ("qwen3-8b", "gemma-2-9b", "qwen3.5-397b-a17b"):
+    for family in ("qwen3-8b", "gemma-2-9b", "qwen3.5-397b-a17b", "qwen3-8b-fp8"):
         kernel = make_score_kernel(**_kernel_geometry(family), **{**default_params("score"), "form": 1,
                                                                    "bulk_stages": 2, "mag_mma": 1})
         places = {kernel.pair_place(f) for f in range(kernel.freqs)}
         assert len(places) == kernel.freqs
         for f in range(kernel.freqs):
             block, t4, slot = kernel.pair_place(f)
-            # register q of lane t4 holds columns 2·t4 + 8·(q // 2) + {0, 1}: slot 2·(q // 2) + e
-            assert block < kernel.mag_blocks and 16 * block + 2 * t4 + 8 * (slot // 2) + slot % 2 == f
+            within = f - 16 * block
+            if kernel.fp8:      # ldmatrix: the lane's 4 bytes; register q holds bytes 2·(q // 2) + {0, 1}
+                assert within == 4 * t4 + slot
+                # A-fragment register 2·(slot // 2), element slot % 2: column 2·t4 + 8·(slot // 2) + slot % 2
+                assert kernel.mma_column(within) == 2 * t4 + 8 * (slot // 2) + slot % 2
+            else:               # register q of lane t4 holds columns 2·t4 + 8·(q // 2) + {0, 1}: slot 2·(q // 2) + e
+                assert within == 2 * t4 + 8 * (slot // 2) + slot % 2 == kernel.mma_column(within)
+            assert block < kernel.mag_blocks
             # the im element f + F is the same place of block + blocks / 2
             assert (f + kernel.freqs) // 16 == block + kernel.mag_blocks and (f + kernel.freqs) % 16 == f % 16
+        # B fragments: element e of head h goes to lane 4·(h % 8) + t4, register r, half j with MMA column
+        # 2·t4 + 8·r + j = mma_column(e % 16); every (head tile, block, split, lane, register, half) once
+        seen = set()
+        for h in range(kernel.head_tiles * 8):
+            for element in range(kernel.rotary_dim):
+                word, half = kernel.b_place(h, element)
+                k, column = element // 16, kernel.mma_column(element % 16)
+                nt, rest = divmod(word, kernel.blocks * SPLITS * 64)
+                block, rest = divmod(rest, SPLITS * 64)
+                lane, r = divmod(rest, 2)
+                assert (nt, block, lane // 4, 2 * (lane % 4) + 8 * r + half) == (h // 8, k, h % 8, column)
+                seen.add((word, half))
+        assert len(seen) == kernel.head_tiles * 8 * kernel.rotary_dim
         words = [kernel.m_fragment_word(nt, block, j, split, lane, r)
                  for nt in range(kernel.head_tiles) for block in range(kernel.mag_blocks)
                  for j in range(SLOT_PAIRS) for split in range(2) for lane in range(32) for r in range(2)]

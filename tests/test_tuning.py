@@ -401,18 +401,19 @@ def test_bad_measurement_files_are_named_with_what_is_wrong(tmp_path: Path, caps
 
 
 def test_the_tensor_core_form_folds_where_it_cannot_serve_and_ignores_the_other_forms_params() -> None:
-    """Form 1 (score_mma.py) serves bf16 K with half pairs only; it reads mma_tiles / mag_mma and takes
-    bulk_stages as its ring depth, form 0 reads neither: each form's unread parameters are folded to
-    their defaults, so the space holds each kernel once."""
+    """Form 1 (score_mma.py) serves bf16 and fp8 E4M3 K with half pairs only; it reads mma_tiles /
+    mag_mma and takes bulk_stages as its ring depth, form 0 reads neither: each form's unread
+    parameters are folded to their defaults, so the space holds each kernel once."""
     mma = {**default_params("score"), "form": 1, "lanes": 4, "prefetch": 1, "tokens_per_thread": 2, "mag_mma": 1}
     folded = canonical("score", mma, QWEN)
     assert folded["form"] == 1 and folded["mag_mma"] == 1
     assert {k: folded[k] for k in ("lanes", "prefetch", "tokens_per_thread", "smem_stages", "unpack")} == {
         k: default_params("score")[k] for k in ("lanes", "prefetch", "tokens_per_thread", "smem_stages", "unpack")}
     assert folded["bulk_stages"] == 3                          # 0 is not a ring: the default depth
-    for family in ("qwen3-8b-fp8", "mistral-7b"):              # fp8 / fp16 K: form 0, form 1's params unread
-        other = canonical("score", mma, load_spec(SPECS_DIR / f"{family}.yaml"))
-        assert other["form"] == 0 and other["mma_tiles"] == 1 and other["mag_mma"] == 0
+    fp8 = canonical("score", mma, load_spec(SPECS_DIR / "qwen3-8b-fp8.yaml"))   # E4M3 widened in registers
+    assert fp8["form"] == 1 and fp8["mag_mma"] == 1
+    other = canonical("score", mma, load_spec(SPECS_DIR / "mistral-7b.yaml"))   # fp16 K: form 0
+    assert other["form"] == 0 and other["mma_tiles"] == 1 and other["mag_mma"] == 0
     # a ring that does not fit the shared-memory budget takes fewer MMA tiles, then stages, then warps
     gemma = load_spec(SPECS_DIR / "gemma-2-9b.yaml")          # 512-byte rows
     wide = canonical("score", {**mma, "threads": 256, "mma_tiles": 4, "bulk_stages": 4}, gemma)

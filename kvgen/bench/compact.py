@@ -23,7 +23,13 @@ library (built with the safe default parameters) captured over the same pools, p
 and timed the same way right after; batch 1 checks it against the oracle too. Recorded under
 ``default`` per batch.
 
-Usage: python -m kvgen.bench.compact [--family qwen3-8b] [--batches 1,32,256] [--mode union]
+Page tables (``--page-table``): ``scattered`` (default, what ``kvgen bench run`` measures) gives every
+request random pages of the pool; ``contiguous`` gives each request a run of consecutive pages, the
+same moves over the same bytes with far fewer distinct 2 MiB translation pages in flight (a
+diagnostic: whether a batch's fraction of copy is lost to address translation rather than to the
+kernel).
+
+Usage: python -m kvgen.bench.compact [--family qwen3-8b] [--batches 1,32,256] [--mode union] [--page-table scattered]
 Needs only torch, triton and this repository (no pydantic). Writes bench_compact.json to $OUT or results/.
 (``kvgen bench run`` runs it with the other benchmarks, against ceilings measured once.)
 """
@@ -151,8 +157,23 @@ def verify_packer(src, dst, offsets, b: dict, mode: str, geo: TriGeometry) -> bo
             and torch.equal(offsets, ref.offsets) and bool((src[..., n:] == -1).all()))
 
 
+PAGE_TABLES = ("scattered", "contiguous")
+
+
+def page_table(batch: int, pages_per_request: int, order: str) -> torch.Tensor:
+    """``[batch, pages_per_request]`` page ids of the pool: a random permutation (``scattered``) or
+    consecutive runs (``contiguous``)."""
+    pages = batch * pages_per_request
+    if order == "contiguous":
+        ids = torch.arange(pages, dtype=torch.int32, device="cuda")
+    else:
+        ids = torch.randperm(pages, dtype=torch.int32, device="cuda")
+    return ids.reshape(batch, pages_per_request)
+
+
 def bench_compaction(library: CompactLibrary, packer: MovePacker, geo: TriGeometry, batch: int, mode: str,
-                     copy_gbps: float, default_library: CompactLibrary | None = None) -> tuple[dict, dict, int]:
+                     copy_gbps: float, default_library: CompactLibrary | None = None,
+                     table_order: str = "scattered") -> tuple[dict, dict, int]:
     """The compaction result of one batch size, plus the batch and capacity for the packer run;
     with ``default_library``, that library's compaction over the same pools and moves too."""
     info = library.info
@@ -169,7 +190,7 @@ def bench_compaction(library: CompactLibrary, packer: MovePacker, geo: TriGeomet
     dst[moved_layers:] = -1
     real = int(((src >= 0) & (src != dst)).sum())
     moved_bytes = real * info["head_dim"] * info["elem_bytes"] * 2 * 2  # K and V, read and written
-    table = torch.randperm(pages, dtype=torch.int32, device="cuda").reshape(batch, pages_per_request)
+    table = page_table(batch, pages_per_request, table_order)
 
     # distinct bytes a replay touches ~ half of the bytes read + written
     sets = rotation_sets(moved_bytes // 2, moved_layers * layer_bytes(info, pages))
@@ -216,7 +237,7 @@ def bench_default(library: CompactLibrary, graphs: list, table, moves: tuple, ge
 
 def run(ceilings: dict, family: str = "qwen3-8b", batches: list[int] = (1, 32, 256), mode: str = "union",
         registry: Path | None = None, arch: str = "sm_90a",
-        default_registry: Path | None = None) -> dict:
+        default_registry: Path | None = None, table_order: str = "scattered") -> dict:
     """Compaction and packing at every batch size against ``ceilings["device_copy"]``:
     ``{"config": {...}, "results": [...]}``."""
     library = library_for(family, paths.registry_dir(registry), arch)
@@ -232,7 +253,8 @@ def run(ceilings: dict, family: str = "qwen3-8b", batches: list[int] = (1, 32, 2
     copy_gbps = ceilings["device_copy"]["gbps_read_plus_write"]
     results = []
     for batch in batches:
-        res, b, capacity = bench_compaction(library, packer, geo, batch, mode, copy_gbps, default_library)
+        res, b, capacity = bench_compaction(library, packer, geo, batch, mode, copy_gbps, default_library,
+                                            table_order)
         if default_error:
             res["default"] = {"registry": str(default_registry), "error": default_error}
         torch.cuda.empty_cache()
@@ -242,7 +264,7 @@ def run(ceilings: dict, family: str = "qwen3-8b", batches: list[int] = (1, 32, 2
         del b
         torch.cuda.empty_cache()
     config = {"family": family, "mode": mode, "budget": BUDGET, "decode": DECODE, "prompt": PROMPT,
-              "tail": f"0..{MAX_TAIL}", "geometry": library.info, "l2_bytes": l2_bytes()}
+              "tail": f"0..{MAX_TAIL}", "page_table": table_order, "geometry": library.info, "l2_bytes": l2_bytes()}
     if default_library is not None:
         config["default_geometry"] = default_library.info
     return {"config": config, "results": results}
@@ -257,12 +279,14 @@ def main() -> int:
     parser.add_argument("--default-registry", type=Path, default=None,
                         help="also time this registry's compaction (built with the default parameters)")
     parser.add_argument("--arch", default="sm_90a")
+    parser.add_argument("--page-table", default="scattered", choices=PAGE_TABLES,
+                        help="each request's pages: random pages of the pool, or consecutive ones")
     args = parser.parse_args()
     require_cuda()
     ceilings = measure_ceilings(pinned=False)
     print("ceilings", ceilings, flush=True)
     record = run(ceilings, args.family, [int(b) for b in args.batches.split(",")], args.mode, args.registry,
-                 args.arch, args.default_registry)
+                 args.arch, args.default_registry, args.page_table)
     path = write_result("bench_compact", {"environment": environment(), "ceilings": ceilings, **record})
     print("wrote", path)
     return 0

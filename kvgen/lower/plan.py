@@ -131,8 +131,9 @@ TUNABLES: dict[str, dict[str, tuple[tuple[int, ...], int]]] = {
         "unpack": ((0, 1), 0),
         # 1: the linear part of the score (a·re + b·im) by tensor-core MMAs over K tiles in shared
         # memory, coefficients split into three bf16 terms (kvgen/kernels/cute/score_mma.py): not
-        # the same bits as form 0, within the same stated bound. bf16 K, half pairs and a rotated
-        # span of 32-element blocks only (folded to 0 otherwise); the ring depth is bulk_stages
+        # the same bits as form 0, within the same stated bound. bf16 or fp8 E4M3 K (widened to bf16
+        # in registers, exactly), half pairs and a rotated span of whole pair chunks only (32 bf16 or
+        # 64 fp8 elements; folded to 0 otherwise); the ring depth is bulk_stages
         # (0 -> 3), and lanes, tokens_per_thread, prefetch, smem_stages and unpack are form 0's
         # (folded). qwen3-8b B32 0.70 -> 0.92 of copy (results/2026-12-04-h200-s10/callC-score).
         "form": ((0, 1), 0),

@@ -9,6 +9,7 @@
 
 #include <cuda_runtime.h>
 
+#include <climits>
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -42,6 +43,9 @@ struct FamilyTables {
 // Page counts and cold slot counts a caller did not give (the entry points without them): any
 // non-negative int32 index passes.
 constexpr int64_t kUnknownCount = (int64_t)1 << 32;
+// A launch at the priority of its stream (no launch attribute); any other value is a CUDA stream
+// priority given to the kernel itself (cudaLaunchAttributePriority).
+constexpr int kStreamPriority = INT_MIN;
 
 // Host index arrays, checked before anything is enqueued: the first pair out of range fails the
 // call, naming it.  Pure host code (tests/csrc/codec_host_check.cu runs it without a GPU).
@@ -193,14 +197,15 @@ class Codec {
     return (int64_t)layers_in(lifecycle) * L::kRecordBytes;
   }
 
-  // cold_slots: slots at `cold` (kUnknownCount when the caller did not say).
+  // cold_slots: slots at `cold` (kUnknownCount when the caller did not say); priority: the kernels'
+  // own launch priority (kStreamPriority: the stream's).
   bool encode(int lifecycle, void* cold, int64_t cold_slots, const kvgen_page_pair* pairs, int64_t n,
-              cudaStream_t stream) {
-    return launch<true>(lifecycle, cold, cold_slots, pairs, n, stream);
+              cudaStream_t stream, int priority = kStreamPriority) {
+    return launch<true>(lifecycle, cold, cold_slots, pairs, n, stream, priority);
   }
   bool decode(int lifecycle, const void* cold, int64_t cold_slots, const kvgen_page_pair* pairs, int64_t n,
-              cudaStream_t stream) {
-    return launch<false>(lifecycle, const_cast<void*>(cold), cold_slots, pairs, n, stream);
+              cudaStream_t stream, int priority = kStreamPriority) {
+    return launch<false>(lifecycle, const_cast<void*>(cold), cold_slots, pairs, n, stream, priority);
   }
 
   // Without a cold slot count (kvgen_codec_encode / _decode): slots are only checked to be >= 0.
@@ -281,7 +286,7 @@ class Codec {
 
   template <bool kEncode>
   bool launch(int lifecycle, void* cold, int64_t cold_slots, const kvgen_page_pair* pairs, int64_t n,
-              cudaStream_t stream) {
+              cudaStream_t stream, int priority) {
     if (!take_device_errors(errors_)) return false;  // an earlier launch's device indices
     if (lifecycle < 0 || lifecycle >= f_.num_lifecycles) {
       return fail(std::string(f_.name) + ": no lifecycle " + std::to_string(lifecycle));
@@ -312,14 +317,14 @@ class Codec {
       for (int64_t first = 0; first < n; first += kMaxGridX) {
         const int64_t count = n - first < kMaxGridX ? n - first : kMaxGridX;
         enqueue<kEncode, true>(table, cold, page_bytes, batch, device_pairs + first, limits, cold_on_device,
-                               dim3(count, layers), stream);
+                               dim3(count, layers), stream, priority);
       }
     } else {
       for (int64_t first = 0; first < n; first += kPairsPerLaunch) {
         const int count = (int)(n - first < kPairsPerLaunch ? n - first : kPairsPerLaunch);
         memcpy(batch.pairs, pairs + first, count * sizeof(PagePair));
         enqueue<kEncode, false>(table, cold, page_bytes, batch, nullptr, limits, cold_on_device, dim3(count, layers),
-                                stream);
+                                stream, priority);
       }
     }
     return cuda_ok(cudaGetLastError(), kEncode ? "encode launch" : "decode launch");
@@ -338,13 +343,23 @@ class Codec {
   template <bool kEncode, bool kDevicePairs>
   static void enqueue(const PoolDesc* table, void* cold, int64_t page_bytes, const PairBatch& batch,
                       const PagePair* pairs, const PairLimits& limits, bool cold_on_device, dim3 grid,
-                      cudaStream_t stream) {
+                      cudaStream_t stream, int priority) {
+    cudaLaunchAttribute attribute{};
+    attribute.id = cudaLaunchAttributePriority;
+    attribute.val.priority = priority;
+    cudaLaunchConfig_t config{};
+    config.gridDim = grid;
+    config.blockDim = dim3(kThreads);
+    config.dynamicSmemBytes = L::kRecordBytes;
+    config.stream = stream;
+    config.attrs = &attribute;
+    config.numAttrs = priority == kStreamPriority ? 0 : 1;
     if constexpr (kEncode) {
-      encode_kernel<L, kThreads, kInFlight, kDevicePairs><<<grid, kThreads, L::kRecordBytes, stream>>>(
-          table, static_cast<uint8_t*>(cold), page_bytes, batch, pairs, limits);
+      cudaLaunchKernelEx(&config, encode_kernel<L, kThreads, kInFlight, kDevicePairs>, table,
+                         static_cast<uint8_t*>(cold), page_bytes, batch, pairs, limits);
     } else {
-      decode_kernel<L, kThreads, kInFlight, kDevicePairs><<<grid, kThreads, L::kRecordBytes, stream>>>(
-          table, static_cast<const uint8_t*>(cold), page_bytes, batch, pairs, limits, cold_on_device);
+      cudaLaunchKernelEx(&config, decode_kernel<L, kThreads, kInFlight, kDevicePairs>, table,
+                         static_cast<const uint8_t*>(cold), page_bytes, batch, pairs, limits, cold_on_device);
     }
   }
 

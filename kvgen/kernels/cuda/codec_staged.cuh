@@ -5,6 +5,13 @@
 // way.  Two ring slots let chunk i's copy overlap chunk i+1's encode or decode.  Every call only
 // enqueues kernels, async copies and event record/wait (fork-join onto the copy stream), so it can
 // be captured in a CUDA graph; allocation (staging, stream, events) happens in set_staging.
+//
+// The encode and decode kernels run at the device's greatest stream priority.  The copy engine waits
+// for each ring slot's kernel, and beside a model holding every SM a kernel of the stream's priority
+// waits until the model's kernels drain (up to a millisecond), longer than a slot's copy: the link
+// idles.  At the greatest priority the block scheduler gives the codec each SM as it frees.  (A CUDA
+// graph keeps the priority on the kernel nodes; it applies where the graph is instantiated with
+// cudaGraphInstantiateFlagUseNodePriority, else the launch stream's priority does.)
 #pragma once
 
 #include <cuda_runtime.h>
@@ -78,6 +85,8 @@ class Staged {
   }
 
   bool create_stream_and_events() {
+    int least = 0;
+    if (!cuda_ok(cudaDeviceGetStreamPriorityRange(&least, &priority_), "stream priority range")) return false;
     if (!cuda_ok(cudaStreamCreateWithFlags(&copy_, cudaStreamNonBlocking), "copy stream")) return false;
     for (cudaEvent_t* e : {&fork_, &computed_[0], &computed_[1], &moved_[0], &moved_[1]}) {
       if (!cuda_ok(cudaEventCreateWithFlags(e, cudaEventDisableTiming), "staging event")) return false;
@@ -139,8 +148,11 @@ class Staged {
     }
     bool compute(int64_t begin, int64_t end, int slot) {
       staging::to_staging_pairs(pairs, begin, end, offload, st.local_.data());
-      return offload ? codec.encode(lifecycle, ring_slot(slot), st.local_.data(), end - begin, caller)
-                     : codec.decode(lifecycle, ring_slot(slot), st.local_.data(), end - begin, caller);
+      uint8_t* staged = ring_slot(slot);
+      const kvgen_page_pair* local = st.local_.data();
+      const int64_t n = end - begin;
+      return offload ? codec.encode(lifecycle, staged, kUnknownCount, local, n, caller, st.priority_)
+                     : codec.decode(lifecycle, staged, kUnknownCount, local, n, caller, st.priority_);
     }
     bool copy(int64_t begin, int64_t end, int slot) {
       return st.copy_runs(pairs, begin, end, offload, ring_slot(slot), host_cold, page_bytes);
@@ -179,6 +191,7 @@ class Staged {
   void* owned_ = nullptr;   // set when the codec allocated the staging buffer
   int64_t bytes_ = 0;
   cudaStream_t copy_ = nullptr;
+  int priority_ = kStreamPriority;   // the encode / decode kernels' (the device's greatest)
   cudaEvent_t fork_ = nullptr;
   cudaEvent_t computed_[staging::kRingSlots] = {nullptr, nullptr};
   cudaEvent_t moved_[staging::kRingSlots] = {nullptr, nullptr};

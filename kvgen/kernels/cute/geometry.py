@@ -51,10 +51,15 @@ MMA_SHARED_BUDGET = 110 * 1024
 
 
 def mma_form_fits(dtype: str, rotary_start: int, rotary_dim: int, pairing: str) -> bool:
-    """Whether the tensor-core scorer (form 1) serves a family: bf16 K (an exact MMA operand), half
-    pairs (element f and f + F at the same place of two MMA blocks: the lane holds both parts), a
-    rotated span of whole pair blocks (32 elements) starting 16-byte aligned (a bulk copy per row)."""
-    return dtype == "bf16" and pairing == "half" and rotary_dim % 32 == 0 and rotary_start % 8 == 0
+    """Whether the tensor-core scorer (form 1) serves a family: K that is an exact bf16 MMA operand
+    (bf16 as stored; fp8 E4M3 widened in registers, every E4M3 value is a bf16), half pairs (element
+    f and f + F at the same place of two MMA blocks: the lane holds both parts), a rotated span of
+    whole pair chunks (the bytes one ``ldmatrix.x4`` gives a lane row: 32 bytes of re and of im, so
+    32 bf16 or 64 fp8 elements) starting 16-byte aligned (a bulk copy per row)."""
+    chunk = {"bf16": 32, "fp8_e4m3": 64}.get(dtype)
+    elem_bytes = 1 if dtype == "fp8_e4m3" else 2
+    return (chunk is not None and pairing == "half" and rotary_dim % chunk == 0
+            and (rotary_start * elem_bytes) % 16 == 0)
 
 
 def mma_magnitude_fits(rotary_dim: int) -> bool:

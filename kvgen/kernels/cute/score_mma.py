@@ -10,7 +10,9 @@ computed in f32 from the same fragments (``sqrt.approx.ftz``: one MUFU op), and 
 either f32 FMAs summed over the 4 lanes of a row (``mag_mma`` 0) or tf32 MMAs into the same
 accumulators (``mag_mma`` 1: 3xTF32, no FMA per query head, no shuffles).
 
-Operands: K is bf16, an exact MMA operand. Each coefficient ``a`` or ``b`` (f32) is split into
+Operands: K is bf16, an exact MMA operand; fp8 E4M3 K is widened in registers (``cvt`` to f16x2,
+to f32, to bf16x2: every E4M3 value is a bf16, so the operand is exact and the bound below holds
+unchanged). Each coefficient ``a`` or ``b`` (f32) is split into
 three bf16 terms (each the rounding of what the previous left: within 2⁻²⁷ of it), each term
 accumulated by its own MMA chain (three independent chains, summed at the end); the products of
 bf16 operands are exact. With ``mag_mma``, ``|k|`` and ``m`` are split into tf32 hi + lo by masks
@@ -40,8 +42,15 @@ in fragment order (conflict-free 8- and 16-byte loads), once per stage for all i
 
 Pairs: element ``f`` and ``f + F`` (``half``) sit at the same fragment place of blocks ``f // 16``
 and ``f // 16 + F / 16``, so a lane holds both parts of each pair it takes the magnitude of. Needs
-bf16 K, half pairs and a rotated span of a multiple of 32 elements starting on a 16-byte boundary
-(``geometry.mma_form_fits``: every scorable bf16 family shipped); the tuner folds others to form 0.
+bf16 or fp8 E4M3 K, half pairs and a rotated span of whole pair chunks starting on a 16-byte
+boundary (``geometry.mma_form_fits``: every scorable family shipped); the tuner folds others to form 0.
+
+fp8 K: one ``ldmatrix.x4`` over 1-byte elements gives lane ``(g, t4)`` four consecutive elements
+``4·t4 .. 4·t4 + 3`` of rows ``g`` and ``g + 8`` of two blocks. An MMA sums over its 16 columns in any
+order, so block ``k``'s A fragment takes them as they come: physical element ``4·t4 + s`` of the block
+is MMA column ``2·t4 + 8·(s // 2) + s % 2`` (``mma_column``), and the coefficients are stored at the
+same columns of the B fragments. A pair chunk (two blocks of re, two of im) is one ``ldmatrix.x4``
+of each half of the span.
 
 Bounds: as form 0 (``RowSource.locate``): rows that cannot be read are not copied, score 0, and
 their page id or position is recorded in ``errors``.
@@ -168,6 +177,21 @@ def bf16_high(word: Int32) -> Float32:
     return word_as_f32(word & Int32(-65536))
 
 
+@dsl_user_op
+def e4m3x4_to_f32(word: Int32, *, loc=None, ip=None) -> list:
+    """The four E4M3 bytes of ``word`` (byte ``i`` is element ``i``) as the f32 values they are
+    exactly: two ``cvt.rn.f16x2.e4m3x2`` (the high byte of each pair to the high half), then each half
+    widened."""
+    struct = llvm.StructType.get_literal([T.f32()] * 4)
+    value = _asm(struct, [Int32(word)],
+                 "{ .reg .b16 lo, hi, h0, h1, h2, h3; .reg .b32 p, q;"
+                 " mov.b32 {lo, hi}, $4; cvt.rn.f16x2.e4m3x2 p, lo; cvt.rn.f16x2.e4m3x2 q, hi;"
+                 " mov.b32 {h0, h1}, p; mov.b32 {h2, h3}, q;"
+                 " cvt.f32.f16 $0, h0; cvt.f32.f16 $1, h1; cvt.f32.f16 $2, h2; cvt.f32.f16 $3, h3; }",
+                 "=f,=f,=f,=f,r", loc=loc, ip=ip)
+    return _unpack(value, T.f32(), 4, Float32, loc=loc, ip=ip)
+
+
 class TriScoreMmaKernel(TriScoreKernel):
     """Form 1: the linear part of the score on the tensor cores (module docstring). The geometry,
     launch grid, bounds checks, stores and AOT export are form 0's."""
@@ -177,9 +201,9 @@ class TriScoreMmaKernel(TriScoreKernel):
                  threads: int = 128, max_heads: int = 16, token_tiles: int = 1, mma_tiles: int = 1,
                  bulk_stages: int = 3, mag_mma: int = 0):
         if not mma_form_fits(dtype, rotary_start, rotary_dim, pairing):
-            raise ValueError(f"score kernel form 1: needs bf16 K, half pairs and a rotated span of a multiple of 32 "
-                             f"elements from a multiple of 8, not {dtype}, {pairing} pairs, "
-                             f"[{rotary_start}, {rotary_start + rotary_dim})")
+            raise ValueError(f"score kernel form 1: needs bf16 or fp8_e4m3 K, half pairs and a rotated span of whole "
+                             f"pair chunks (32 bf16 or 64 fp8 elements) from a 16-byte boundary, not {dtype}, "
+                             f"{pairing} pairs, [{rotary_start}, {rotary_start + rotary_dim})")
         if mag_mma and not mma_magnitude_fits(rotary_dim):
             raise ValueError(f"score kernel form 1: mag_mma needs at least 32 pairs, not {rotary_dim // 2}")
         if mma_tiles not in (1, 2, 4) or bulk_stages not in (2, 3, 4) or mag_mma not in (0, 1):
@@ -191,6 +215,9 @@ class TriScoreMmaKernel(TriScoreKernel):
                          token_tiles=token_tiles)
         self.mma_tiles = mma_tiles
         self.stages = bulk_stages
+        # fp8: one ldmatrix.x4 per half span gives a lane 2 blocks (a pair chunk), widened to bf16
+        self.fp8 = dtype == "fp8_e4m3"
+        self.chunk_blocks = 2 if self.fp8 else 1
         self.rows = MMA_ROWS * mma_tiles                      # tokens per warp stage
         self.copies = (self.rows + 31) // 32                  # rows each lane copies per stage
         self.tokens_per_cta = self.warps * token_tiles * self.rows
@@ -294,20 +321,21 @@ class TriScoreMmaKernel(TriScoreKernel):
         mag = cute.make_rmem_tensor(cute.make_layout(1 if self.mag_mma else self.mma_tiles * 2 * self.heads), Float32)
         acc.fill(0.0)
         mag.fill(0.0)
-        for block in cutlass.range_constexpr(self.mag_blocks):
-            self.score_block(acc, mag, ring, slot, b_frag, m_coef, lane, block)
+        for chunk in cutlass.range_constexpr(self.mag_blocks // self.chunk_blocks):
+            blocks = tuple(chunk * self.chunk_blocks + i for i in range(self.chunk_blocks))
+            self.score_chunk(acc, mag, ring, slot, b_frag, m_coef, lane, blocks)
         base = self.stage_base(tile, warp, stage)
         masks = [volatile_shared_load(self.mask_address(ring, slot, copy), 1, Int32)[0] for copy in range(self.copies)]
         self.finish_stage(acc, mag, masks, scores, token, first, base, lane, width)
 
-    def score_block(self, acc, mag, ring: Int32, slot, b_frag: Int32, m_coef: Int32, lane, block: int) -> None:
-        """Magnitude block ``block`` of every MMA tile of the stage: its K fragments (with their
+    def score_chunk(self, acc, mag, ring: Int32, slot, b_frag: Int32, m_coef: Int32, lane, blocks: tuple) -> None:
+        """Magnitude blocks ``blocks`` of every MMA tile of the stage: their K fragments (with their
         pair blocks), their MMAs and the magnitudes of their pairs."""
-        ks = (block, block + self.mag_blocks)
+        ks = blocks + tuple(block + self.mag_blocks for block in blocks)
         b = {k: self.read_b(b_frag, lane, k) for k in ks}
-        m = self.read_m(m_coef, lane, block)
+        m = {block: self.read_m(m_coef, lane, block) for block in blocks}
         for tile in range(self.mma_tiles):
-            a = {k: self.read_a(ring, slot, lane, tile, k) for k in ks}
+            a, values = self.read_k(ring, slot, lane, tile, ks)
             for k in ks:
                 for nt in range(self.head_tiles):
                     for split in range(SPLITS):
@@ -315,21 +343,29 @@ class TriScoreMmaKernel(TriScoreKernel):
                         value = mma(MMA_BF16, a[k], b[k][nt][split], [acc[index + i] for i in range(4)])
                         for i in range(4):
                             acc[index + i] = value[i]
-            magnitudes = self.magnitudes(a, ks)
-            if self.mag_mma:
-                self.magnitude_mmas(acc, tile, magnitudes, m)
-            else:
-                self.magnitude_fmas(mag, tile, magnitudes, m)
+            for block in blocks:
+                magnitudes = self.magnitudes(self.element_of(a, values, block),
+                                             self.element_of(a, values, block + self.mag_blocks))
+                if self.mag_mma:
+                    self.magnitude_mmas(acc, tile, magnitudes, m[block])
+                else:
+                    self.magnitude_fmas(mag, tile, magnitudes, m[block])
 
-    def magnitudes(self, a: dict, ks: tuple) -> list:
+    def magnitudes(self, re, im) -> list:
         """``[q][e]``: ``|k|`` of the pairs in fragment register ``q`` (row ``g + 8·(q % 2)``, slot
-        ``2·(q // 2) + e``), from the same word of the re and the im block."""
+        ``2·(q // 2) + e``), from the same place of the re and the im block (``element_of`` getters)."""
         out = []
         for q in range(4):
-            re, im = a[ks[0]][q], a[ks[1]][q]
-            pairs = [(bf16_low(re), bf16_low(im)), (bf16_high(re), bf16_high(im))]
+            pairs = [(re(q, 0), im(q, 0)), (re(q, 1), im(q, 1))]
             out.append([sqrt_ftz(x * x + y * y) for x, y in pairs])
         return out
+
+    def element_of(self, a: dict, values: dict, k: int):
+        """``(q, e) -> `` the f32 value of element ``e`` of A word ``q`` of block ``k``: fp8's widened
+        values; bf16's halves unpacked from the word where the magnitude needs them (after the MMAs)."""
+        if self.fp8:
+            return lambda q, e: values[k][q][e]
+        return lambda q, e: bf16_high(a[k][q]) if e else bf16_low(a[k][q])
 
     def slot_of(self, q: int, e: int) -> int:
         """The lane's pair slot of ``magnitudes()[q][e]``."""
@@ -360,11 +396,32 @@ class TriScoreMmaKernel(TriScoreKernel):
                     for i in range(4):
                         acc[index + i] = value[i]
 
-    def read_a(self, ring: Int32, slot, lane, tile: int, k: int) -> list:
-        """A fragment of MMA tile ``tile``, block ``k``: lane ``i`` points at row ``i % 16`` and the
-        block's column ``8 · (i // 16)``."""
+    def read_k(self, ring: Int32, slot, lane, tile: int, ks: tuple) -> tuple:
+        """MMA tile ``tile``'s K in blocks ``ks``: ``{k: 4 A-fragment words}`` and, for fp8, ``{k: [q][e]}``
+        the f32 value of element ``e`` of word ``q``. bf16: one ``ldmatrix.x4`` per block (lane ``i``
+        points at row ``i % 16`` and the block's column ``8 · (i // 16)``). fp8: one per two blocks
+        (columns ``16 · (i // 16)`` bytes on), each byte widened exactly and the pairs packed to bf16x2:
+        word ``q`` of block ``k`` is row ``g + 8·(q % 2)``, elements ``4·t4 + 2·(q // 2) + {0, 1}``
+        (``mma_column``)."""
+        a, values = {}, {}
+        if not self.fp8:
+            for k in ks:
+                a[k] = ldmatrix_x4(self.fragment_address(ring, slot, lane, tile, k))
+            return a, values
+        for k in ks[:: self.chunk_blocks]:
+            # rows g, g + 8 of block k, then of block k + 1
+            words = ldmatrix_x4(self.fragment_address(ring, slot, lane, tile, k))
+            for j in range(self.chunk_blocks):
+                f = [e4m3x4_to_f32(words[2 * j + half]) for half in range(2)]
+                values[k + j] = [[f[q % 2][2 * (q // 2) + e] for e in range(2)] for q in range(4)]
+                a[k + j] = [bf16_pair(x[1], x[0]) for x in values[k + j]]
+        return a, values
+
+    def fragment_address(self, ring: Int32, slot, lane, tile: int, k: int) -> Int32:
+        """Where lane ``i``'s ``ldmatrix`` row of MMA tile ``tile``, block ``k`` starts: row ``i % 16``,
+        16 bytes on for lanes 16-31 (bf16: the block's column 8; fp8: block ``k + 1``)."""
         row = tile * MMA_ROWS + lane % 16
-        return ldmatrix_x4(self.row_address(ring, slot, row) + k * BLOCK * 2 + (lane // 16) * 16)
+        return self.row_address(ring, slot, row) + k * BLOCK * self.elem_bytes + (lane // 16) * 16
 
     def read_b(self, b_frag: Int32, lane, k: int) -> list:
         """``[head_tile][split]`` -> the two words of this lane's B fragment of block ``k``."""
@@ -458,18 +515,29 @@ class TriScoreMmaKernel(TriScoreKernel):
                 if h < self.heads:
                     m_coef[self.magnitude_slot(f) + h] = m
 
+    def mma_column(self, within):
+        """The MMA column (k of ``m16n8k16``) that holds element ``within`` of a block: itself for bf16;
+        for fp8 the place ``read_k`` gives it (element ``4·t4 + s`` -> column ``2·t4 + 8·(s // 2) + s % 2``)."""
+        if not self.fp8:
+            return within
+        return 2 * (within // 4) + 8 * ((within % 4) // 2) + within % 2
+
+    def b_place(self, h, element) -> tuple:
+        """``(word, half)`` of (element, head ``h``) in the B fragments of split 0: lane ``(h % 8, t4)``,
+        register ``r`` and half of the word holding MMA columns ``2·t4 + 8r + {0, 1}`` of block ``k``
+        (``mma_column``); split ``s`` is ``64·s`` words on."""
+        k = element // BLOCK
+        column = self.mma_column(element - k * BLOCK)
+        lane = (h % MMA_HEADS) * 4 + (column % 8) // 2
+        return ((h // MMA_HEADS) * self.blocks + k) * SPLITS * 64 + lane * 2 + column // 8, column % 2
+
     def store_splits(self, b_frag: Int32, h, element, value: Float32) -> None:
         """``value`` as three bf16 terms (each the rounding of what the previous left) at the B
-        fragment place of (element, head ``h``): lane ``(h % 8, t4)``, register ``r`` and half of
-        the word holding elements ``16k + 2·t4 + 8r + {0, 1}``."""
-        k = element // BLOCK
-        within = element - k * BLOCK
-        r = within // 8
-        lane = (h % MMA_HEADS) * 4 + (within % 8) // 2
-        word = ((h // MMA_HEADS) * self.blocks + k) * SPLITS * 64 + lane * 2 + r
+        fragment place of (element, head ``h``) (``b_place``)."""
+        word, half = self.b_place(h, element)
         for split in range(SPLITS):
             rounded = bf16_pair(Float32(0.0), value)
-            shared_store_b16(b_frag + (word + split * 64) * 4 + (within % 2) * 2, rounded)
+            shared_store_b16(b_frag + (word + split * 64) * 4 + half * 2, rounded)
             value = value - bf16_low(rounded)
 
     def m_fragment_word(self, nt, block, j, split, lane, r=0):
@@ -491,10 +559,13 @@ class TriScoreMmaKernel(TriScoreKernel):
         return (block * 4 + t4) * self.m_stride + slot * self.heads
 
     def pair_place(self, f) -> tuple:
-        """``(block, t4, slot)`` of pair ``f``: the magnitude block, the quad lane and its slot
-        (``f = 16·block + 2·t4 + 8·(slot // 2) + slot % 2``: the fragment's columns)."""
+        """``(block, t4, slot)`` of pair ``f``: the magnitude block, the quad lane and its slot (bf16:
+        ``f = 16·block + 2·t4 + 8·(slot // 2) + slot % 2``, the fragment's columns; fp8:
+        ``f = 16·block + 4·t4 + slot``, the bytes ``ldmatrix`` gives the lane)."""
         block = f // BLOCK
         within = f - block * BLOCK
+        if self.fp8:
+            return block, within // 4, within % 4
         return block, (within % 8) // 2, 2 * (within // 8) + within % 2
 
 
