@@ -109,7 +109,10 @@ def codec_size(r: dict) -> str:
 def _size_compact(r: dict) -> str:
     size = f"batch {r['batch']}"
     if r.get("layers_moved") is not None and r.get("layers") and r["layers_moved"] != r["layers"]:
-        size += f" ({r['layers_moved']} of {r['layers']} layers)"
+        size += f" ({r['layers_moved']} of {r['layers']} layers)"      # records before the twelfth session
+    own = r.get("layers_with_own_pools")
+    if own is not None and r.get("layers") and own != r["layers"]:
+        size += f" ({r['layers']} layers on {own} layers' pools)"
     return size
 
 
