@@ -5,10 +5,8 @@
     compact_paged byte for byte. The concurrent phase (loads of tile k+1 with stores of tile k) runs
     in both orders, and the addresses it touches must never overlap: that is the claim the kernel's
     single barrier per tile rests on. Grid: HND and NHD; bf16, fp16, fp8; head_dim 64/128/256;
-    tokens_per_block 16..128; every threads, tile_tokens, slices and cta_order choice (the CTAs walked
-    in their grid's order, decoded by the kernel's cta_coords, each exactly once); several layers with
-    a sliding window layer; separate and combined (strided) K/V pools; prompts long enough that moves
-    cross pages.
+    tokens_per_block 16..128; every threads and tile_tokens choice; several layers with a sliding
+    window layer; separate and combined (strided) K/V pools; prompts long enough that moves cross pages.
 (b) The rendered source compiles for every target: all TriAttention families for sm_90a (device
     code, -cubin, no spills), two families for sm_100a and sm_103a, one for sm_107a (pip nvcc 13.5),
     every tunable combination for the longest row, and one shared library whose C ABI the
@@ -69,7 +67,6 @@ def _grid_cases(count: int = 18) -> list[dict]:
         "layout": ["HND", "NHD"], "dtype": ["bf16", "fp16", "fp8_e4m3"], "head_dim": [64, 128, 256],
         "tpb": [16, 32, 64, 128], "threads": list(TUNABLES["compact"]["threads"][0]),
         "tile": list(TUNABLES["compact"]["tile_tokens"][0]), "slices": list(TUNABLES["compact"]["slices"][0]),
-        "order": list(TUNABLES["compact"]["cta_order"][0]),
         "kv_heads": [1, 2, 4], "mode": list(MODES),
         "interleaved": [False, True], "stores_first": [False, True],
     }
@@ -94,7 +91,7 @@ def _run_host_check(exe: Path, geo, table: torch.Tensor, moves, k_pools, v_pools
     header = [0 if geo.layout == "HND" else 1, page_bytes // (geo.kv_heads * geo.tokens_per_block), geo.kv_heads,
               geo.tokens_per_block, geo.num_layers, k_pools[0].shape[0], table.shape[0], table.shape[1],
               moves.src.shape[-1], case["threads"], case["tile"], int(case["stores_first"]), int(case["interleaved"]),
-              case["slices"], case["order"]]
+              case["slices"]]
     parts = [np.asarray(header, dtype="<i8").tobytes()]
     for t in (table, moves.src, moves.dst, moves.offsets):
         parts.append(t.to(torch.int32).contiguous().numpy().astype("<i4").tobytes())
@@ -135,7 +132,7 @@ def _case_inputs(case: dict):
 
 @pytest.mark.parametrize("case", CASES, ids=[
     f"{c['layout']}-{c['dtype']}-d{c['head_dim']}-tpb{c['tpb']}-h{c['kv_heads']}-t{c['threads']}x{c['tile']}"
-    f"s{c['slices']}o{c['order']}-"
+    f"s{c['slices']}-"
     f"{c['mode']}{'-kv' if c['interleaved'] else ''}{'-sf' if c['stores_first'] else ''}" for c in CASES])
 def test_host_walk_equals_oracle(host_check: Path, case: dict) -> None:
     geo, moves, table, k_pools, v_pools = _case_inputs(case)
@@ -240,8 +237,6 @@ def test_every_tunable_compiles_without_spills_for_the_longest_row(tmp_path: Pat
     for slices in space["slices"][0][1:]:   # shorter runs per move: more moves per tile, the same vectors
         source = render(_compact_plan(spec, {"threads": 512, "tile_tokens": 128, "slices": slices}))
         jobs.append((f"t512x128s{slices}", _nvcc(), source, "sm_90a"))
-    source = render(_compact_plan(spec, {"threads": 512, "tile_tokens": 128, "slices": 4, "cta_order": 1}))
-    jobs.append(("t512x128s4o1", _nvcc(), source, "sm_90a"))   # the other grid order decodes the CTA
     _assert_no_spills(_compile_all(jobs, tmp_path))
 
 

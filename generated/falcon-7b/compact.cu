@@ -2,13 +2,13 @@
 // family:   falcon-7b
 // op:       compact
 // template: compact.cu.j2
-// plan key: 333437a39fb529018310e34d14ba27f1269b2f66e2d13a29b20c76cf4e89bdf5
+// plan key: abb9cfbfb4b36f0790f80e2651fbedccd35491dabc578bf763bc9faf9a295167
 //
 // TriAttention compaction of family falcon-7b (TRIATTENTION.md §7, C ABI kvgen_compact.h).
 // This file only describes the family; the kernel is kvgen/kernels/cuda/compact_kernels.cuh.
 //
 // Pages: NHD [tokens_per_block][kv_heads][head_dim] = [64][1][64] of bf16 (2 bytes), 32 layers, K and V pools per layer.
-// Launch: 1 CTA of 128 threads per (request, KV head, layer), tiles of up to 32 moves; the KV heads of a request in separate grid rows.
+// Launch: 1 CTA of 128 threads per (request, KV head, layer), tiles of up to 32 moves.
 #include "compact_host.cuh"
 
 namespace kvgen {
@@ -18,7 +18,6 @@ struct Family {
   static constexpr int kThreads = 128;
   static constexpr int kTileTokens = 32;
   static constexpr int kSlices = 1;
-  static constexpr int kCtaOrder = 0;  // grid order (compact_kernels.cuh, cta_coords)
 
   __host__ __device__ static constexpr compact::Geometry geometry() {
     return compact::Geometry{/*layout=*/compact::kNHD, /*kv_heads=*/1,

@@ -2,13 +2,13 @@
 // family:   gemma-2-9b
 // op:       compact
 // template: compact.cu.j2
-// plan key: bb1c85395b908278cf2142702a3fdaec19d3ca82b7d29a071189e8b48b507f2e
+// plan key: 7b7bdf49a73ef892a95b6cc3b34fac786407c3a19a9535442c53d75994be44f5
 //
 // TriAttention compaction of family gemma-2-9b (TRIATTENTION.md §7, C ABI kvgen_compact.h).
 // This file only describes the family; the kernel is kvgen/kernels/cuda/compact_kernels.cuh.
 //
 // Pages: HND [kv_heads][tokens_per_block][head_dim] = [8][32][256] of bf16 (2 bytes), 42 layers, K and V pools per layer.
-// Launch: 1 CTA of 128 threads per (request, KV head, layer), tiles of up to 32 moves; the KV heads of a request in separate grid rows.
+// Launch: 1 CTA of 128 threads per (request, KV head, layer), tiles of up to 32 moves.
 #include "compact_host.cuh"
 
 namespace kvgen {
@@ -18,7 +18,6 @@ struct Family {
   static constexpr int kThreads = 128;
   static constexpr int kTileTokens = 32;
   static constexpr int kSlices = 1;
-  static constexpr int kCtaOrder = 0;  // grid order (compact_kernels.cuh, cta_coords)
 
   __host__ __device__ static constexpr compact::Geometry geometry() {
     return compact::Geometry{/*layout=*/compact::kHND, /*kv_heads=*/8,

@@ -2,13 +2,13 @@
 // family:   gpt-oss-20b
 // op:       compact
 // template: compact.cu.j2
-// plan key: 64550ae8d4593e83470e91079ef638f9f914504c6dca536b217e4c25f4f524ed
+// plan key: 2df7059bfe239a7560b84d434483bb199fdc5cfdea224362919e0de80123fabe
 //
 // TriAttention compaction of family gpt-oss-20b (TRIATTENTION.md §7, C ABI kvgen_compact.h).
 // This file only describes the family; the kernel is kvgen/kernels/cuda/compact_kernels.cuh.
 //
 // Pages: HND [kv_heads][tokens_per_block][head_dim] = [8][32][64] of bf16 (2 bytes), 24 layers, K and V pools per layer.
-// Launch: 1 CTA of 128 threads per (request, KV head, layer), tiles of up to 32 moves; the KV heads of a request in separate grid rows.
+// Launch: 1 CTA of 128 threads per (request, KV head, layer), tiles of up to 32 moves.
 #include "compact_host.cuh"
 
 namespace kvgen {
@@ -18,7 +18,6 @@ struct Family {
   static constexpr int kThreads = 128;
   static constexpr int kTileTokens = 32;
   static constexpr int kSlices = 1;
-  static constexpr int kCtaOrder = 0;  // grid order (compact_kernels.cuh, cta_coords)
 
   __host__ __device__ static constexpr compact::Geometry geometry() {
     return compact::Geometry{/*layout=*/compact::kHND, /*kv_heads=*/8,

@@ -2,13 +2,13 @@
 // family:   llama-3.1-8b
 // op:       compact
 // template: compact.cu.j2
-// plan key: af0200ba8e93631be05c7894cee03ea8ac6500676ae630adf2634478f10e3852
+// plan key: 05814c802f3f7193733912a18951c4f789dcb2274d6bfa72ba06c962edf34e28
 //
 // TriAttention compaction of family llama-3.1-8b (TRIATTENTION.md §7, C ABI kvgen_compact.h).
 // This file only describes the family; the kernel is kvgen/kernels/cuda/compact_kernels.cuh.
 //
 // Pages: HND [kv_heads][tokens_per_block][head_dim] = [8][32][128] of bf16 (2 bytes), 32 layers, K and V pools per layer.
-// Launch: 1 CTA of 128 threads per (request, KV head, layer), tiles of up to 32 moves; the KV heads of a request in separate grid rows.
+// Launch: 1 CTA of 128 threads per (request, KV head, layer), tiles of up to 32 moves.
 #include "compact_host.cuh"
 
 namespace kvgen {
@@ -18,7 +18,6 @@ struct Family {
   static constexpr int kThreads = 128;
   static constexpr int kTileTokens = 32;
   static constexpr int kSlices = 1;
-  static constexpr int kCtaOrder = 0;  // grid order (compact_kernels.cuh, cta_coords)
 
   __host__ __device__ static constexpr compact::Geometry geometry() {
     return compact::Geometry{/*layout=*/compact::kHND, /*kv_heads=*/8,

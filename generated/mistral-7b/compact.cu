@@ -2,13 +2,13 @@
 // family:   mistral-7b
 // op:       compact
 // template: compact.cu.j2
-// plan key: df6e963b5c1f2a93ff6a47ce3ed01fbb57febf82bd689f64e1ec438ce31e2e4f
+// plan key: bc4f7d2ceacf6f35df50f6c2fc3620fc6c9de92dcdb7552a95d5d8ae58183ea1
 //
 // TriAttention compaction of family mistral-7b (TRIATTENTION.md §7, C ABI kvgen_compact.h).
 // This file only describes the family; the kernel is kvgen/kernels/cuda/compact_kernels.cuh.
 //
 // Pages: NHD [tokens_per_block][kv_heads][head_dim] = [16][8][128] of fp16 (2 bytes), 32 layers, K and V pools per layer.
-// Launch: 1 CTA of 128 threads per (request, KV head, layer), tiles of up to 32 moves; the KV heads of a request in separate grid rows.
+// Launch: 1 CTA of 128 threads per (request, KV head, layer), tiles of up to 32 moves.
 #include "compact_host.cuh"
 
 namespace kvgen {
@@ -18,7 +18,6 @@ struct Family {
   static constexpr int kThreads = 128;
   static constexpr int kTileTokens = 32;
   static constexpr int kSlices = 1;
-  static constexpr int kCtaOrder = 0;  // grid order (compact_kernels.cuh, cta_coords)
 
   __host__ __device__ static constexpr compact::Geometry geometry() {
     return compact::Geometry{/*layout=*/compact::kNHD, /*kv_heads=*/8,

@@ -2,13 +2,13 @@
 // family:   qwen3-8b-fp8
 // op:       compact
 // template: compact.cu.j2
-// plan key: f712844c243ae5b3f540ed1677d64628e497a618ba8543db9cc0a79650bdc832
+// plan key: fdec11e022427b1b8b3e383f82552be9de15b04857d56d71f933c36fc9a15bef
 //
 // TriAttention compaction of family qwen3-8b-fp8 (TRIATTENTION.md §7, C ABI kvgen_compact.h).
 // This file only describes the family; the kernel is kvgen/kernels/cuda/compact_kernels.cuh.
 //
 // Pages: HND [kv_heads][tokens_per_block][head_dim] = [8][32][128] of fp8_e4m3 (1 bytes), 36 layers, K and V pools per layer.
-// Launch: 1 CTA of 128 threads per (request, KV head, layer), tiles of up to 32 moves; the KV heads of a request in separate grid rows.
+// Launch: 1 CTA of 128 threads per (request, KV head, layer), tiles of up to 32 moves.
 #include "compact_host.cuh"
 
 namespace kvgen {
@@ -18,7 +18,6 @@ struct Family {
   static constexpr int kThreads = 128;
   static constexpr int kTileTokens = 32;
   static constexpr int kSlices = 1;
-  static constexpr int kCtaOrder = 0;  // grid order (compact_kernels.cuh, cta_coords)
 
   __host__ __device__ static constexpr compact::Geometry geometry() {
     return compact::Geometry{/*layout=*/compact::kHND, /*kv_heads=*/8,

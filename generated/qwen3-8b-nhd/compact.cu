@@ -2,13 +2,13 @@
 // family:   qwen3-8b-nhd
 // op:       compact
 // template: compact.cu.j2
-// plan key: 9e2ae642a5e0184569aca44b520bc0216cec493d59062c8147a527ebb3a3457f
+// plan key: cd00a504bb79457d0ecbd2cc1d81fc67751e044e76088931aa7f3da7c01131fe
 //
 // TriAttention compaction of family qwen3-8b-nhd (TRIATTENTION.md §7, C ABI kvgen_compact.h).
 // This file only describes the family; the kernel is kvgen/kernels/cuda/compact_kernels.cuh.
 //
 // Pages: NHD [tokens_per_block][kv_heads][head_dim] = [32][8][128] of bf16 (2 bytes), 36 layers, K and V pools per layer.
-// Launch: 1 CTA of 128 threads per (request, KV head, layer), tiles of up to 32 moves; the KV heads of a request in separate grid rows.
+// Launch: 1 CTA of 128 threads per (request, KV head, layer), tiles of up to 32 moves.
 #include "compact_host.cuh"
 
 namespace kvgen {
@@ -18,7 +18,6 @@ struct Family {
   static constexpr int kThreads = 128;
   static constexpr int kTileTokens = 32;
   static constexpr int kSlices = 1;
-  static constexpr int kCtaOrder = 0;  // grid order (compact_kernels.cuh, cta_coords)
 
   __host__ __device__ static constexpr compact::Geometry geometry() {
     return compact::Geometry{/*layout=*/compact::kNHD, /*kv_heads=*/8,

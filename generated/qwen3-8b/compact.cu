@@ -2,13 +2,13 @@
 // family:   qwen3-8b
 // op:       compact
 // template: compact.cu.j2
-// plan key: 6d831c6498aa8b65d2a6462c129235d9d3166e5f862940c88b0a166619c37bbf
+// plan key: c4cfee9e0c682b1e9a36d7934764778e6b4c76c538d6323c88e6889121ba5cc6
 //
 // TriAttention compaction of family qwen3-8b (TRIATTENTION.md §7, C ABI kvgen_compact.h).
 // This file only describes the family; the kernel is kvgen/kernels/cuda/compact_kernels.cuh.
 //
 // Pages: HND [kv_heads][tokens_per_block][head_dim] = [8][32][128] of bf16 (2 bytes), 36 layers, K and V pools per layer.
-// Launch: 1 CTA of 128 threads per (request, KV head, layer), tiles of up to 32 moves; the KV heads of a request in separate grid rows.
+// Launch: 1 CTA of 128 threads per (request, KV head, layer), tiles of up to 32 moves.
 #include "compact_host.cuh"
 
 namespace kvgen {
@@ -18,7 +18,6 @@ struct Family {
   static constexpr int kThreads = 128;
   static constexpr int kTileTokens = 32;
   static constexpr int kSlices = 1;
-  static constexpr int kCtaOrder = 0;  // grid order (compact_kernels.cuh, cta_coords)
 
   __host__ __device__ static constexpr compact::Geometry geometry() {
     return compact::Geometry{/*layout=*/compact::kHND, /*kv_heads=*/8,

@@ -2,13 +2,13 @@
 // family:   qwen3.5-397b-a17b-lossless-rope
 // op:       compact
 // template: compact.cu.j2
-// plan key: c8b52dcf52206e5955db6079844f06640e56cdd26cbb09c61c3e7e74e9ae04a1
+// plan key: 848c95181457f23879a2fbb82f511f24e2197a0285d5e32d58aa9e7f2d883bb6
 //
 // TriAttention compaction of family qwen3.5-397b-a17b-lossless-rope (TRIATTENTION.md §7, C ABI kvgen_compact.h).
 // This file only describes the family; the kernel is kvgen/kernels/cuda/compact_kernels.cuh.
 //
 // Pages: HND [kv_heads][tokens_per_block][head_dim] = [2][32][256] of bf16 (2 bytes), 15 layers, K and V pools per layer.
-// Launch: 1 CTA of 128 threads per (request, KV head, layer), tiles of up to 32 moves; the KV heads of a request in separate grid rows.
+// Launch: 1 CTA of 128 threads per (request, KV head, layer), tiles of up to 32 moves.
 #include "compact_host.cuh"
 
 namespace kvgen {
@@ -18,7 +18,6 @@ struct Family {
   static constexpr int kThreads = 128;
   static constexpr int kTileTokens = 32;
   static constexpr int kSlices = 1;
-  static constexpr int kCtaOrder = 0;  // grid order (compact_kernels.cuh, cta_coords)
 
   __host__ __device__ static constexpr compact::Geometry geometry() {
     return compact::Geometry{/*layout=*/compact::kHND, /*kv_heads=*/2,

@@ -2,13 +2,13 @@
 // family:   qwen3.5-397b-a17b
 // op:       compact
 // template: compact.cu.j2
-// plan key: dc863d4e85fa0e99ef4c994cbff7ca393ac0a32a2dae20cccb8d928ababfcf53
+// plan key: 55ee855fd39059a8abd4d1fd74a7e5f1de297632886c6a126ff48c512d320163
 //
 // TriAttention compaction of family qwen3.5-397b-a17b (TRIATTENTION.md §7, C ABI kvgen_compact.h).
 // This file only describes the family; the kernel is kvgen/kernels/cuda/compact_kernels.cuh.
 //
 // Pages: HND [kv_heads][tokens_per_block][head_dim] = [2][32][256] of bf16 (2 bytes), 15 layers, K and V pools per layer.
-// Launch: 1 CTA of 128 threads per (request, KV head, layer), tiles of up to 32 moves; the KV heads of a request in separate grid rows.
+// Launch: 1 CTA of 128 threads per (request, KV head, layer), tiles of up to 32 moves.
 #include "compact_host.cuh"
 
 namespace kvgen {
@@ -18,7 +18,6 @@ struct Family {
   static constexpr int kThreads = 128;
   static constexpr int kTileTokens = 32;
   static constexpr int kSlices = 1;
-  static constexpr int kCtaOrder = 0;  // grid order (compact_kernels.cuh, cta_coords)
 
   __host__ __device__ static constexpr compact::Geometry geometry() {
     return compact::Geometry{/*layout=*/compact::kHND, /*kv_heads=*/2,

@@ -98,13 +98,6 @@ TUNABLES: dict[str, dict[str, tuple[tuple[int, ...], int]]] = {
         # (compact_kernels.cuh): batch 1 launches only layers x KV heads CTAs (288 for qwen3-8b on
         # 132 SMs). The same bytes land; folded to the largest choice dividing a move's vectors.
         "slices": ((1, 2, 4), 1),
-        # Which CTAs run side by side (the block scheduler starts them in grid order): 0 puts a
-        # request's CTAs of one KV head next to each other (grid x = requests x slices, y = KV
-        # heads), so at batch 256 the resident CTAs all copy the same head's span of every page
-        # (HND: one 8 KiB run at the same offset of each 64 KiB page); 1 puts the KV heads of a
-        # request next to each other (x = requests x slices x KV heads), so they cover whole pages.
-        # The same moves, in the same order within a CTA: the same bytes.
-        "cta_order": ((0, 1), 0),
     },
     "pack": {
         "block": ((64, 128, 256, 512), 256),

@@ -9,12 +9,11 @@
 //   nvcc -x cu -std=c++17 -I<repo> tests/csrc/compact_host_check.cu -o compact_host_check
 //
 // stdin (little-endian):
-//   int64 header[15]: layout (0 HND, 1 NHD), row_bytes, kv_heads, tokens_per_block, num_layers,
+//   int64 header[14]: layout (0 HND, 1 NHD), row_bytes, kv_heads, tokens_per_block, num_layers,
 //                     num_pages, max_requests, max_pages, moves_per_head (N), threads (64, 128,
 //                     256 or 512), tile_tokens, stores_first (0/1), kv_interleaved (0/1: K and V of a
 //                     layer share one buffer, page stride = 2 pages, as a combined KV pool), slices
-//                     (1, 2 or 4: CTAs per (layer, head, request), walked one after another), cta_order
-//                     (0 or 1: the CTAs are walked in the order of that grid, decoded by cta_coords)
+//                     (1, 2 or 4: CTAs per (layer, head, request), walked one after another)
 //   int32 page_table[max_requests * max_pages]
 //   int32 src[num_layers * kv_heads * N], int32 dst[same], int32 offsets[max_requests + 1]
 //   per layer: K pool bytes [num_pages * page_bytes], then V pool bytes
@@ -93,8 +92,7 @@ bool read_into(std::vector<T>& v, size_t n) {
 
 struct Case {
   kc::Geometry g;
-  int64_t num_layers, num_pages, max_requests, max_pages, moves_per_head, threads, tile_tokens, slices,
-      cta_order;
+  int64_t num_layers, num_pages, max_requests, max_pages, moves_per_head, threads, tile_tokens, slices;
   bool stores_first, kv_interleaved;
   std::vector<int32_t> table, src, dst, offsets;
 };
@@ -116,29 +114,18 @@ Counts compact_all(const Case& c, std::vector<kc::LayerPools>& pools, kvgen::Dev
     return Counts{};
   }
   const kc::MoveLimits limits = kc::move_limits(c.max_pages * c.g.tokens_per_block, c.num_pages, &errors);
-  // Any CTA order is valid (CTAs share no bytes); walk them as the launch's grid enumerates them,
-  // decoded as the kernel decodes them.  Each (request, slice, head) must come up exactly once.
-  const kc::GridShape shape = kc::grid_shape((int)c.max_requests, (int)c.slices, c.g.kv_heads, (int)c.cta_order);
-  std::vector<int> seen(c.max_requests * c.slices * c.g.kv_heads, 0);
+  // Any CTA order is valid (CTAs share no bytes); walk them as the grid enumerates them.
   for (int layer = 0; layer < c.num_layers; ++layer) {
-    for (int y = 0; y < shape.rows; ++y) {
-      for (int64_t x = 0; x < shape.columns; ++x) {
-        const kc::CtaCoords cta = kc::cta_coords((unsigned)x, (unsigned)y, (int)c.slices, c.g.kv_heads,
-                                                 (int)c.cta_order);
-        if (layer == 0) ++seen[(cta.request * c.slices + cta.slice) * c.g.kv_heads + cta.head];
-        const kc::RequestRange range = kc::request_range(c.offsets.data(), cta.request, c.moves_per_head);
+    for (int head = 0; head < c.g.kv_heads; ++head) {
+      for (int x = 0; x < c.max_requests * c.slices; ++x) {  // the grid's x: request * slices + slice
+        const int r = x / (int)c.slices;
+        const kc::RequestRange range = kc::request_range(c.offsets.data(), r, c.moves_per_head);
         if (range.count == 0) continue;
         const kc::CtaTask task = kc::cta_task(c.g, pools[layer], c.table.data(), c.max_pages, c.src.data(),
-                                              c.dst.data(), c.moves_per_head, range, cta.request, cta.head, layer,
-                                              limits, (int)c.slices, cta.slice);
+                                              c.dst.data(), c.moves_per_head, range, r, head, layer, limits,
+                                              (int)c.slices, x % (int)c.slices);
         kc::walk_moves<kThreads, kHostPer>(ex, c.g, task, ex.tile);
       }
-    }
-  }
-  for (int n : seen) {
-    if (n != 1) {
-      fprintf(stderr, "the grid covers a (request, slice, head) %d times\n", n);
-      return Counts{};
     }
   }
   return Counts{ex.overlaps, ex.loads};
@@ -147,8 +134,8 @@ Counts compact_all(const Case& c, std::vector<kc::LayerPools>& pools, kvgen::Dev
 }  // namespace
 
 int main() {
-  int64_t h[15];
-  if (fread(h, sizeof(int64_t), 15, stdin) != 15) return 2;
+  int64_t h[14];
+  if (fread(h, sizeof(int64_t), 14, stdin) != 14) return 2;
   Case c;
   c.g = kc::Geometry{(int)h[0], (int)h[2], (int)h[3], (int)h[1]};
   c.num_layers = h[4];
@@ -161,7 +148,6 @@ int main() {
   c.stores_first = h[11] != 0;
   c.kv_interleaved = h[12] != 0;
   c.slices = h[13];
-  c.cta_order = h[14];
   if (c.slices < 1 || 2 * c.g.row_vectors() % c.slices != 0) return 2;
   const size_t moves = (size_t)(c.num_layers * c.g.kv_heads * c.moves_per_head);
   if (!read_into(c.table, c.max_requests * c.max_pages) || !read_into(c.src, moves) || !read_into(c.dst, moves) ||

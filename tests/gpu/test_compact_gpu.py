@@ -146,8 +146,7 @@ def _render_synthetic(name: str, geometry_: dict, params: dict | None = None) ->
                              undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True,
                              keep_trailing_newline=True)
     plan = SimpleNamespace(family=name)
-    params = {"threads": 128, "tile_tokens": 32, "slices": 1, "cta_order": 0, **(params or {})}
-    context = {"plan": plan, "g": geometry_, "p": params,
+    context = {"plan": plan, "g": geometry_, "p": params or {"threads": 128, "tile_tokens": 32, "slices": 1},
                "symbol": "kvgen_test",
                "header": f"// test library {name}"}
     return env.get_template("compact.cu.j2").render(context)
@@ -174,11 +173,9 @@ def synthetic_libraries(tmp_path_factory) -> dict[str, CompactLibrary]:
 
 # The compaction tunables' larger values (more bytes in flight per CTA), on bf16 rows of 256 and
 # 512 bytes: every (threads, tile_tokens) pair with 512 threads or 128-move tiles; then rows cut
-# into 2 and 4 slices (CTAs of one request, head and layer side by side on disjoint bytes); then
-# the KV heads of a request side by side in the grid (cta_order 1), with and without slices.
-BIG_TILES = [(t, k, 1, 0) for t in (256, 512) for k in (32, 64, 128) if t == 512 or k == 128] + [
-    (128, 32, 2, 0), (128, 32, 4, 0), (256, 64, 4, 0), (512, 128, 2, 0), (128, 32, 1, 1), (256, 32, 2, 1),
-    (512, 128, 4, 1)]
+# into 2 and 4 slices (CTAs of one request, head and layer side by side on disjoint bytes).
+BIG_TILES = [(t, k, 1) for t in (256, 512) for k in (32, 64, 128) if t == 512 or k == 128] + [
+    (128, 32, 2), (128, 32, 4), (256, 64, 4), (512, 128, 2)]
 BF16_GEOMETRIES = {
     "bf16-hnd-d128-tpb64": {"dtype": "bf16", "layout": "HND", "elem_bytes": 2, "kv_heads": 8, "head_dim": 128,
                             "tokens_per_block": 64, "layers": 3},
@@ -198,23 +195,21 @@ def tile_libraries(tmp_path_factory) -> dict[tuple, CompactLibrary]:
     work = tmp_path_factory.mktemp("compact_tiles")
     libraries = {}
     for name, geometry_ in BF16_GEOMETRIES.items():
-        for threads, tile, slices, order in BIG_TILES:
-            source = work / f"{name}-t{threads}x{tile}s{slices}o{order}.cu"
+        for threads, tile, slices in BIG_TILES:
+            source = work / f"{name}-t{threads}x{tile}s{slices}.cu"
             source.write_text(_render_synthetic(name, geometry_, {"threads": threads, "tile_tokens": tile,
-                                                                  "slices": slices, "cta_order": order}))
-            out = work / f"lib{name}-t{threads}x{tile}s{slices}o{order}.so"
+                                                                  "slices": slices}))
+            out = work / f"lib{name}-t{threads}x{tile}s{slices}.so"
             compile_shared_library([source], "sm_90a", list(INCLUDE_DIRS), out, toolchain)
-            libraries[(name, threads, tile, slices, order)] = CompactLibrary(out)
+            libraries[(name, threads, tile, slices)] = CompactLibrary(out)
     return libraries
 
 
-@pytest.mark.parametrize("threads, tile, slices, order", BIG_TILES)
+@pytest.mark.parametrize("threads, tile, slices", BIG_TILES)
 @pytest.mark.parametrize("name", sorted(BF16_GEOMETRIES))
-def test_big_tiles_equal_oracle(tile_libraries: dict, name: str, threads: int, tile: int, slices: int,
-                                order: int) -> None:
-    """threads 512 / tile_tokens 128, rows in slices and either grid order move exactly the oracle's
-    bytes (bit for bit)."""
-    library = tile_libraries[(name, threads, tile, slices, order)]
+def test_big_tiles_equal_oracle(tile_libraries: dict, name: str, threads: int, tile: int, slices: int) -> None:
+    """threads 512 / tile_tokens 128 and rows in slices move exactly the oracle's bytes (bit for bit)."""
+    library = tile_libraries[(name, threads, tile, slices)]
     assert library.info["slices"] == slices
     for i, mode in enumerate(MODES):
         _check_compaction(library, mode, seed=300 + i, combined=(i == 2))

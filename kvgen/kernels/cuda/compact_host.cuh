@@ -79,11 +79,9 @@ int launch(const kvgen_compact_pool_extent* pools, int num_layers, const int32_t
                 std::to_string(page_table_width));
   }
   if (f.kv_heads > 65535) return fail("kv_heads above the grid's y limit");
-  const GridShape shape = grid_shape(max_requests, F::kSlices, f.kv_heads, F::kCtaOrder);
-  if (shape.columns > 2147483647) {
-    return fail("max_requests " + std::to_string(max_requests) + " x " + std::to_string(F::kSlices) + " slices" +
-                (F::kCtaOrder ? " x " + std::to_string(f.kv_heads) + " KV heads" : std::string()) +
-                " above the grid's x limit");
+  if ((int64_t)max_requests * F::kSlices > 2147483647) {
+    return fail("max_requests " + std::to_string(max_requests) + " x " + std::to_string(F::kSlices) +
+                " slices above the grid's x limit");
   }
   DeviceErrors* errors = library_device_errors();
   if (errors == nullptr || !take_device_errors(errors)) return 0;  // an earlier launch's device indices
@@ -99,7 +97,7 @@ int launch(const kvgen_compact_pool_extent* pools, int num_layers, const int32_t
                                    static_cast<uint8_t*>(p.v_base), p.v_page_stride_bytes};
       batch.num_pages[i] = p.num_pages;
     }
-    const dim3 grid((unsigned)shape.columns, (unsigned)shape.rows, (unsigned)count);
+    const dim3 grid((unsigned)(max_requests * F::kSlices), (unsigned)f.kv_heads, (unsigned)count);
     compact_kernel<F><<<grid, F::kThreads, 0, stream>>>(batch, page_table, page_table_stride, src, dst, offsets,
                                                         moves_per_head, table_tokens, errors);
   }

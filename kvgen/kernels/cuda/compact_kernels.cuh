@@ -422,34 +422,8 @@ struct ThreadExec {
   __device__ __forceinline__ void store16(uint8_t* p, uint4 v) { __stcs(reinterpret_cast<uint4*>(p), v); }
 };
 
-// The grid's x and y (z: the layers of a launch).  order 0: x = request * slices + slice, y = KV head;
-// 1: x = (request * slices + slice) * kv_heads + KV head, y = 1 (why: the cta_order tunable,
-// kvgen/lower/plan.py).  cta_coords inverts it.
-struct GridShape {
-  int64_t columns;
-  int rows;
-};
-
-__host__ __device__ constexpr GridShape grid_shape(int max_requests, int slices, int kv_heads, int order) {
-  return order ? GridShape{(int64_t)max_requests * slices * kv_heads, 1}
-               : GridShape{(int64_t)max_requests * slices, kv_heads};
-}
-
-// The (request, slice, KV head) of the CTA at (x, y) of grid_shape's grid.
-struct CtaCoords {
-  int request;
-  int slice;
-  int head;
-};
-
-__host__ __device__ inline CtaCoords cta_coords(unsigned x, unsigned y, int slices, int kv_heads, int order) {
-  const int column = order ? (int)(x / kv_heads) : (int)x;
-  const int head = order ? (int)(x % kv_heads) : (int)y;
-  return CtaCoords{column / slices, column % slices, head};
-}
-
-// F (generated) provides: static geometry(), kThreads, kTileTokens, kSlices, kCtaOrder.
-// Grid: x and y as cta_coords, z = layer within this launch's LaunchPools.
+// F (generated) provides: static geometry(), kThreads, kTileTokens, kSlices.
+// Grid: x = request * kSlices + slice, y = KV head, z = layer within this launch's LaunchPools.
 template <class F>
 __global__ void __launch_bounds__(F::kThreads)
     compact_kernel(LaunchPools pools, const int32_t* __restrict__ page_table, int64_t page_table_stride,
@@ -464,10 +438,9 @@ __global__ void __launch_bounds__(F::kThreads)
   constexpr int kPer = vectors_per_thread(F::kThreads, kTile, kPerMove);
   static_assert(kPer <= 2 * kMaxVectorsPerThread, "rows too long for the register tiles");
 
-  const CtaCoords cta = cta_coords(blockIdx.x, blockIdx.y, F::kSlices, g.kv_heads, F::kCtaOrder);
-  const int request = cta.request;
-  const int slice = cta.slice;
-  const int head = cta.head;
+  const int request = blockIdx.x / F::kSlices;
+  const int slice = blockIdx.x % F::kSlices;
+  const int head = blockIdx.y;
   const int layer = pools.first_layer + (int)blockIdx.z;
   const RequestRange range = request_range(offsets, request, moves_per_head);
   if (range.count == 0) return;  // uniform over the CTA: padded or inactive request
