@@ -252,3 +252,14 @@ def test_the_benchmarks_live_in_the_package_only():
     for path in [ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *(ROOT / "scripts").glob("*.sh")]:
         text = path.read_text()
         assert not any(old in text for old in ("benchmarks/", "benchmarks.common", "benchmarks.bench_")), path
+
+
+def test_compaction_sizes_say_which_layers_moved_and_on_whose_pools():
+    """Records before the twelfth session gave the layers beyond memory fill moves (layers_moved);
+    since then every layer moves and the record says how many have pools of their own."""
+    from kvgen.bench.report import _size_compact
+
+    assert _size_compact({"batch": 256, "layers_moved": 25, "layers": 36}) == "batch 256 (25 of 36 layers)"
+    assert _size_compact({"batch": 256, "layers_moved": 36, "layers_with_own_pools": 14, "layers": 36}) == \
+        "batch 256 (36 layers on 14 layers' pools)"
+    assert _size_compact({"batch": 32, "layers_moved": 36, "layers_with_own_pools": 36, "layers": 36}) == "batch 32"
