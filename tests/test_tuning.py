@@ -400,6 +400,19 @@ def test_bad_measurement_files_are_named_with_what_is_wrong(tmp_path: Path, caps
         assert str(path) in out and why in out
 
 
+def test_the_tensor_core_form_serves_bf16_and_e4m3_k_in_whole_pair_chunks_from_16_bytes() -> None:
+    """``mma_form_fits``: a pair chunk is what one ``ldmatrix.x4`` gives a lane row (32 bytes of re and
+    of im: 32 bf16 or 64 fp8 elements of rotated span), and each row's span starts 16-byte aligned."""
+    from kvgen.kernels.cute.geometry import mma_form_fits
+
+    assert mma_form_fits("bf16", 0, 128, "half") and mma_form_fits("bf16", 8, 32, "half")
+    assert mma_form_fits("fp8_e4m3", 0, 128, "half") and mma_form_fits("fp8_e4m3", 16, 64, "half")
+    assert not mma_form_fits("fp8_e4m3", 0, 96, "half")        # 48 pairs: not whole 32-pair chunks
+    assert not mma_form_fits("fp8_e4m3", 8, 128, "half")       # 8 bytes in: no 16-byte bulk copy
+    assert not mma_form_fits("bf16", 0, 48, "half") and not mma_form_fits("bf16", 4, 128, "half")
+    assert not mma_form_fits("fp16", 0, 128, "half") and not mma_form_fits("bf16", 0, 128, "interleaved")
+
+
 def test_the_tensor_core_form_folds_where_it_cannot_serve_and_ignores_the_other_forms_params() -> None:
     """Form 1 (score_mma.py) serves bf16 and fp8 E4M3 K with half pairs only; it reads mma_tiles /
     mag_mma and takes bulk_stages as its ring depth, form 0 reads neither: each form's unread
