@@ -405,7 +405,11 @@ def test_pipelined_variants_do_not_spill(tmp_path: Path, toolchain) -> None:
 
 @pytest.mark.parametrize("arch", ["sm_100a", "sm_103a"])
 def test_pipelined_and_fp8_scorers_compile_for_sm100_targets(tmp_path: Path, toolchain, arch: str) -> None:
-    params = {"tokens_per_thread": 2, "smem_stages": 2, "token_tiles": 2}
+    _bf16_and_fp8_build_for(arch, tmp_path, toolchain, {"tokens_per_thread": 2, "smem_stages": 2, "token_tiles": 2})
+
+
+def _bf16_and_fp8_build_for(arch: str, tmp_path: Path, toolchain, params: dict) -> None:
+    """The probe family and the fp8 family with ``params``, built and loadable for ``arch``."""
     specs = [spec.model_copy(update={"targets": [arch]}) for spec in (ALL_SPECS[PROBE_FAMILY], fp8_family())]
     for build in compile_scores(specs, arch, tmp_path / "cache", toolchain, params):
         assert build.status == "built", build.error
@@ -467,11 +471,7 @@ def test_tensor_core_scorer_compiles_without_spills_and_reports_its_launch_shape
 
 @pytest.mark.parametrize("arch", ["sm_100a", "sm_103a", "sm_107a"])
 def test_tensor_core_scorer_compiles_for_sm100_targets(tmp_path: Path, toolchain, arch: str) -> None:
-    params = {"form": 1, "token_tiles": 16, "bulk_stages": 2, "mag_mma": 1}
-    specs = [spec.model_copy(update={"targets": [arch]}) for spec in (ALL_SPECS[PROBE_FAMILY], fp8_family())]
-    for build in compile_scores(specs, arch, tmp_path / "cache", toolchain, params):
-        assert build.status == "built", build.error
-        _check_library(build.artifact, build.family, arch, specs[1] if build.family.endswith("fp8") else None)
+    _bf16_and_fp8_build_for(arch, tmp_path, toolchain, {"form": 1, "token_tiles": 16, "bulk_stages": 2, "mag_mma": 1})
 
 
 def test_tensor_core_scorer_places_each_pair_once_where_the_mma_fragments_hold_it() -> None:

@@ -50,15 +50,18 @@ def bulk_ring_fits(vec: int, elem_bytes: int, lanes: int, tokens_per_thread: int
 MMA_SHARED_BUDGET = 110 * 1024
 
 
+# K dtypes the tensor-core scorer takes as exact bf16 operands, and their bytes per element.
+MMA_K_BYTES = {"bf16": 2, "fp8_e4m3": 1}
+
+
 def mma_form_fits(dtype: str, rotary_start: int, rotary_dim: int, pairing: str) -> bool:
     """Whether the tensor-core scorer (form 1) serves a family: K that is an exact bf16 MMA operand
     (bf16 as stored; fp8 E4M3 widened in registers, every E4M3 value is a bf16), half pairs (element
     f and f + F at the same place of two MMA blocks: the lane holds both parts), a rotated span of
     whole pair chunks (the bytes one ``ldmatrix.x4`` gives a lane row: 32 bytes of re and of im, so
     32 bf16 or 64 fp8 elements) starting 16-byte aligned (a bulk copy per row)."""
-    chunk = {"bf16": 32, "fp8_e4m3": 64}.get(dtype)
-    elem_bytes = 1 if dtype == "fp8_e4m3" else 2
-    return (chunk is not None and pairing == "half" and rotary_dim % chunk == 0
+    elem_bytes = MMA_K_BYTES.get(dtype)
+    return (elem_bytes is not None and pairing == "half" and (rotary_dim * elem_bytes) % 64 == 0
             and (rotary_start * elem_bytes) % 16 == 0)
 
 
