@@ -19,6 +19,7 @@ import pytest
 from kvgen import __version__
 from kvgen.artifacts.manifest import (
     ABI_VERSION,
+    FORMAT_VERSION,
     ArtifactEntry,
     FamilyEntry,
     Manifest,
@@ -414,7 +415,7 @@ def test_build_then_rebuild_is_all_cache_hits(tmp_path: Path, templates: Path, t
     assert {op.artifact for op in entry.ops} == {library.file} == {"libkvgen_llama_3_1_8b.so"}
     assert (tmp_path / "registry" / "sm_90a" / library.file).is_file() and library.backend == "nvcc"
     meta = json.loads((report.outcomes[1].artifact.parent / "manifest.json").read_text())
-    assert meta["format_version"] == 2 and meta["families"][0]["artifacts"][0]["file"] == "libkvgen_llama_3_1_8b.so"
+    assert meta["format_version"] == FORMAT_VERSION and meta["families"][0]["artifacts"][0]["file"] == "libkvgen_llama_3_1_8b.so"
     for path in (tmp_path / "generated").rglob("*"):
         os.utime(path, (1, 1))                                   # mtimes are not inputs
     again = _build(tmp_path, templates, toolchains)

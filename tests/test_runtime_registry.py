@@ -217,8 +217,8 @@ def test_an_op_the_family_does_not_ship_is_refused(tmp_path: Path) -> None:
 def test_manifest_of_another_format_is_refused(tmp_path: Path) -> None:
     root = fake_registry(tmp_path / "reg", "sm_90a", ["fam"])
     path = manifest_path(root, "sm_90a")
-    path.write_text(path.read_text().replace('"format_version": 2', '"format_version": 1'))
-    with pytest.raises(RegistryError, match=r"manifest\.json: format version 1, this kvgen reads 2.*kvgen build"):
+    path.write_text(path.read_text().replace('"format_version": 3', '"format_version": 2'))
+    with pytest.raises(RegistryError, match=r"manifest\.json: format version 2, this kvgen reads 3.*kvgen build"):
         RuntimeRegistry([root]).resolve("fam", "sm_90a")
 
 

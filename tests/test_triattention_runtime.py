@@ -195,7 +195,8 @@ class _Entry:
 
 @dataclass
 class _Resolved:
-    """Duck-types ``kvgen.runtime.lookup.Resolved``: ``entry.layout`` and ``artifact(op)``."""
+    """Duck-types ``kvgen.runtime.lookup.Resolved``: ``entry.layout``, ``artifact(op)`` and
+    ``dispatch(op)`` (no size-dispatched variants)."""
 
     entry: _Entry
     artifacts: dict = field(default_factory=dict)
@@ -204,6 +205,9 @@ class _Resolved:
     def artifact(self, op: str) -> Path:
         self.asked.append(op)
         return self.artifacts[op]
+
+    def dispatch(self, op: str) -> tuple[Path, list]:
+        return self.artifact(op), []
 
 
 def _resolved(spec) -> _Resolved:

@@ -4,7 +4,8 @@ One entry per family. It records the decision (ops, their params and plan keys, 
 each artifact the family ships: the nvcc library (``codec``, ``compact``), the CuTe DSL score
 library (``score``) and the AOT-compiled Triton libraries of the packer (``pack``) and of
 normalize/aggregate/select (``select``), each with its sha256. Every op names the artifact file
-that serves it. ``read_manifest`` refuses a manifest written by another format
+that serves it, and may list size-dispatched variants (``kvgen.artifacts.dispatch``): another
+artifact, with its own params, for calls of at least ``from_work``. ``read_manifest`` refuses a manifest written by another format
 or kvgen version, a manifest whose arch is not its folder's, an artifact path that leaves the
 manifest's folder (absolute, ``..``, a symlink pointing out) and an artifact whose bytes do not
 match, each with an error naming the file and the command that rebuilds it. ``manifest_problems``
@@ -22,9 +23,10 @@ from typing import Any, Mapping
 from kvgen import __version__
 from kvgen.files import file_sha256, write_json_atomic
 
-# 2: one entry per family listing every artifact (score library and packer included), ops naming
-# their artifact; format 1 had one library per entry and the score library in a sidecar.
-FORMAT_VERSION = 2
+# 3: an op may list size-dispatched variants. 2: one entry per family listing every artifact (score
+# library and packer included), ops naming their artifact; format 1 had one library per entry and
+# the score library in a sidecar.
+FORMAT_VERSION = 3
 # The C ABI of the generated libraries (entry-point names and argument lists). Bump on any change
 # a loader would have to know about; the runtime refuses libraries of another ABI.
 # 2: the codec's staged offload/onboard entry points (kvgen_codec.h, version 2 block).
@@ -54,6 +56,18 @@ class ArtifactEntry:
 
 
 @dataclass(frozen=True)
+class VariantEntry:
+    """The artifact serving an op's calls of at least ``from_work`` (in the op's unit,
+    ``kvgen.artifacts.dispatch.WORK_UNITS``), up to the next variant's threshold."""
+
+    from_work: int
+    bucket: str                                   # the tuning bucket whose measurements chose it
+    artifact: str                                 # an ``ArtifactEntry.file``; may be the op's own
+    plan_key: str
+    params: Mapping[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class OpEntry:
     op: str
     artifact: str                                 # the ``ArtifactEntry.file`` that serves this op
@@ -61,6 +75,11 @@ class OpEntry:
     plan_key: str
     params: Mapping[str, int] = field(default_factory=dict)
     tuning: str = "default"                       # how params were chosen: measured, model-tuned, override, default
+    variants: tuple[VariantEntry, ...] = ()       # ascending from_work; calls below the first take ``artifact``
+
+    def artifacts(self) -> tuple[str, ...]:
+        """Every artifact file this op may load."""
+        return (self.artifact, *(v.artifact for v in self.variants))
 
 
 @dataclass(frozen=True)
@@ -85,7 +104,10 @@ class FamilyEntry:
         entry = self.op(op)
         if entry is None:
             return None
-        return next((a for a in self.artifacts if a.file == entry.artifact), None)
+        return self.artifact_named(entry.artifact)
+
+    def artifact_named(self, file: str) -> ArtifactEntry | None:
+        return next((a for a in self.artifacts if a.file == file), None)
 
 
 @dataclass(frozen=True)
@@ -108,7 +130,9 @@ def manifest_json(manifest: Manifest) -> dict[str, Any]:
     data = asdict(manifest)
     data["families"] = sorted(data["families"], key=lambda entry: entry["family"])
     for entry in data["families"]:
-        entry["ops"] = [{**op, "params": dict(sorted(op["params"].items()))} for op in entry["ops"]]
+        entry["ops"] = [{**op, "params": dict(sorted(op["params"].items())),
+                         "variants": [{**v, "params": dict(sorted(v["params"].items()))} for v in op["variants"]]}
+                        for op in entry["ops"]]
         entry["artifacts"] = sorted(entry["artifacts"], key=lambda a: a["file"])
     return data
 
@@ -122,7 +146,9 @@ def write_manifest(path: Path, manifest: Manifest) -> None:
 # (required fields, optional fields) of each JSON object, with the type each must have: a manifest
 # of the right shape but wrong types is refused here, not by whatever later trips over a value.
 _ARTIFACT = ({"file": str, "sha256": str, "backend": str, "cache_key": str}, {"toolchain": dict})
-_OP = ({"op": str, "artifact": str, "template": str, "plan_key": str}, {"params": dict, "tuning": str})
+_VARIANT = ({"from_work": int, "bucket": str, "artifact": str, "plan_key": str}, {"params": dict})
+_OP = ({"op": str, "artifact": str, "template": str, "plan_key": str},
+       {"params": dict, "tuning": str, "variants": list})
 _FAMILY = ({"family": str, "arch": str, "symbol": str, "spec_sha256": str, "ops": list, "artifacts": list},
            {"layout": (dict, type(None)), "kvgen_version": str, "abi_version": int})
 _MANIFEST = ({"arch": str, "families": list}, {"format_version": int, "kvgen_version": str, "abi_version": int})
@@ -150,16 +176,30 @@ def _checked(data: Any, where: str, shape: tuple[dict, dict]) -> dict[str, Any]:
     return data
 
 
+def _params(data: Mapping[str, Any], where: str) -> dict[str, int]:
+    params = data.get("params", {})
+    if not all(isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) for k, v in params.items()):
+        raise _Malformed(f"{where}.params: expected names of integers")
+    return dict(params)
+
+
+def _variants(data: list, where: str) -> tuple[VariantEntry, ...]:
+    variants = []
+    for i, variant in enumerate(data):
+        variant = _checked(variant, f"{where}[{i}]", _VARIANT)
+        if variants and variant["from_work"] <= variants[-1].from_work or variant["from_work"] < 0:
+            raise _Malformed(f"{where}[{i}].from_work: {variant['from_work']}, expected ascending thresholds >= 0")
+        variants.append(VariantEntry(**{**variant, "params": _params(variant, f"{where}[{i}]")}))
+    return tuple(variants)
+
+
 def _family(data: Any, where: str) -> FamilyEntry:
     data = _checked(data, where, _FAMILY)
     ops = []
     for i, op in enumerate(data["ops"]):
         op = _checked(op, f"{where}.ops[{i}]", _OP)
-        params = op.get("params", {})
-        if not all(isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) for k, v in params.items()):
-            raise _Malformed(f"{where}.ops[{i}].params: expected names of integers")
-        ops.append(OpEntry(op["op"], op["artifact"], op["template"], op["plan_key"], dict(params),
-                           op.get("tuning", "default")))
+        ops.append(OpEntry(op["op"], op["artifact"], op["template"], op["plan_key"], _params(op, f"{where}.ops[{i}]"),
+                           op.get("tuning", "default"), _variants(op.get("variants", []), f"{where}.ops[{i}].variants")))
     artifacts = []
     for i, artifact in enumerate(data["artifacts"]):
         artifact = _checked(artifact, f"{where}.artifacts[{i}]", _ARTIFACT)
@@ -229,13 +269,27 @@ def verify_file(path: Path, arch: str, family: str, artifact: ArtifactEntry) -> 
 
 
 def verify_op(path: Path, manifest: Manifest, entry: FamilyEntry, op: str) -> Path:
-    """The verified file that serves ``op`` of ``entry``; a family without the op is refused too."""
-    artifact = entry.artifact_of(op)
-    if artifact is None:
+    """The verified file that serves ``op`` of ``entry`` (its main artifact); a family without the
+    op is refused too."""
+    return verify_op_files(path, manifest, entry, op)[0]
+
+
+def verify_op_files(path: Path, manifest: Manifest, entry: FamilyEntry, op: str) -> list[Path]:
+    """The verified files of ``op``: its main artifact, then each size-dispatched variant's, in the
+    order of ``OpEntry.variants``; a family without the op, or an op naming an unlisted file, is refused."""
+    op_entry = entry.op(op)
+    if op_entry is None:
         have = ", ".join(o.op for o in entry.ops) or "none"
         raise _refuse(Path(path), f"{entry.family} has no {op!r} artifact (its ops: {have})", manifest.arch,
                       entry.family)
-    return verify_file(path, manifest.arch, entry.family, artifact)
+    files = []
+    for name in op_entry.artifacts():
+        artifact = entry.artifact_named(name)
+        if artifact is None:
+            raise _refuse(Path(path), f"{entry.family}: op {op!r} names {name!r}, which is not among its artifacts",
+                          manifest.arch, entry.family)
+        files.append(verify_file(path, manifest.arch, entry.family, artifact))
+    return files
 
 
 def manifest_problems(path: Path, kvgen_version: str = __version__,
@@ -272,9 +326,10 @@ def _family_problems(path: Path, manifest: Manifest, entry: FamilyEntry, verify:
     problems = []
     listed = {a.file for a in entry.artifacts}
     for op in entry.ops:
-        if op.artifact not in listed:
-            problems.append(_refuse(path, f"{entry.family}: op {op.op!r} names {op.artifact!r}, which is not "
-                                          "among its artifacts", manifest.arch, entry.family))
+        for artifact in op.artifacts():
+            if artifact not in listed:
+                problems.append(_refuse(path, f"{entry.family}: op {op.op!r} names {artifact!r}, which is not "
+                                              "among its artifacts", manifest.arch, entry.family))
     for artifact in entry.artifacts if verify else ():
         try:
             verify_file(path, manifest.arch, entry.family, artifact)

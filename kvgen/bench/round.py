@@ -56,7 +56,8 @@ def bench_round(family: str, batch: int, width: int, copy: dict, registry: Path,
     gbps = copy["gbps_read_plus_write"]
     limit_ms = sum(limit_bytes.values()) / gbps / 1e6
     round_ms = stages.pop("round")["median_ms"]
-    record.update({"artifacts": artifacts.note, "selection": str(artifacts.select), "stages": stages,
+    record.update({"artifacts": artifacts.note, "selection": str(artifacts.select),
+                   "score_served_by": str(artifacts.score.library_for(batch, width).path), "stages": stages,
                    "round_ms": round_ms, "bytes": limit_bytes, "limit_ms": limit_ms,
                    "limit_parts_ms": {k: v / gbps / 1e6 for k, v in limit_bytes.items()},
                    "round_over_limit": round_ms / limit_ms, "goal": GOAL})

@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 
 from kvgen import paths
+from kvgen.artifacts.dispatch import score_work, serving
 from kvgen.artifacts.manifest import RegistryError
 from kvgen.lower.plan import TUNABLES
 from kvgen.lower.triattention import eviction_config, rope_scaling, tri_geometry
@@ -52,7 +53,7 @@ from kvgen.measure.workloads.score import PROMPT, ScoreCache, ScoreFamily
 from kvgen.reference.triattention import save_calibration, score_paged
 from kvgen.runtime.eviction import TriAttentionManager, generated_backends
 from kvgen.runtime.lookup import RuntimeRegistry
-from kvgen.runtime.score import ScoreLibrary
+from kvgen.runtime.score import ScoreDispatch
 from kvgen.spec.schema import load_spec
 
 VARIANTS = [("qwen3-8b", 32), ("qwen3-8b", 1), ("gpt-oss-20b", 32), ("gemma-2-9b", 32), ("qwen3.5-397b-a17b", 32),
@@ -73,8 +74,18 @@ def score_family(family: str, specs: Path | None = None):  # noqa: ANN201 - (Fam
     return spec, ScoreFamily(spec.name, tri_geometry(spec), spec.dtype, spec.rope.theta, rope_scaling(spec))
 
 
-def score_library(family: str, registry: Path, arch: str) -> ScoreLibrary:
-    return ScoreLibrary(registry_artifact(registry, family, arch, "score"), family=family)
+def score_library(family: str, registry: Path, arch: str) -> ScoreDispatch:
+    """The family's score libraries in ``registry`` alone, dispatched by call size as the runtime does."""
+    return ScoreDispatch.from_resolved(RuntimeRegistry([registry]).resolve(family, arch))
+
+
+def served_variant(op, batch: int, width: int) -> tuple[str, dict[str, int]]:  # noqa: ANN001 - an OpEntry
+    """Which of the score op's libraries serves ``batch`` x ``width`` ("main" or the variant's
+    bucket), and its parameters."""
+    index = serving([v.from_work for v in op.variants], score_work(batch, width))
+    if index is None:
+        return "main", dict(op.params)
+    return op.variants[index].bucket, dict(op.variants[index].params)
 
 
 def _has_score(registry: Path, family: str, arch: str) -> bool:
@@ -108,26 +119,26 @@ def bench_score(family: str, batch: int, width: int, copy: dict, registries: lis
     for registry in registries:
         try:
             resolved = RuntimeRegistry([registry]).resolve(family, arch)
-            path, params = resolved.artifact("score"), dict(resolved.op("score").params)
+            served, params = served_variant(resolved.op("score"), batch, width)
         except RegistryError as exc:
             if registry == default_registry:
                 result["default_error"] = f"{registry}: no score library ({str(exc).splitlines()[0]})"
             continue
         if registry == default_registry:   # the comparison may fail; the measurements above stay
             try:
-                lib = ScoreLibrary(path, family=family)
+                lib = ScoreDispatch.from_resolved(resolved)
                 t = time_ms(lambda: lib.score(**inputs), reps=10, warmup=2)
             except Exception as exc:  # noqa: BLE001
                 result["default_error"] = f"{type(exc).__name__}: {exc}"
                 continue
         else:
-            lib = ScoreLibrary(path, family=family)
+            lib = ScoreDispatch.from_resolved(resolved)
             t = time_ms(lambda: lib.score(**inputs), reps=10, warmup=2)
         passes = int(lib.geometry["passes"])
         k_bytes = k_bytes_read(g, batch, width, elem)
         gbps = (k_bytes + score_bytes) / t["median_ms"] / 1e6
         role = "tuned" if registry == registries[0] else "default" if registry == default_registry else "variant"
-        variant = {"registry": str(registry), "role": role, "params": params, "passes": passes,
+        variant = {"registry": str(registry), "role": role, "params": params, "served_by": served, "passes": passes,
                    "k_bytes": k_bytes, "gbps": gbps, "fraction_of_copy": gbps / copy["gbps_read_plus_write"],
                    **{k: v for k, v in t.items()}}
         if reference is None:

@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import Literal, Mapping
 
 from kvgen.lower.plan import KernelPlan, Op, plans_for
+from kvgen.lower.tuned import Variant
 from kvgen.render.source import TEMPLATES_DIR, output_name, render
-from kvgen.spec.schema import FamilySpec, load_spec
+from kvgen.spec.schema import FamilySpec, c_identifier, load_spec
 
 # "triton-aot": Triton kernels compiled at build time behind a C shim (kvgen.build.triton_aot).
 Backend = Literal["nvcc", "cute", "triton-aot"]
@@ -55,6 +56,7 @@ class BuildJob:
     backend: Backend
     plans: tuple[KernelPlan, ...]
     rendered: Mapping[str, str]           # "<family>/<name>" -> text
+    variant: Variant | None = None        # a size-dispatched variant of its one op
 
     @property
     def family(self) -> str:
@@ -75,7 +77,9 @@ class BuildJob:
     @property
     def artifact(self) -> str:
         """The artifact's file name, in the cache entry and in ``<registry>/<arch>/``."""
-        return f"lib{self.symbol}{ARTIFACT_SUFFIX[self.plans[0].op]}"
+        stem, ext = ARTIFACT_SUFFIX[self.plans[0].op].rsplit(".", 1)
+        tail = f"_{c_identifier(self.variant.bucket)}" if self.variant else ""
+        return f"lib{self.symbol}{stem}{tail}.{ext}"
 
 
 @dataclass(frozen=True)
@@ -97,15 +101,33 @@ class BuildOutcome:
 
 
 def family_jobs(source: SpecSource, arch: str, params: Mapping[Op, Mapping[str, int]] | None = None,
-                templates_dir: Path = TEMPLATES_DIR) -> list[BuildJob]:
+                templates_dir: Path = TEMPLATES_DIR,
+                variants: Mapping[Op, tuple[Variant, ...]] | None = None) -> list[BuildJob]:
     """One job per artifact the family needs for ``arch`` (ops of one backend and suffix share
     one), ``params`` (tuned, per op) over the safe defaults, each job's plans rendered for exactly
-    those parameters."""
+    those parameters; then one job per size-dispatched variant whose parameters differ from its
+    op's (a variant naming the op's own configuration is served by the op's artifact)."""
+    plans = plans_for(source.spec, params)
     by_artifact: dict[tuple[Backend, str], list[KernelPlan]] = {}
-    for plan in plans_for(source.spec, params):
+    for plan in plans:
         by_artifact.setdefault((OP_BACKEND[plan.op], ARTIFACT_SUFFIX[plan.op]), []).append(plan)
-    return [BuildJob(source, arch, backend, tuple(plans), render_plans(plans, templates_dir))
-            for (backend, _), plans in by_artifact.items()]
+    jobs = [BuildJob(source, arch, backend, tuple(group), render_plans(group, templates_dir))
+            for (backend, _), group in by_artifact.items()]
+    main = {plan.op: plan for plan in plans}
+    for op, op_variants in (variants or {}).items():
+        for variant in op_variants:
+            plan = variant_plan(source.spec, params, op, variant)
+            if plan.key() != main[op].key():
+                jobs.append(BuildJob(source, arch, OP_BACKEND[op], (plan,), render_plans([plan], templates_dir),
+                                     variant))
+    return jobs
+
+
+def variant_plan(spec: FamilySpec, params: Mapping[Op, Mapping[str, int]] | None, op: Op,
+                 variant: Variant) -> KernelPlan:
+    """The plan of ``op`` compiled for ``variant`` (the other ops' parameters as ``params``)."""
+    (plan,) = [p for p in plans_for(spec, {**(params or {}), op: variant.params}) if p.op == op]
+    return plan
 
 
 def render_plans(plans: list[KernelPlan], templates_dir: Path = TEMPLATES_DIR) -> dict[str, str]:

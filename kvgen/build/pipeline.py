@@ -25,6 +25,7 @@ from kvgen.artifacts.manifest import (
     Manifest,
     OpEntry,
     RegistryError,
+    VariantEntry,
     manifest_path,
     parse_manifest,
     write_manifest,
@@ -32,12 +33,23 @@ from kvgen.artifacts.manifest import (
 from kvgen.build.compile import Toolchains, compile_many
 from kvgen.build.cute_aot import CuteToolchain
 from kvgen.build.environment import build_environments, gpu_fingerprint, gpu_name
-from kvgen.build.job import BACKENDS, Backend, BuildJob, BuildOutcome, SpecSource, Status, family_jobs, load_spec_source
+from kvgen.build.job import (
+    BACKENDS,
+    Backend,
+    BuildJob,
+    BuildOutcome,
+    SpecSource,
+    Status,
+    family_jobs,
+    load_spec_source,
+    variant_plan,
+)
 from kvgen.build.nvcc import Toolchain
 from kvgen.build.stamp import Stamps, common_inputs, replayed_outcomes
 from kvgen.files import copy_if_different, file_lock, require_writable
 from kvgen.kernels import KERNELS_DIR
 from kvgen.lower.layout import family_layout, to_json
+from kvgen.lower.plan import KernelPlan
 from kvgen.lower.tuned import TunedParams, load_tuned, switch_notes
 from kvgen.render.source import TEMPLATES_DIR, render_family, stale_files, write_rendered
 from kvgen.spec.schema import name_collisions
@@ -101,19 +113,43 @@ def check_generated(specs: Sequence[SpecSource | Path], out_generated: Path,
 
 def _family_entry(built: Sequence[tuple[BuildJob, BuildOutcome]], tuned: TunedParams | None = None) -> FamilyEntry:
     """The manifest entry of one family from its built artifacts (an op whose artifact failed is
-    not listed: the runtime then refuses that op with the rebuild command); each op says how its
-    parameters were chosen (``tuned.method``: measured, model-tuned, override or default)."""
+    not listed: the runtime then refuses that op with the rebuild command; a variant whose artifact
+    failed is left out: its calls take the library below it); each op says how its parameters
+    were chosen (``tuned.method``: measured, model-tuned, override or default)."""
     source, arch = built[0][0].source, built[0][0].arch
     ops, artifacts = [], []
     for job, outcome in built:
         artifacts.append(ArtifactEntry(job.artifact, outcome.sha256, job.backend, outcome.key,
                                        dict(outcome.toolchain)))
-        ops += [OpEntry(p.op, job.artifact, p.template, p.key(), dict(p.params),
-                        tuned.method(arch, job.family, p.op) if tuned else "default") for p in job.plans]
+        if job.variant is None:
+            ops += [OpEntry(p.op, job.artifact, p.template, p.key(), dict(p.params),
+                            tuned.method(arch, job.family, p.op) if tuned else "default",
+                            _variant_entries(built, p, tuned)) for p in job.plans]
     spec = source.spec
     return FamilyEntry(family=spec.name, arch=arch, symbol=built[0][0].symbol, spec_sha256=source.sha256,
                        ops=tuple(sorted(ops, key=lambda op: op.op)), artifacts=tuple(artifacts),
                        layout=to_json(spec, family_layout(spec)))
+
+
+def _variant_entries(built: Sequence[tuple[BuildJob, BuildOutcome]], main: KernelPlan,
+                     tuned: TunedParams | None) -> tuple[VariantEntry, ...]:
+    """The size-dispatched variants of the op ``main`` (a plan) serves: each built variant's artifact,
+    or the op's own where the variant compiles to the same plan."""
+    if tuned is None:
+        return ()
+    job = built[0][0]
+    own = {j.variant.bucket: j for j, _ in built if j.variant is not None and j.plans[0].op == main.op}
+    entries = []
+    for variant in tuned.variants_for(job.arch, job.family).get(main.op, ()):
+        plan = variant_plan(job.source.spec, tuned.for_family(job.arch, job.family), main.op, variant)
+        if variant.bucket in own:
+            artifact = own[variant.bucket].artifact
+        elif plan.key() == main.key():
+            artifact = next(j.artifact for j, _ in built if j.variant is None and main in j.plans)
+        else:
+            continue   # its library failed to build
+        entries.append(VariantEntry(variant.from_work, variant.bucket, artifact, plan.key(), dict(plan.params)))
+    return tuple(entries)
 
 
 def registry_lock(registry_dir: Path, arch: str) -> Path:
@@ -224,7 +260,8 @@ def build(specs: Sequence[SpecSource | Path], archs: Sequence[str] | None, out_g
     tuned = _tuned(sources, pairs, toolchains, compilers.cute, tuning_dir, tuning_environ)
     report.tuning_notes = tuned.notes
     todo = [job for source, arch in pairs
-            for job in family_jobs(source, arch, tuned.for_family(arch, source.spec.name), templates_dir)
+            for job in family_jobs(source, arch, tuned.for_family(arch, source.spec.name), templates_dir,
+                                   tuned.variants_for(arch, source.spec.name))
             if job.backend in backends]
     if todo:
         require_writable(Path(registry_dir))   # before minutes of compiling, not at publish

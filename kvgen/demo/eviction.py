@@ -76,13 +76,13 @@ def eviction_backends(config: DemoConfig, spec: FamilySpec, spec_path: Path, cal
                   "compact": "oracle compact_paged (cpu)"}
         return {"score_library": oracle_scorer}, labels
     from kvgen.runtime.eviction import generated_backends
-    from kvgen.runtime.score import ScoreLibrary
+    from kvgen.runtime.score import ScoreDispatch
 
     resolved = runtime_registry(config).resolve(spec.name, config.arch, spec_path)
     kwargs: dict[str, Any] = {}
     labels = {}
     try:
-        kwargs["score_library"] = ScoreLibrary(resolved.artifact("score"), family=spec.name)
+        kwargs["score_library"] = ScoreDispatch.from_resolved(resolved)
         labels["score"] = f"generated CuTe DSL ({kwargs['score_library'].path})"
     except Exception as exc:  # noqa: BLE001 - recorded in the report, never silent
         kwargs["score_library"] = oracle_scorer

@@ -9,7 +9,8 @@ File (schema 1)::
                   "environment": {gpu, compute_capability, driver, cuda_runtime, torch, kvgen,
                                   toolchain: {nvcc | cutlass_dsl: version}},   <- where it was measured
                   "buckets": {bucket: {"best": {...}, "best_ms", "default_ms", "params_ms",
-                                       "speedup", "trials", "failed", "failures", "strategy"}}}}}
+                                       "speedup", "trials", "failed", "failures", "strategy"}},
+                  "variants": [{"bucket", "from_work", "params", "params_ms"}, ...]}}}   <- optional
 
 Each op carries its own environment: ops are tuned at different times, with different compilers.
 
@@ -19,9 +20,12 @@ version, its inputs and predicted times. A measured entry of an op that applies 
 arch, kvgen and toolchain) always wins over the model's; a model entry is used only where no
 measured one applies, and is itself checked against the build's kvgen and toolchain.
 
-One library per (family, op, arch) serves every size, so ``params`` is the configuration with the
-best geometric-mean speed-up over the buckets (among those measured in all of them); each bucket
-also records its own winner and what the compromise costs there (``params_ms``).
+``params`` is the configuration with the best geometric-mean speed-up over the buckets (among those
+measured in all of them); each bucket also records its own winner and what the compromise costs
+there (``params_ms``). Where a bucket's own winner beats the compromise by more than the noise, an
+op that owns its artifact (``VARIANT_OPS``) also gets ``variants``
+(``kvgen.tuning.space.dispatch_variants``): the build compiles each as one more library, and the runtime sends calls
+of at least ``from_work`` to it.
 
 Validity: a file is used only when its environment matches the build's: same arch, same kvgen
 version (major.minor), the same compiler release that will compile it (nvcc for codec/compact,
@@ -43,6 +47,9 @@ from kvgen import paths
 from kvgen.lower.plan import TUNABLES, Op, check_params
 
 SCHEMA = 1
+# Ops that own their artifact, so a size-dispatched variant is one more library of that op alone.
+# codec and compact share the family's nvcc library: one configuration serves every size.
+VARIANT_OPS: tuple[Op, ...] = ("score",)
 # How the parameters the build compiles were chosen (the manifest and ``kvgen show-config`` say it).
 MEASURED, MODEL, OVERRIDE, DEFAULT = "measured", "model-tuned", "override", "default"
 OP_TOOLCHAIN = {"codec": "nvcc", "compact": "nvcc", "score": "cutlass_dsl", "pack": "triton"}
@@ -72,9 +79,26 @@ def read_file(path: Path) -> dict[str, Any]:
                 check_params(op, entry["params"])
             except (KeyError, ValueError, TypeError) as exc:
                 raise TuningFileError(f"{path}: {section}.{op}.params: {exc}") from None
+            _check_variants(path, f"{section}.{op}", op, entry.get("variants", []))
             if section == "model_ops" and entry.get("method") != "model":
                 raise TuningFileError(f"{path}: model_ops.{op}: \"method\" is {entry.get('method')!r}, not 'model'")
     return data
+
+
+def _check_variants(path: Path, where: str, op: Op, variants: Any) -> None:
+    if variants and op not in VARIANT_OPS:
+        raise TuningFileError(f"{path}: {where}.variants: {op} takes one configuration for every size "
+                              f"(variants exist for {', '.join(VARIANT_OPS)})")
+    last = -1
+    for i, variant in enumerate(variants if isinstance(variants, list) else [None]):
+        try:
+            check_params(op, variant["params"])
+            start = variant["from_work"]
+            if not isinstance(start, int) or isinstance(start, bool) or start <= last:
+                raise ValueError(f"from_work {start!r}: expected integers ascending from 0")
+            last = start
+        except (KeyError, ValueError, TypeError) as exc:
+            raise TuningFileError(f"{path}: {where}.variants[{i}]: {exc}") from None
 
 
 def write_op(tuning_dir: Path, family: str, arch: str, op: Op, entry: Mapping[str, Any],
@@ -173,20 +197,41 @@ class BuildEnvironment:
     gpu: str | None = None
 
 
+@dataclass(frozen=True)
+class Variant:
+    """A size-dispatched configuration of an op (``dispatch_variants``): calls of at least
+    ``from_work`` run it."""
+
+    bucket: str
+    from_work: int
+    params: Mapping[str, int]
+
+
 @dataclass
 class TunedParams:
-    """arch -> family -> op -> params, plus one line per file or override not used, or used."""
+    """arch -> family -> op -> params (and size-dispatched variants), plus one line per file or
+    override not used, or used."""
 
     table: dict[str, dict[str, dict[Op, dict[str, int]]]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     methods: dict[tuple[str, str, str], str] = field(default_factory=dict)   # (arch, family, op) -> MEASURED...
+    variants: dict[tuple[str, str, str], tuple[Variant, ...]] = field(default_factory=dict)
 
     def for_family(self, arch: str, family: str) -> dict[Op, dict[str, int]]:
         return self.table.get(arch, {}).get(family, {})
 
-    def set(self, arch: str, family: str, op: Op, params: Mapping[str, int], method: str = MEASURED) -> None:
+    def variants_for(self, arch: str, family: str) -> dict[Op, tuple[Variant, ...]]:
+        return {op: v for (a, f, op), v in self.variants.items() if (a, f) == (arch, family)}
+
+    def set(self, arch: str, family: str, op: Op, params: Mapping[str, int], method: str = MEASURED,
+            variants: tuple[Variant, ...] = ()) -> None:
+        """``op``'s parameters (and variants: an override or model pick, which name one
+        configuration, drops the measured ones)."""
         self.table.setdefault(arch, {}).setdefault(family, {})[op] = dict(params)
         self.methods[(arch, family, op)] = method
+        self.variants.pop((arch, family, op), None)
+        if variants:
+            self.variants[(arch, family, op)] = variants
 
     def method(self, arch: str, family: str, op: str) -> str:
         """How the build's parameters of ``op`` were chosen (DEFAULT when no file or override applied)."""
@@ -255,8 +300,9 @@ def _load_one(path: Path, arch: str, family: str, env: BuildEnvironment, tuned: 
     measured, model = data.get("ops", {}), data.get("model_ops", {})
     for op in sorted(set(measured) | set(model)):
         why = mismatch(data, op, env) if op in measured else ""
-        if op in measured and not why:
-            tuned.set(arch, family, op, measured[op]["params"], MEASURED)   # a measurement always wins
+        if op in measured and not why:   # a measurement always wins
+            variants = tuple(Variant(v["bucket"], v["from_work"], v["params"]) for v in measured[op].get("variants", []))
+            tuned.set(arch, family, op, measured[op]["params"], MEASURED, variants)
             continue
         model_why = mismatch(data, op, env, "model_ops") if op in model else ""
         if op in model and not model_why:

@@ -48,7 +48,7 @@ from kvgen.reference.triattention import (
     select_keep,
     zscore,
 )
-from kvgen.runtime.score import TORCH_DTYPES, ScoreLibrary
+from kvgen.runtime.score import TORCH_DTYPES, ScoreDispatch, ScoreLibrary
 
 Packer = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 Compactor = Callable[..., None]
@@ -214,7 +214,7 @@ class TriAttentionManager:
         return False
 
     def __init__(self, config: EvictionConfig, calibration_path: str | Path, k_pools: Sequence[torch.Tensor],
-                 v_pools: Sequence[torch.Tensor], score_library: ScoreLibrary | str | Path, *,
+                 v_pools: Sequence[torch.Tensor], score_library: ScoreLibrary | ScoreDispatch | str | Path, *,
                  budget: int | None = None, beta: int | None = None, eviction_mode: str | None = None,
                  max_position: int = 1 << 15, packer: Packer | None = None, compactor: Compactor | None = None,
                  pack_module: str | Path | None = None, compact_library: str | Path | None = None,
@@ -259,7 +259,8 @@ class TriAttentionManager:
                       v_pools: Sequence[torch.Tensor], **overrides: Any) -> TriAttentionManager:
         """The manager of a registry family: config from ``resolved.entry.layout["triattention"]``,
         the score library, packer module, compactor library and selection module from
-        ``resolved.artifact(op)`` for ops ``score``, ``pack``, ``compact`` and ``select`` (a
+        ``resolved.artifact(op)`` for ops ``pack``, ``compact`` and ``select`` and every score library
+        with its size-dispatched variants (``ScoreDispatch.from_resolved``) (a
         ``kvgen.runtime.lookup.Resolved``; no spec).
 
         ``overrides`` are the constructor's keywords; a ``score_library``, a ``packer`` and
@@ -267,13 +268,13 @@ class TriAttentionManager:
         registry's (and those artifacts are not asked for).
         A family TriAttention cannot serve fails with ``GeometryError`` naming it and the reason."""
         config = registry_config(resolved)
-        if "score_library" not in overrides:
-            overrides["score_library"] = resolved.artifact("score")
         if overrides.get("packer") is None and overrides.get("compactor") is None:
             overrides.setdefault("pack_module", resolved.artifact("pack"))
             overrides.setdefault("compact_library", resolved.artifact("compact"))
         if overrides.get("selector") is None:
             overrides.setdefault("select_module", resolved.artifact("select"))
+        if "score_library" not in overrides:   # loads the libraries: after every artifact is verified
+            overrides["score_library"] = ScoreDispatch.from_resolved(resolved)
         return cls(config, calibration_path, k_pools, v_pools, **overrides)
 
     # ---- init helpers
@@ -437,5 +438,6 @@ class TriAttentionManager:
     def describe(self) -> dict[str, Any]:
         return {"family": self.family, "budget": self.budget, "beta": self.beta, "mode": self.mode,
                 "score_library": str(self.library.path), "arch": self.library.arch,
+                "score_dispatch": self.library.describe() if isinstance(self.library, ScoreDispatch) else [],
                 "selection": str(getattr(self.selector, "path", ORACLE)),
                 "scored_layers": list(self.geometry.scored_layers)}

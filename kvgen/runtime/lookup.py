@@ -44,6 +44,7 @@ from kvgen.artifacts.manifest import (
     parse_manifest,
     read_manifest,
     verify_op,
+    verify_op_files,
 )
 from kvgen.artifacts.packages import ENTRY_POINT_GROUP, distribution_name, pip_fix
 from kvgen.runtime.library import FamilyLibrary, LibraryError
@@ -144,6 +145,12 @@ class Resolved:
         its sha256 checked against the manifest now. A family without the op, or a missing or
         altered file, is a ``RegistryError`` naming the manifest and the rebuild command."""
         return verify_op(self.manifest_path, self.manifest, self.entry, op)
+
+    def dispatch(self, op: str) -> tuple[Path, list[tuple[int, Path]]]:
+        """``op``'s main file and its size-dispatched variants as (from_work, file), ascending
+        (``kvgen.artifacts.dispatch``), every file's sha256 checked now."""
+        main, *files = verify_op_files(self.manifest_path, self.manifest, self.entry, op)
+        return main, [(v.from_work, file) for v, file in zip(self.entry.op(op).variants, files)]
 
     def layout(self) -> RegistryLayout:
         if self.entry.layout is None:

@@ -5,6 +5,10 @@
 manifest), checks the ABI version and the family; ``check_geometry`` compares the kernel's
 compile-time geometry with a family's ``TriGeometry``; ``score`` launches it on torch tensors after
 checking their shapes, dtypes, devices and contiguity.
+
+``ScoreDispatch`` is what a registry family serves: its score library and the size-dispatched
+variants the tuner found faster for larger calls (``kvgen.artifacts.dispatch``), behind the same
+interface; each call goes to the library of its work (requests x width).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from typing import Sequence
 
 import torch
 
+from kvgen.artifacts.dispatch import score_work, serving
 from kvgen.reference.triattention import TriGeometry
 from kvgen.runtime.library import LibraryError, load_typed
 
@@ -152,6 +157,89 @@ class ScoreLibrary:
         """Raise if a finished kernel skipped a page id outside the pool (clears the record)."""
         if self._lib.kvgen_score_check_device_errors() != 0:
             raise LibraryError(f"{self.path}: {self.last_error()}")
+
+
+class ScoreDispatch:
+    """A family's score libraries by call size: ``main`` below the first threshold, then each
+    ``(from_work, library)`` of ``variants`` (ascending) from its threshold on. Every library is
+    checked like the main one (family, geometry, page stride); the attributes are the main one's."""
+
+    def __init__(self, main: ScoreLibrary, variants: Sequence[tuple[int, ScoreLibrary]] = ()):
+        self.main = main
+        self.thresholds = [start for start, _ in variants]
+        self.variants = [library for _, library in variants]
+        for library in self.variants:
+            if library.family != main.family or library.arch != main.arch:
+                raise LibraryError(f"{library.path}: a variant of {library.family} for {library.arch}, "
+                                   f"not of {main.family} for {main.arch}")
+
+    @classmethod
+    def from_resolved(cls, resolved) -> ScoreDispatch:   # noqa: ANN001 - kvgen.runtime.lookup.Resolved
+        """The score libraries of a registry family (``Resolved.dispatch``), each file loaded once."""
+        family = resolved.entry.family
+        main_path, variant_paths = resolved.dispatch("score")
+        loaded = {main_path: ScoreLibrary(main_path, family=family)}
+        for _, path in variant_paths:
+            loaded.setdefault(path, ScoreLibrary(path, family=family))
+        return cls(loaded[main_path], [(start, loaded[path]) for start, path in variant_paths])
+
+    def library_for(self, batch: int, width: int) -> ScoreLibrary:
+        """The library serving ``batch`` requests of ``width`` tokens."""
+        index = serving(self.thresholds, score_work(batch, width))
+        return self.main if index is None else self.variants[index]
+
+    def _all(self) -> list[ScoreLibrary]:
+        return list({id(lib): lib for lib in (self.main, *self.variants)}.values())
+
+    @property
+    def path(self) -> Path:
+        return self.main.path
+
+    @property
+    def family(self) -> str:
+        return self.main.family
+
+    @property
+    def arch(self) -> str:
+        return self.main.arch
+
+    @property
+    def geometry(self) -> dict[str, int | str]:
+        return self.main.geometry
+
+    @property
+    def freqs(self) -> int:
+        return self.main.freqs
+
+    def check_geometry(self, geometry: TriGeometry, dtype: str) -> None:
+        for library in self._all():
+            library.check_geometry(geometry, dtype)
+
+    def check_page_stride(self, page_stride: int) -> None:
+        for library in self._all():
+            library.check_page_stride(page_stride)
+
+    def score(self, k_layer_ptrs: torch.Tensor, page_stride: int, page_table: torch.Tensor, P: torch.Tensor,
+              S: torch.Tensor, c: torch.Tensor, d: torch.Tensor, qr: torch.Tensor, qi: torch.Tensor,
+              mlr: torch.Tensor, freq_scale_sq: torch.Tensor, scores: torch.Tensor,
+              stream: torch.cuda.Stream | None = None, *, num_pages: int) -> None:
+        """``ScoreLibrary.score`` on the library of this call's size (``scores`` is
+        ``[layers, batch, heads, width]``)."""
+        if scores.dim() != 4:
+            raise ValueError(f"scores: expected [layers, batch, query_heads, width], got {list(scores.shape)}")
+        library = self.library_for(scores.shape[1], scores.shape[3])
+        library.score(k_layer_ptrs, page_stride, page_table, P, S, c, d, qr, qi, mlr, freq_scale_sq, scores, stream,
+                      num_pages=num_pages)
+
+    def check_device_errors(self) -> None:
+        for library in self._all():
+            library.check_device_errors()
+
+    def describe(self) -> list[dict[str, object]]:
+        """Which library serves which calls, for ``TriAttentionManager.describe``."""
+        rows = [{"from_work": 0, "library": str(self.main.path)}]
+        return rows + [{"from_work": start, "library": str(lib.path)}
+                       for start, lib in zip(self.thresholds, self.variants)]
 
 
 def _check(name: str, tensor: torch.Tensor, dtype: torch.dtype, shape: Sequence[int], device: torch.device) -> None:

@@ -22,8 +22,9 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvgen.artifacts.dispatch import bucket_work
 from kvgen.lower.plan import Op, default_params
-from kvgen.lower.tuned import CHOICE_MARGIN, build_choice, model_entry, model_offset, write_op
+from kvgen.lower.tuned import CHOICE_MARGIN, VARIANT_OPS, build_choice, model_entry, model_offset, write_op
 from kvgen.tuning.space import (
     BUCKETS,
     STRATEGIES,
@@ -32,6 +33,7 @@ from kvgen.tuning.space import (
     check_fixed,
     config_id,
     configurations,
+    dispatch_variants,
     fixed_for,
     ops_for,
     parse_config,
@@ -270,6 +272,9 @@ def _write(args, spec, op: Op, per_bucket: list[BucketResult], evaluator) -> tup
                                "trials": r.trials, "failed": r.failed, "failures": r.failures,
                                "strategy": r.strategy, "study": r.study} for r in per_bucket},
     }
+    variants = _variants(op, per_bucket, choice)
+    if variants:
+        entry["variants"] = variants
     if fixed_for(op, args.fixed):   # a subspace search: say which parameters it did not search
         entry["fixed"] = fixed_for(op, args.fixed)
     model = model_entry(args.tuning, spec.name, args.arch, op)
@@ -278,6 +283,19 @@ def _write(args, spec, op: Op, per_bucket: list[BucketResult], evaluator) -> tup
                                                config_id(op, canonical(op, model["params"], spec)))
     env = evaluator.environment(spec.name, op, args.arch)
     return choice, write_op(args.tuning, spec.name, args.arch, op, entry, env)
+
+
+def _variants(op: Op, per_bucket: list[BucketResult], choice: str) -> list[dict[str, Any]]:
+    """The size-dispatched variants of an op that owns its artifact (``dispatch_variants``), each
+    with its bucket's measured time."""
+    if op not in VARIANT_OPS:
+        return []
+    sizes = {b.name: b.size for b in BUCKETS[op]}
+    measured = {r.bucket: r.measured for r in per_bucket}
+    picks = dispatch_variants(measured, choice, {b: bucket_work(op, sizes[b]) for b in measured},
+                              {r.bucket: r.spread for r in per_bucket})
+    return [{"bucket": v["bucket"], "from_work": v["from_work"], "params": parse_config(v["config"]),
+             "params_ms": measured[v["bucket"]][v["config"]]} for v in picks]
 
 
 def summary_table(results):

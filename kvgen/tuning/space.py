@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Any, Mapping
 
 from kvgen.kernels.cute.geometry import (
     MMA_SHARED_BUDGET,
@@ -35,6 +35,7 @@ from kvgen.lower.plan import (
     fold_compact_params,
     score_geometry,
 )
+from kvgen.lower.tuned import CHOICE_MARGIN
 from kvgen.spec.schema import FamilySpec
 
 TUNED_OPS: tuple[Op, ...] = ("codec", "compact", "score")
@@ -52,8 +53,9 @@ class Bucket:
 # The samplers a study may use (kvgen.tuning.study); here, so the argument parser can name them without optuna.
 STRATEGIES = ("tpe", "random", "grid")
 
-# Buckets per op. The build compiles one configuration per (family, op, arch); it is the one with the
-# best geometric-mean speed-up over these buckets (kvgen.lower.tuned.build_choice).
+# Buckets per op. The build compiles one configuration per (family, op, arch), the one with the best
+# geometric-mean speed-up over these buckets (kvgen.lower.tuned.build_choice), plus, for an op that
+# owns its artifact, a library per size range where a bucket's own best beats it (dispatch_variants).
 BUCKETS: dict[Op, tuple[Bucket, ...]] = {
     "codec": (
         Bucket("small", {"hot_mib": 8, "cold": "device"}, "one returning request: few pages, latency-bound"),
@@ -223,3 +225,36 @@ def config_id(op: Op, params: Mapping[str, int]) -> str:
 def parse_config(config: str) -> dict[str, int]:
     """Inverse of ``config_id``."""
     return {k: int(v) for k, v in (item.split("=") for item in config.split(","))}
+
+
+def dispatch_variants(per_bucket: Mapping[str, Mapping[str, float]], choice: str, work: Mapping[str, int],
+                      spread: Mapping[str, Mapping[str, float]] | None = None,
+                      margin: float = CHOICE_MARGIN) -> list[dict[str, Any]]:
+    """Size ranges served by another config than ``choice``: [{"bucket", "from_work", "config"}],
+    ascending (``work``: each bucket's work, ``kvgen.artifacts.dispatch.bucket_work``).
+
+    A bucket keeps the config serving the bucket below it (the smallest: ``choice``) while that config
+    is within the noise of the bucket's best (``margin``, or either measurement's p80/p20 ``spread``).
+    Otherwise it takes, among the configs within the noise of its best, the one that is also within
+    it in the most larger buckets (fewest libraries; ties: the fastest here). A variant starts at the
+    geometric mean of its bucket's work and the work of the bucket below; one naming ``choice`` again
+    sends calls back to the main library. Between buckets the boundary is the geometric mean of their
+    work: the buckets are spaced by factors, not by steps."""
+    order = sorted(per_bucket, key=lambda b: work[b])
+
+    def near(bucket: str) -> set[str]:
+        times, ratios = per_bucket[bucket], (spread or {}).get(bucket, {})
+        best = min(times, key=times.get)
+        return {c for c, t in times.items()
+                if t <= times[best] * max(1.0 + margin, ratios.get(c, 1.0), ratios.get(best, 1.0))}
+
+    serving, variants = choice, []
+    for i, bucket in enumerate(order):
+        good = near(bucket)
+        if serving in good:
+            continue
+        later = order[i + 1:]
+        serving = max(sorted(good), key=lambda c: (sum(c in near(b) for b in later), -per_bucket[bucket][c]))
+        start = math.isqrt(work[order[i - 1]] * work[bucket]) if i else 0
+        variants.append({"bucket": bucket, "from_work": start, "config": serving})
+    return variants

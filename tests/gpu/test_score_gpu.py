@@ -65,7 +65,7 @@ from kvgen.reference.triattention import (
 from kvgen.runtime.eviction import TriAttentionManager, generated_backends
 from kvgen.runtime.library import LibraryError
 from kvgen.runtime.lookup import RegistryError, RuntimeRegistry
-from kvgen.runtime.score import ScoreLibrary
+from kvgen.runtime.score import ScoreDispatch, ScoreLibrary
 from kvgen.spec.schema import load_spec
 
 from ..conftest import SPECS_DIR
@@ -88,12 +88,21 @@ def family_spec(family: str):  # noqa: ANN201 - a FamilySpec
     return load_spec(SPECS_DIR / f"{family}.yaml")
 
 
-def score_library(family: str) -> ScoreLibrary:
+def resolved_family(family: str):  # noqa: ANN201 - kvgen.runtime.lookup.Resolved
     try:
-        path = RuntimeRegistry([SCORE_REGISTRY]).resolve(family, ARCH).artifact("score")
+        resolved = RuntimeRegistry([SCORE_REGISTRY]).resolve(family, ARCH)
+        resolved.artifact("score")
     except RegistryError as exc:
         pytest.skip(f"no score library ({exc}); build it on the CPU machine and carry {SCORE_REGISTRY}")
-    return ScoreLibrary(path, family=family)
+    return resolved
+
+
+def score_library(family: str, bucket: str = "") -> ScoreLibrary:
+    """The family's main score library, or the size-dispatched variant tuned at ``bucket``."""
+    resolved = resolved_family(family)
+    main, variants = resolved.dispatch("score")
+    buckets = [v.bucket for v in resolved.op("score").variants]
+    return ScoreLibrary(variants[buckets.index(bucket)][1] if bucket else main, family=family)
 
 
 def exact_pool(pool: torch.Tensor) -> torch.Tensor:
@@ -102,15 +111,16 @@ def exact_pool(pool: torch.Tensor) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=None)
-def scenario(family: str) -> dict:
-    """Kernel scores of one family's scenario (computed once per session)."""
+def scenario(family: str, bucket: str = "") -> dict:
+    """Kernel scores of one family's scenario (computed once per session), by its main score
+    library or the variant tuned at ``bucket``."""
     spec = small_spec(family_spec(family), 6)
     max_tokens = max(p + n + t for p, n, t in zip(PROMPTS, GENERATED, TAILS)) + 8
     sim = DecodeSim(eviction_config(spec), PROMPTS, TAILS, max_tokens, torch.device("cuda"), seed=11, generated=GENERATED,
                     combined=family in COMBINED)
     sim.duplicate_rows(0, 1, range(10, 20))
     path = save_synthetic_calibration(eviction_config(spec), Path(tempfile.mkdtemp(prefix="kvgen-calib-")) / f"{family}.pt", seed=4)
-    manager = TriAttentionManager(eviction_config(spec), path, sim.k_pools, sim.v_pools, score_library(family),
+    manager = TriAttentionManager(eviction_config(spec), path, sim.k_pools, sim.v_pools, score_library(family, bucket),
                                   budget=max(100, max((w for w in tri_geometry(spec).swa_window if w), default=0)))
     S = [n - t for n, t in zip(sim.lengths, TAILS)]
     L = [s + c for s, c in zip(S, EVICTED)]
@@ -139,7 +149,30 @@ def abs_bound(k_rows: torch.Tensor, calibration, layer: int, c: torch.Tensor, d:
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_scores_match_the_float64_oracle(family: str) -> None:
-    case = scenario(family)
+    print(f"{family}: worst error / bound = {worst_error(scenario(family)):.3g}")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_size_dispatched_variants_match_the_float64_oracle(family: str) -> None:
+    """Every library a size range is dispatched to (kvgen.artifacts.dispatch) is within the bound
+    too, and the registry's dispatch sends each call to the library of its work."""
+    resolved = resolved_family(family)
+    variants = resolved.op("score").variants
+    own = [v for v in variants if v.artifact != resolved.op("score").artifact]
+    if not own:
+        pytest.skip(f"{family}: one score library serves every size")
+    for variant in own:
+        print(f"{family} {variant.bucket}: worst error / bound = {worst_error(scenario(family, variant.bucket)):.3g}")
+    dispatch = ScoreDispatch.from_resolved(resolved)
+    if variants[0].from_work > 1:
+        assert dispatch.library_for(1, 1).path.name == resolved.op("score").artifact
+    for variant in variants:
+        assert dispatch.library_for(1, variant.from_work).path.name == variant.artifact
+        assert dispatch.library_for(variant.from_work, 1).path.name == variant.artifact
+
+
+def worst_error(case: dict) -> float:
+    """The scenario's largest error over the stated bound (3F+16)u·T, asserted <= 1."""
     sim, manager, scores = case["sim"], case["manager"], case["scores"]
     g = manager.geometry
     P = torch.tensor(PROMPTS, device="cuda")
@@ -166,7 +199,7 @@ def test_scores_match_the_float64_oracle(family: str) -> None:
         ratio = (err[mask] / bound[mask].clamp(min=1e-300)).max().item()
         worst = max(worst, ratio)
         assert ratio <= 1.0, f"layer {layer}: error {ratio:.3g} x the bound (3F+16)u·T"
-    print(f"{family}: worst error / bound = {worst:.3g}")
+    return worst
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -22,7 +22,8 @@ from kvgen.measure.libraries import registry_artifact
 from kvgen.measure.workloads.score import PROMPT, ScoreCache, ScoreFamily
 from kvgen.reference.triattention import EvictionConfig, save_calibration
 from kvgen.runtime.eviction import TriAttentionManager
-from kvgen.runtime.score import TORCH_DTYPES
+from kvgen.runtime.lookup import RuntimeRegistry
+from kvgen.runtime.score import TORCH_DTYPES, ScoreDispatch
 
 
 def cache_bytes(family: ScoreFamily, batch: int, width: int) -> int:
@@ -46,7 +47,7 @@ def bytes_limit(family: ScoreFamily, batch: int, width: int, budget: int) -> dic
 class Artifacts:
     """Where each stage's kernel comes from, and what was used instead when it is missing."""
 
-    score: Path
+    score: ScoreDispatch           # the score library and its size-dispatched variants
     pack: Path | None
     compact: Path | None
     select: Path
@@ -57,7 +58,7 @@ def round_artifacts(family: str, registry: Path, arch: str, generated: Path) -> 
     """The registry's artifacts; the selection module falls back to ``generated/<family>/select.py``
     of the checkout (the same text) for a registry built before the op existed, and the packer and
     compactor to the oracle's when the registry lacks them (said in ``note``)."""
-    score = registry_artifact(registry, family, arch, "score")
+    score = ScoreDispatch.from_resolved(RuntimeRegistry([registry]).resolve(family, arch))
     notes = []
     try:
         select = registry_artifact(registry, family, arch, "select")

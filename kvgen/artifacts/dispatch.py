@@ -1,0 +1,41 @@
+"""Size-dispatched variants: which of an op's artifacts serves a call of a given size.
+
+One configuration does not win at every problem size: fp8 scoring at batch 1 wants 16 tiles per
+CTA, at batch 32 of 16384 tokens 64 (1.08x faster there, 2x slower at batch 1). So an op may ship
+one library per size range. ``kvgen.tuning.space.dispatch_variants`` decides the ranges from the
+tuner's per-bucket measurements; the manifest lists each variant with ``from_work``; the runtime
+measures every call's work in the op's unit and takes the last variant whose ``from_work`` it
+reaches (``serving``), else the op's main artifact.
+
+Plain arithmetic, shared by the tuner (which writes the thresholds) and the runtime (which measures
+each call), so both count work the same way.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+# What a call's work counts, per op.
+WORK_UNITS = {"score": "scored tokens per layer and query head: requests x width"}
+
+
+def score_work(batch: int, width: int) -> int:
+    """A score call's work: it reads each of ``batch`` requests' ``width`` tokens once per layer."""
+    return int(batch) * int(width)
+
+
+def bucket_work(op: str, size: Mapping[str, int | str]) -> int:
+    """The work of a tuning bucket's problem (``kvgen.tuning.space.BUCKETS``)."""
+    if op == "score":
+        return score_work(int(size["batch"]), int(size["width"]))
+    raise ValueError(f"{op}: no unit of work: it takes one configuration for every size")
+
+
+def serving(from_work: Sequence[int], work: int) -> int | None:
+    """Index of the variant serving a call of ``work`` (thresholds ascending), None for the main
+    artifact."""
+    chosen = None
+    for i, start in enumerate(from_work):
+        if work >= start:
+            chosen = i
+    return chosen
