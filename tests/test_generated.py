@@ -1,6 +1,7 @@
 """The real templates over every shipped spec: generated/ is current, rendering is deterministic,
-every family's generated CUDA compiles for every target, and SM100-family code uses the hardware
-FP4/FP8 conversions (checked in the SASS) while sm_90a uses none.
+every family's generated CUDA compiles for every target, SM100-family code uses the hardware
+FP4/FP8 conversions (checked in the SASS) while sm_90a uses none, and decode_pages compiles its
+double-buffered decode (the next record in flight) without spills.
 
 Compiles are device-only (`nvcc -cubin`: ptxas validates every kernel) so the whole grid of
 families x targets stays within a few minutes on two cores; `kvgen build` links the same sources
@@ -9,17 +10,19 @@ into the shared libraries.
 
 from __future__ import annotations
 
+import re
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from kvgen.build.nvcc import default_nvcc_candidates, find_toolchains, gencode, toolchain_for
+from kvgen.build.nvcc import default_nvcc_candidates, find_toolchains, gencode, parse_ptxas, toolchain_for
 from kvgen.build.pipeline import check_generated
 from kvgen.kernels import INCLUDE_DIRS
 from kvgen.render.source import render_family
 from kvgen.spec.schema import load_spec
+from kvgen.tuning.costmodel.features import parse_sass
 
 from .conftest import ROOT, SPECS_DIR
 
@@ -96,3 +99,44 @@ def test_sm107a_uses_hardware_conversions(tmp_path, toolchains):
     test_every_family_compiles_for_every_target)."""
     ptx = _ptx(ROOT / "generated" / "qwen3-8b" / "codec.cu", "sm_107a", toolchains, tmp_path / "codec.ptx")
     assert "cvt.rn.satfinite.e2m1x2.f32" in ptx
+
+
+def _qwen_codec(**params: int) -> str:
+    """qwen3-8b's codec.cu rendered with these codec params (the others at their defaults)."""
+    return render_family(load_spec(SPECS_DIR / "qwen3-8b.yaml"), params={"codec": params})["qwen3-8b/codec.cu"]
+
+
+def _codec_pages(**params: int) -> int:
+    found = re.search(r"struct codec::DecodePages<family::Layer> \{\n  static constexpr int kPages = (\d+);",
+                      _qwen_codec(**params))
+    assert found, "codec.cu has no DecodePages specialization"
+    return int(found.group(1))
+
+
+def test_decode_pages_renders_its_trait_and_one_page_under_the_register_copy():
+    assert _codec_pages() == 1 and _codec_pages(decode_pages=2) == 2
+    assert _codec_pages(decode_load=2, decode_pages=4) == 4
+    assert _codec_pages(decode_load=0, decode_pages=4) == 1   # nothing in flight to overlap
+
+
+@pytest.mark.parametrize("decode_load, decode_pages", [(1, 1), (2, 1), (1, 2), (1, 4), (2, 2), (2, 4)])
+def test_paged_decode_keeps_the_next_record_in_flight_without_spills(tmp_path, toolchains, decode_load,
+                                                                     decode_pages):
+    """With several pages per CTA a decode thread waits for the older of two cp.async groups
+    (DEPBAR.LE SB0, 0x1) while the next record loads; with one it waits for all of them, as before.
+    The bulk route keeps its barrier wait (and cp.async for host slots). ptxas spills nothing."""
+    source = tmp_path / "codec.cu"
+    source.write_text(_qwen_codec(decode_load=decode_load, decode_pages=decode_pages))
+    cubin = tmp_path / "codec.cubin"
+    cmd = [toolchain_for("sm_90a", toolchains).nvcc, "-cubin", "-O3", "-std=c++17", "--fmad=false", "-Xptxas", "-v",
+           "-gencode", gencode("sm_90a"), *[f"-I{d}" for d in INCLUDE_DIRS], "-o", str(cubin), str(source)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[:2000]
+    resources = parse_ptxas(proc.stderr)
+    assert resources and all(r.spill_stores == 0 and r.spill_loads == 0 for r in resources.values())
+    decoders = {name: insns for name, insns in parse_sass(_sass(cubin)).items() if "decode_kernel" in name}
+    assert len(decoders) == 2   # host and device pair indices
+    for insns in decoders.values():
+        waits = {(op, operands.replace(" ", "")) for _, op, operands, _ in insns if op.startswith("DEPBAR")}
+        assert (("DEPBAR.LE", "SB0,0x1") in waits) == (decode_pages > 1)
+        assert any(op.startswith("SYNCS.PHASECHK") for _, op, _, _ in insns) == (decode_load == 2)

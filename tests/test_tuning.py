@@ -68,13 +68,16 @@ def test_space_folds_configurations_that_compile_to_the_same_kernel() -> None:
     # allocates registers differently even where the cap is above 255); decode_split 2 folds into 1
     # on decode_route 0 (no half-block route there): 3 (route, split) pairs instead of 4; rounding 3
     # (FP8 hot pages only) folds into 2 on bf16 and rounding 4 (BF16's packed route) into 3 on fp8:
-    # 4 roundings instead of 5
+    # 4 roundings instead of 5; decode_pages folds into 1 on decode_load 0 (the register copy has no
+    # load in flight to overlap): 1 + 2 x 3 (load, pages) pairs instead of 9
     codec = configurations("codec", QWEN)
     others = [len(choices) for name, (choices, _) in TUNABLES["codec"].items()
-              if name not in ("decode_route", "decode_split", "rounding")]
-    assert len(codec) == math.prod(others) * 3 * 4
+              if name not in ("decode_route", "decode_split", "rounding", "decode_load", "decode_pages")]
+    assert len(codec) == math.prod(others) * 3 * 4 * 7
     fp8 = load_spec(SPECS_DIR / "qwen3-8b-fp8.yaml")  # no half blocks (1 split)
-    assert len(configurations("codec", fp8)) == math.prod(others) * 2 * 4
+    assert len(configurations("codec", fp8)) == math.prod(others) * 2 * 4 * 7
+    paged = {**default_params("codec"), "decode_pages": 4}
+    assert [canonical("codec", {**paged, "decode_load": load}, QWEN)["decode_pages"] for load in (0, 1, 2)] == [1, 4, 4]
     # the default rounding 4 is bf16's packed route; qwen3-8b-fp8 builds its own (3)
     assert [configurations("codec", s)[0]["rounding"] for s in (fp8, QWEN)] == [3, 4]
 
@@ -126,7 +129,7 @@ def test_missing_measurements_are_failed_trials_with_a_reason(tmp_path: Path, gr
 
 
 SUBSPACE = {"rounding": 4, "decode_route": 1, "min_blocks": 0, "hot_batch": 1, "decode_split": 2, "decode_load": 1,
-            "encode_store": 1}
+            "decode_pages": 1, "encode_store": 1}
 
 
 def test_a_fixed_subspace_is_searched_whole_with_its_default_and_nothing_else(tmp_path: Path) -> None:
@@ -210,11 +213,14 @@ run_bucket(load_spec({str(SPECS_DIR / 'qwen3-8b.yaml')!r}), "codec", "sm_90a", "
     assert result.trials == 12 and not [t for t in trials if t.state == TrialState.RUNNING]
 
 
-def test_two_workers_share_one_study_on_a_real_postgresql_server(tmp_path: Path, measurements: Path,
-                                                                postgres_url: str) -> None:
+def test_two_workers_share_one_study_on_a_real_postgresql_server(tmp_path: Path, postgres_url: str) -> None:
+    # Each worker parses the measurements after the barrier below: a subspace keeps that file small,
+    # so the two start their trials close together.
+    fixed = {"decode_load": 1, "decode_pages": 1, "encode_store": 1}
+    measurements = write_codec_measurements(tmp_path / "m.jsonl", fixed=fixed)
     cmd = [sys.executable, "-m", "kvgen.cli", "tune", "--family", "qwen3-8b", "--op", "codec", "--arch", "sm_90a",
            "--bucket", "offload", "--strategy", "random", "--trials", "12", "--measurements", str(measurements),
-           "--storage", postgres_url, "--no-write"]
+           "--storage", postgres_url, "--no-write", "--fix", ",".join(f"{k}={v}" for k, v in fixed.items())]
     # Each worker imports everything, then waits for the other at a file barrier before it tunes:
     # with recorded measurements a trial is instant, so on a loaded machine one worker could
     # otherwise finish the study before the other has started python.
@@ -228,7 +234,8 @@ def test_two_workers_share_one_study_on_a_real_postgresql_server(tmp_path: Path,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for seed in (1, 2)]
     outputs = [w.communicate(timeout=300)[0] for w in workers]
     assert all(w.returncode == 0 for w in workers), outputs
-    study = optuna.load_study(study_name=study_name("qwen3-8b", "codec", "sm_90a", "offload"), storage=postgres_url)
+    study = optuna.load_study(study_name=study_name("qwen3-8b", "codec", "sm_90a", "offload", fixed),
+                              storage=postgres_url)
     trials = study.get_trials(states=(TrialState.COMPLETE, TrialState.FAIL))
     assert 12 <= len(trials) <= 13          # each worker stops once the study holds 12 (one may be in flight)
     assert len({t.number for t in trials}) == len(trials)
@@ -332,7 +339,7 @@ def test_tune_writes_a_config_the_build_compiles(tmp_path: Path, grid_measuremen
     assert {b: v["best"] for b, v in entry["buckets"].items()} == OPTIMUM
     assert entry["params"] == {"threads": 512, "in_flight": 4, "rounding": 1, "decode_route": 1,  # best geometric mean
                                "min_blocks": 1, "hot_batch": 1, "decode_split": 1,         # over the three bowls
-                               "decode_load": 0, "encode_store": 0}
+                               "decode_load": 0, "decode_pages": 1, "encode_store": 0}
     env = entry["environment"]
     assert env["gpu"] == "NVIDIA H200" and env["toolchain"]["nvcc"] == "13.0.88"
     tuned = load_tuned(tuning, {"sm_90a": _env()}, ["qwen3-8b"], environ={})

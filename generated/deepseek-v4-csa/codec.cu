@@ -2,14 +2,14 @@
 // family:   deepseek-v4-csa
 // op:       codec
 // template: codec.cu.j2
-// plan key: 737f6e8cf037d18fc97b2ae831d173498505108a3cf6a07f80797cfd633f8741
+// plan key: 39e4e4e5c961fb55f275579f29d914c2906bc0da42ad4ed0621178c826fbfb7d
 //
 // Cold-page codec of family deepseek-v4-csa (COLD_PAGE_FORMAT.md, version 1).
 // This file only describes the family; the kernels are kvgen/kernels/cuda/codec_kernels.cuh.
 //
 // Layer record: 10368 bytes (10368 before padding), hot dtype bf16, layout HND.
 // Launch: 256 threads per CTA (min_blocks 0), one CTA per (page pair, layer), the record staged in shared memory;
-// 4 16-byte loads in flight per thread when the record crosses the bus (decode: record load route 1; encode: bulk record store 1);
+// 4 16-byte loads in flight per thread when the record crosses the bus (decode: record load route 1, 1 page pair(s) per CTA; encode: bulk record store 1);
 // E2M1 rounding route 4 of the software path (nvfp4::Rounding), decode route 1 of plain blocks (nvfp4::DecodeRoute);
 // encode loads 1 plain block(s) per thread before quantizing them; decode splits a plain block over 2 thread(s).
 #include "codec_host.cuh"
@@ -59,6 +59,12 @@ struct codec::LaunchBounds<family::Layer> {
 template <>
 struct codec::DecodeLoad<family::Layer> {
   static constexpr auto kRoute = static_cast<codec::RecordLoad>(1);
+};
+
+// Consecutive page pairs one decode CTA takes, the next record loading while one decodes (codec::DecodePages, a tunable).
+template <>
+struct codec::DecodePages<family::Layer> {
+  static constexpr int kPages = 1;
 };
 
 // Whether encode stores the record with one cp.async.bulk (codec::EncodeStore, a tunable).

@@ -2,14 +2,14 @@
 // family:   gpt-oss-20b
 // op:       codec
 // template: codec.cu.j2
-// plan key: ec5f3a85f8bb9268e35c651b97c7593f579c3701a6bc27640bba2d968568bc69
+// plan key: 190aa0291d027a36b4b3f868bb24a92bb5278b169036546d85f6d604715ce028
 //
 // Cold-page codec of family gpt-oss-20b (COLD_PAGE_FORMAT.md, version 1).
 // This file only describes the family; the kernels are kvgen/kernels/cuda/codec_kernels.cuh.
 //
 // Layer record: 18432 bytes (18432 before padding), hot dtype bf16, layout HND.
 // Launch: 256 threads per CTA (min_blocks 0), one CTA per (page pair, layer), the record staged in shared memory;
-// 4 16-byte loads in flight per thread when the record crosses the bus (decode: record load route 1; encode: bulk record store 1);
+// 4 16-byte loads in flight per thread when the record crosses the bus (decode: record load route 1, 1 page pair(s) per CTA; encode: bulk record store 1);
 // E2M1 rounding route 4 of the software path (nvfp4::Rounding), decode route 1 of plain blocks (nvfp4::DecodeRoute);
 // encode loads 1 plain block(s) per thread before quantizing them; decode splits a plain block over 2 thread(s).
 #include "codec_host.cuh"
@@ -81,6 +81,12 @@ struct codec::LaunchBounds<family::Layer> {
 template <>
 struct codec::DecodeLoad<family::Layer> {
   static constexpr auto kRoute = static_cast<codec::RecordLoad>(1);
+};
+
+// Consecutive page pairs one decode CTA takes, the next record loading while one decodes (codec::DecodePages, a tunable).
+template <>
+struct codec::DecodePages<family::Layer> {
+  static constexpr int kPages = 1;
 };
 
 // Whether encode stores the record with one cp.async.bulk (codec::EncodeStore, a tunable).

@@ -2,14 +2,14 @@
 // family:   mistral-7b
 // op:       codec
 // template: codec.cu.j2
-// plan key: 69c725037d5d56f2af19f32daff84870b1fe7bb7ad5cc544806068daeab3ea99
+// plan key: 5c630bba26ee9403cbea7a845d99e7d6cacb1b4bf2ea9771fa1d63ca7897e682
 //
 // Cold-page codec of family mistral-7b (COLD_PAGE_FORMAT.md, version 1).
 // This file only describes the family; the kernels are kvgen/kernels/cuda/codec_kernels.cuh.
 //
 // Layer record: 18432 bytes (18432 before padding), hot dtype fp16, layout NHD.
 // Launch: 256 threads per CTA (min_blocks 0), one CTA per (page pair, layer), the record staged in shared memory;
-// 4 16-byte loads in flight per thread when the record crosses the bus (decode: record load route 1; encode: bulk record store 1);
+// 4 16-byte loads in flight per thread when the record crosses the bus (decode: record load route 1, 1 page pair(s) per CTA; encode: bulk record store 1);
 // E2M1 rounding route 2 of the software path (nvfp4::Rounding), decode route 1 of plain blocks (nvfp4::DecodeRoute);
 // encode loads 1 plain block(s) per thread before quantizing them; decode splits a plain block over 2 thread(s).
 #include "codec_host.cuh"
@@ -81,6 +81,12 @@ struct codec::LaunchBounds<family::Layer> {
 template <>
 struct codec::DecodeLoad<family::Layer> {
   static constexpr auto kRoute = static_cast<codec::RecordLoad>(1);
+};
+
+// Consecutive page pairs one decode CTA takes, the next record loading while one decodes (codec::DecodePages, a tunable).
+template <>
+struct codec::DecodePages<family::Layer> {
+  static constexpr int kPages = 1;
 };
 
 // Whether encode stores the record with one cp.async.bulk (codec::EncodeStore, a tunable).

@@ -2,14 +2,14 @@
 // family:   qwen3-8b-fp8
 // op:       codec
 // template: codec.cu.j2
-// plan key: c0641a8962d3d25b6bdea53987671b6a30d0471c8d33ff5c34b3ccaec819ba9f
+// plan key: 5dd3b9c13f46e062052b7b77897b293ed4a71c35139680b314f24f2d9393a1f8
 //
 // Cold-page codec of family qwen3-8b-fp8 (COLD_PAGE_FORMAT.md, version 1).
 // This file only describes the family; the kernels are kvgen/kernels/cuda/codec_kernels.cuh.
 //
 // Layer record: 36864 bytes (36864 before padding), hot dtype fp8_e4m3, layout HND.
 // Launch: 256 threads per CTA (min_blocks 0), one CTA per (page pair, layer), the record staged in shared memory;
-// 4 16-byte loads in flight per thread when the record crosses the bus (decode: record load route 1; encode: bulk record store 1);
+// 4 16-byte loads in flight per thread when the record crosses the bus (decode: record load route 1, 1 page pair(s) per CTA; encode: bulk record store 1);
 // E2M1 rounding route 3 of the software path (nvfp4::Rounding), decode route 1 of plain blocks (nvfp4::DecodeRoute);
 // encode loads 1 plain block(s) per thread before quantizing them; decode splits a plain block over 2 thread(s).
 #include "codec_host.cuh"
@@ -81,6 +81,12 @@ struct codec::LaunchBounds<family::Layer> {
 template <>
 struct codec::DecodeLoad<family::Layer> {
   static constexpr auto kRoute = static_cast<codec::RecordLoad>(1);
+};
+
+// Consecutive page pairs one decode CTA takes, the next record loading while one decodes (codec::DecodePages, a tunable).
+template <>
+struct codec::DecodePages<family::Layer> {
+  static constexpr int kPages = 1;
 };
 
 // Whether encode stores the record with one cp.async.bulk (codec::EncodeStore, a tunable).

@@ -2,14 +2,14 @@
 // family:   qwen3.5-397b-a17b
 // op:       codec
 // template: codec.cu.j2
-// plan key: 647318a3a896efbb7c8813c20b1e5e94d1a699da3f47e53fe5b79845b5759982
+// plan key: 865b2633d1d87e523c207aaa1761e3eca7bb56a7ff82f26846aeba0e95523251
 //
 // Cold-page codec of family qwen3.5-397b-a17b (COLD_PAGE_FORMAT.md, version 1).
 // This file only describes the family; the kernels are kvgen/kernels/cuda/codec_kernels.cuh.
 //
 // Layer record: 18432 bytes (18432 before padding), hot dtype bf16, layout HND.
 // Launch: 256 threads per CTA (min_blocks 0), one CTA per (page pair, layer), the record staged in shared memory;
-// 4 16-byte loads in flight per thread when the record crosses the bus (decode: record load route 1; encode: bulk record store 1);
+// 4 16-byte loads in flight per thread when the record crosses the bus (decode: record load route 1, 1 page pair(s) per CTA; encode: bulk record store 1);
 // E2M1 rounding route 4 of the software path (nvfp4::Rounding), decode route 1 of plain blocks (nvfp4::DecodeRoute);
 // encode loads 1 plain block(s) per thread before quantizing them; decode splits a plain block over 2 thread(s).
 #include "codec_host.cuh"
@@ -81,6 +81,12 @@ struct codec::LaunchBounds<family::Layer> {
 template <>
 struct codec::DecodeLoad<family::Layer> {
   static constexpr auto kRoute = static_cast<codec::RecordLoad>(1);
+};
+
+// Consecutive page pairs one decode CTA takes, the next record loading while one decodes (codec::DecodePages, a tunable).
+template <>
+struct codec::DecodePages<family::Layer> {
+  static constexpr int kPages = 1;
 };
 
 // Whether encode stores the record with one cp.async.bulk (codec::EncodeStore, a tunable).

@@ -80,6 +80,17 @@ TUNABLES: dict[str, dict[str, tuple[tuple[int, ...], int]]] = {
         # in device memory (host slots take 1: the bulk engine reads host memory at half the bus).
         # Same bytes.
         "decode_load": ((0, 1, 2), 1),
+        # Consecutive page pairs one decode CTA takes (codec_kernels.cuh DecodePages): above 1 the CTA
+        # keeps two record buffers in shared memory and issues page i + 1's record before decoding page
+        # i, so a record is in flight while the previous one decodes (Nsight, H100 decode: ~40 % of warp
+        # cycles stalled on long_scoreboard waiting for the record, DRAM at 79-81 % of peak). Twice the
+        # shared memory per CTA. Same bytes. decode_load 0 (a register copy cannot overlap) builds 1
+        # (fold_codec_params). Default 1: on the H100 it lost everywhere (encode + decode of 1 GiB
+        # scattered, decode_load 1, pages 1 -> 2 -> 4: qwen3-8b 0.984 -> 0.989 -> 0.999 ms, deepseek-v3
+        # 0.967 -> 0.971 -> 0.982, deepseek-v4-csa 1.060 -> 1.065 -> 1.078, qwen3-8b-fp8 1.216 -> 1.222
+        # -> 1.230; the 8 MiB bucket 1-21 % slower; results/2026-12-07-h100-s13/call3): half the CTAs
+        # per SM cost what the overlap gains. Kept for GPUs of another bandwidth x latency (unmeasured).
+        "decode_pages": ((1, 2, 4), 1),
         # How encode stores the finished record from shared memory to the cold slot: 0 = through
         # registers (in_flight words per thread at a time), 1 = one cp.async.bulk store by one thread
         # (sm_90+; the other warps retire at once, and the copy's registers are gone: qwen3-8b encode
@@ -183,11 +194,14 @@ def packed_encode_route(spec: FamilySpec, layout: FamilyLayout | None = None) ->
 def fold_codec_params(spec: FamilySpec, params: Mapping[str, int], layout: FamilyLayout | None = None) -> dict[str, int]:
     """Codec params with a packed rounding (3, 4) folded onto the route the kernel compiles for this
     family: 4 is 3 on fp8 hot pages, and either is 2 where no buffer has its packed route, so
-    16-bit families render what they always did with 3."""
+    16-bit families render what they always did with 3. The register record load (decode_load 0)
+    keeps one page per decode CTA: it has no load in flight to overlap with a decode."""
     out = dict(params)
     if out.get("rounding") in (3, 4):
         route = packed_encode_route(spec, layout)
         out["rounding"] = 3 if route == 3 else (4 if route == out["rounding"] else 2)
+    if out.get("decode_load") == 0 and "decode_pages" in out:
+        out["decode_pages"] = 1
     return out
 
 

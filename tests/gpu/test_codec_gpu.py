@@ -4,7 +4,9 @@ mapped pinned host memory, with host and device index arrays.
 
 Grid choices: every family runs with a few dozen page pairs (scattered sources, one hot page
 encoded into several slots, garbage in unused rows); qwen3-8b additionally runs 300 pairs, so a
-host index array is split over two launches (256 pairs each at most).
+host index array is split over two launches (256 pairs each at most). Decode CTAs of 2 and 4 pairs
+(decode_pages) also decode 23 pairs (a short last CTA), 259 host pairs (launches of 256 and 3) and
+device pairs with out-of-range ones inside a CTA.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 
 from kvgen.lower.layout import FamilyLayout
 from kvgen.reference.codec import HOT_TORCH_DTYPES, decode_records, encode_records
-from kvgen.runtime import ColdPageCodec, FamilyLibrary
+from kvgen.runtime import ColdPageCodec, FamilyLibrary, LibraryError
 
 from ..conftest import SPECS_DIR
 from .conftest import library_path, spec_and_layout
@@ -117,6 +119,12 @@ def test_encode_decode_bit_exact(family, where, index_location, n):
     roundtrip(FamilyLibrary(library_path(family), family), family, where, index_location, n)
 
 
+def _variant_id(variant: dict) -> str:
+    return ",".join(f"{k}={x}" for k, x in variant.items())
+
+
+# Decode CTAs of several pairs, the next record loading while one decodes, by cp.async and by the bulk copy.
+PAGED = [{"decode_load": load, "decode_pages": pages} for load in (1, 2) for pages in (2, 4)]
 # Each value of the codec tunables that change the arithmetic or the register budget, the others at
 # their defaults (scripts/codec_variants_bundle.py builds the same set for timing).
 VARIANTS = [{"decode_route": 0}, {"decode_route": 1}, {"rounding": 0}, {"rounding": 1},
@@ -124,7 +132,7 @@ VARIANTS = [{"decode_route": 0}, {"decode_route": 1}, {"rounding": 0}, {"roundin
             {"hot_batch": 2}, {"hot_batch": 4}, {"hot_batch": 4, "threads": 64}, {"rounding": 2},
             {"decode_split": 2}, {"decode_split": 2, "threads": 64},  # rounding 3 is the default
             {"decode_load": 1}, {"decode_load": 2}, {"decode_load": 2, "threads": 64},
-            {"encode_store": 1}, {"encode_store": 1, "threads": 64}]
+            {"encode_store": 1}, {"encode_store": 1, "threads": 64}, *PAGED]
 VARIANT_FAMILIES = ["qwen3-8b", "mistral-7b", "qwen3-8b-fp8", "deepseek-v4-csa"]
 
 
@@ -159,11 +167,11 @@ def variant_library(variant_libraries, family: str, variant: dict) -> FamilyLibr
     return FamilyLibrary(path, family)
 
 
-@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: ",".join(f"{k}={x}" for k, x in v.items()))
+@pytest.mark.parametrize("variant", VARIANTS, ids=_variant_id)
 @pytest.mark.parametrize("family", VARIANT_FAMILIES)
 def test_codec_variants_bit_exact(variant_libraries, family, variant):
     """Every value of decode_route / rounding / min_blocks / hot_batch / decode_split / decode_load /
-    encode_store writes the oracle's bytes, both ways."""
+    encode_store / decode_pages writes the oracle's bytes, both ways."""
     roundtrip(variant_library(variant_libraries, family, variant), family, "device", "device", 40)
 
 
@@ -172,6 +180,53 @@ def test_bulk_record_load_reads_pinned_slots_through_cp_async(variant_libraries,
     """decode_load 2 issues its bulk copy only for device-memory slots; mapped pinned slots take the
     cp.async route (the launcher asks where they are) and decode the oracle's bytes all the same."""
     roundtrip(variant_library(variant_libraries, family, {"decode_load": 2}), family, "pinned", "host", 24)
+
+
+# 46 pairs decode 23 pages (roundtrip decodes min(n, n // 2) pairs): the last CTA takes fewer pairs
+# than decode_pages; device and pinned slots (the bulk route reads pinned ones by cp.async), host and
+# device indices.
+@pytest.mark.parametrize("where, index_location", [("device", "host"), ("device", "device"), ("pinned", "device")])
+@pytest.mark.parametrize("variant", PAGED, ids=_variant_id)
+@pytest.mark.parametrize("family", VARIANT_FAMILIES)
+def test_paged_decode_with_a_short_last_cta_is_bit_exact(variant_libraries, family, variant, where, index_location):
+    roundtrip(variant_library(variant_libraries, family, variant), family, where, index_location, 46)
+
+
+@pytest.mark.parametrize("variant", PAGED, ids=_variant_id)
+def test_paged_decode_of_more_host_pairs_than_one_launch_takes(variant_libraries, variant):
+    """518 pairs decode 259 pages: two host launches of 256 and 3 pairs."""
+    roundtrip(variant_library(variant_libraries, "qwen3-8b", variant), "qwen3-8b", "device", "host", 518)
+
+
+@pytest.mark.parametrize("variant", PAGED, ids=_variant_id)
+@pytest.mark.parametrize("family", VARIANT_FAMILIES)
+def test_paged_decode_skips_out_of_range_pairs_inside_a_cta(variant_libraries, family, variant):
+    """Device pairs 5 (a cold slot past the buffer) and 8 (a hot page past the pools) sit inside and at
+    the head of a CTA's pages (2 or 4 a CTA; 11 pairs, so the last CTA is short): both are skipped and
+    reported, every other pair of their CTAs decodes the oracle's bytes (the cp.async groups and the
+    bulk copy's barrier phases stay in step), and no other page changes (page 3, only a bad pair's dst,
+    keeps its fill)."""
+    spec, layout = spec_and_layout(family)
+    library = variant_library(variant_libraries, family, variant)
+    gen = torch.Generator().manual_seed(zlib.crc32(f"paged-bad-{family}-{_variant_id(variant)}".encode()))
+    pages, slots = 16, 12
+    pools = hot_pools(spec, layout, pages, gen)
+    dst = torch.tensor([p for p in torch.randperm(pages, generator=gen).tolist() if p != 3][:9])
+    good = torch.stack([dst, torch.randperm(slots, generator=gen)[:9]], dim=1).to(torch.int32)
+    bad = torch.tensor([[3, 100000], [100000, 2]], dtype=torch.int32)
+    dpairs = torch.cat([good[:5], bad[:1], good[5:7], bad[1:], good[7:]])
+    out_pools = [[filled_like(p) for p in layer] for layer in pools]
+    decoder = ColdPageCodec(library, layout, out_pools, index_location="device")
+    for lifecycle, lc in enumerate(layout.lifecycles):
+        fill = torch.stack([torch.arange(slots), torch.randint(0, pages, (slots,), generator=gen)], dim=1)
+        cold = expected_cold(layout, pools, lifecycle, fill.to(torch.int32), slots)
+        decoder.decode(cold, dpairs.cuda(), lifecycle)
+        torch.cuda.synchronize()
+        with pytest.raises(LibraryError, match="decode: src is not a slot of the cold buffer .*"
+                                               "decode: dst is not a hot page"):
+            decoder.check_device_errors()
+        check_decoded(layout, lc, spec.dtype, out_pools, cold, good)
+    decoder.close()
 
 
 def roundtrip(library, family: str, where: str, index_location: str, n: int) -> None:

@@ -247,17 +247,19 @@ class Codec {
     return f_.lifecycle_begin[lifecycle + 1] - f_.lifecycle_begin[lifecycle];
   }
 
-  // Records above 48 KiB need an explicit opt-in; records larger than the GPU allows fail here.
+  // Dynamic shared memory above 48 KiB (a record, or decode's two record buffers under DecodePages)
+  // needs an explicit opt-in; more than the GPU allows fails here.
   static bool set_shared_memory() {
     const int bytes = L::kRecordBytes;
+    const int decode_bytes = decode_smem_bytes<L>();
     return cuda_ok(cudaFuncSetAttribute(encode_kernel<L, kThreads, kInFlight, false>,
                                         cudaFuncAttributeMaxDynamicSharedMemorySize, bytes), "encode smem") &&
            cuda_ok(cudaFuncSetAttribute(encode_kernel<L, kThreads, kInFlight, true>,
                                         cudaFuncAttributeMaxDynamicSharedMemorySize, bytes), "encode smem") &&
            cuda_ok(cudaFuncSetAttribute(decode_kernel<L, kThreads, kInFlight, false>,
-                                        cudaFuncAttributeMaxDynamicSharedMemorySize, bytes), "decode smem") &&
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize, decode_bytes), "decode smem") &&
            cuda_ok(cudaFuncSetAttribute(decode_kernel<L, kThreads, kInFlight, true>,
-                                        cudaFuncAttributeMaxDynamicSharedMemorySize, bytes), "decode smem");
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize, decode_bytes), "decode smem");
   }
 
   // One device table per lifecycle: [layer position][part] descriptors, then (per-layer scales)
@@ -314,16 +316,17 @@ class Codec {
     const PagePair* device_pairs = reinterpret_cast<const PagePair*>(pairs);
     PairBatch batch;
     if (location_ == KVGEN_INDEX_DEVICE) {
-      for (int64_t first = 0; first < n; first += kMaxGridX) {
-        const int64_t count = n - first < kMaxGridX ? n - first : kMaxGridX;
-        enqueue<kEncode, true>(table, cold, page_bytes, batch, device_pairs + first, limits, cold_on_device,
-                               dim3(count, layers), stream, priority);
+      const int64_t per_launch = kMaxGridX * pairs_per_cta<kEncode>();
+      for (int64_t first = 0; first < n; first += per_launch) {
+        const int64_t count = n - first < per_launch ? n - first : per_launch;
+        enqueue<kEncode, true>(table, cold, page_bytes, batch, device_pairs + first, count, limits, cold_on_device,
+                               layers, stream, priority);
       }
     } else {
       for (int64_t first = 0; first < n; first += kPairsPerLaunch) {
         const int count = (int)(n - first < kPairsPerLaunch ? n - first : kPairsPerLaunch);
         memcpy(batch.pairs, pairs + first, count * sizeof(PagePair));
-        enqueue<kEncode, false>(table, cold, page_bytes, batch, nullptr, limits, cold_on_device, dim3(count, layers),
+        enqueue<kEncode, false>(table, cold, page_bytes, batch, nullptr, count, limits, cold_on_device, layers,
                                 stream, priority);
       }
     }
@@ -340,17 +343,25 @@ class Codec {
     return true;
   }
 
+  // Decode CTAs take DecodePages consecutive pairs each, so a record loads while the previous decodes.
+  template <bool kEncode>
+  static constexpr int64_t pairs_per_cta() {
+    return kEncode ? 1 : DecodePages<L>::kPages;
+  }
+
+  // count pairs from batch (host indices) or pairs (device indices), in ceil(count / pairs_per_cta) x
+  // layers CTAs.
   template <bool kEncode, bool kDevicePairs>
   static void enqueue(const PoolDesc* table, void* cold, int64_t page_bytes, const PairBatch& batch,
-                      const PagePair* pairs, const PairLimits& limits, bool cold_on_device, dim3 grid,
-                      cudaStream_t stream, int priority) {
+                      const PagePair* pairs, int64_t count, const PairLimits& limits, bool cold_on_device,
+                      int layers, cudaStream_t stream, int priority) {
     cudaLaunchAttribute attribute{};
     attribute.id = cudaLaunchAttributePriority;
     attribute.val.priority = priority;
     cudaLaunchConfig_t config{};
-    config.gridDim = grid;
+    config.gridDim = dim3((count + pairs_per_cta<kEncode>() - 1) / pairs_per_cta<kEncode>(), layers);
     config.blockDim = dim3(kThreads);
-    config.dynamicSmemBytes = L::kRecordBytes;
+    config.dynamicSmemBytes = kEncode ? L::kRecordBytes : decode_smem_bytes<L>();
     config.stream = stream;
     config.attrs = &attribute;
     config.numAttrs = priority == kStreamPriority ? 0 : 1;
@@ -359,7 +370,7 @@ class Codec {
                          static_cast<uint8_t*>(cold), page_bytes, batch, pairs, limits);
     } else {
       cudaLaunchKernelEx(&config, decode_kernel<L, kThreads, kInFlight, kDevicePairs>, table,
-                         static_cast<const uint8_t*>(cold), page_bytes, batch, pairs, limits, cold_on_device);
+                         static_cast<const uint8_t*>(cold), page_bytes, batch, pairs, limits, cold_on_device, count);
     }
   }
 

@@ -2,7 +2,7 @@
 //
 // Generated files (generated/<family>/codec.cu) describe one family as compile-time structs
 // (buffer spans, region offsets, G/Q) and instantiate these kernels; the logic lives here, once.
-// Contract: COLD_PAGE_FORMAT.md.  One CTA handles one (layer, page pair):
+// Contract: COLD_PAGE_FORMAT.md.  One CTA handles one (layer, page pair), a decode CTA DecodePages pairs:
 //
 //   encode: hot page --(16-element blocks, one per thread per step)--> layer record in shared
 //           memory --(16-byte vector stores)--> cold slot (device memory or mapped pinned host;
@@ -547,7 +547,8 @@ struct Layer {
 };
 
 // ---------------------------------------------------------------------------------------------
-// Kernels: grid (pairs, layers of the lifecycle); blockIdx.y picks the layer's descriptors.
+// Kernels: grid (pairs, layers of the lifecycle), decode's pairs DecodePages to a CTA; blockIdx.y
+// picks the layer's descriptors.
 // ---------------------------------------------------------------------------------------------
 
 // The whole record between the cold slot and shared memory, in 16-byte words, each thread
@@ -593,6 +594,22 @@ struct DecodeLoad {
   static constexpr RecordLoad kRoute = RecordLoad::Registers;
 };
 
+// Consecutive page pairs one decode CTA takes (the tunable decode_pages; the same bytes land).  With
+// one, the CTA's warps wait for its record and nothing of a next page is in flight while it decodes
+// (Nsight, H100: ~40 % of decode's warp cycles stalled waiting for the record); with more, the CTA
+// keeps two record buffers (twice the shared memory) and issues the next page's record before it
+// decodes the current one (decode_pages).  The register copy has nothing in flight to overlap, so
+// plans build it with 1 (fold_codec_params).
+template <class L>
+struct DecodePages {
+  static constexpr int kPages = 1;
+};
+
+template <class L>
+constexpr int decode_smem_bytes() {
+  return (DecodePages<L>::kPages > 1 ? 2 : 1) * L::kRecordBytes;
+}
+
 // How encode sends the finished record from shared memory to its cold slot (the tunable
 // encode_store; the same bytes land): through registers (copy_record), or one cp.async.bulk store
 // issued by thread 0, which alone waits for shared memory to be read while the other warps retire.
@@ -610,11 +627,16 @@ struct EncodeStore {
 #if KVGEN_CODEC_ASYNC_COPIES
 // RecordLoad::Async.  .cg: the record is read once, so it bypasses L1.
 template <int kBytes, int kThreads>
-__device__ __forceinline__ void load_record_async(uint8_t* __restrict__ dst, const uint8_t* __restrict__ src) {
+__device__ __forceinline__ void issue_record_async(uint8_t* __restrict__ dst, const uint8_t* __restrict__ src) {
   const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
   for (int i = threadIdx.x; i < kBytes / 16; i += kThreads) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(base + 16 * i), "l"(src + 16 * i) : "memory");
   }
+}
+
+template <int kBytes, int kThreads>
+__device__ __forceinline__ void load_record_async(uint8_t* __restrict__ dst, const uint8_t* __restrict__ src) {
+  issue_record_async<kBytes, kThreads>(dst, src);
   asm volatile("cp.async.wait_all;" ::: "memory");
 }
 
@@ -705,7 +727,6 @@ __device__ __forceinline__ void record_built() {
 #endif
   __syncthreads();
 }
-#undef KVGEN_CODEC_ASYNC_COPIES
 
 // Minimum resident CTAs per SM the kernels of layer type L ask ptxas for (the second
 // __launch_bounds__ argument): it caps registers at about 64K / (threads * kMinBlocks), trading
@@ -735,6 +756,156 @@ __device__ __forceinline__ PagePair pair_at(const PairBatch& batch, const PagePa
   else return batch.pairs[i];
 }
 
+// ---------------------------------------------------------------------------------------------
+// DecodePages > 1: a CTA's records through two shared-memory buffers.  A record loader issues page
+// j's record into its buffer (src null: a skipped pair, nothing to load) and waits for it; every
+// thread calls both for every page in the same order, so the loader's bookkeeping (cp.async groups,
+// mbarrier phases) agrees across the CTA whichever pairs are skipped.
+// ---------------------------------------------------------------------------------------------
+
+// RecordLoad::Registers, and device passes older than sm_90: the record has landed when issue
+// returns, so nothing overlaps.
+template <int kBytes, int kThreads, int kInFlight>
+struct SyncRecords {
+  __device__ __forceinline__ void issue(int, uint8_t* __restrict__ dst, const uint8_t* __restrict__ src) const {
+    if (src != nullptr) copy_record<kBytes, kThreads, kInFlight>(dst, src);
+  }
+  __device__ __forceinline__ void wait(int, bool) const {}
+};
+
+#if KVGEN_CODEC_ASYNC_COPIES
+// RecordLoad::Async: one commit group per page, committed by every thread even with no copy of its
+// own (a skipped pair, a record of fewer words than threads), so on every thread page j's group is
+// the older of the two in flight, or the only one on the last page.
+template <int kBytes, int kThreads>
+struct AsyncRecords {
+  __device__ __forceinline__ void issue(int, uint8_t* __restrict__ dst, const uint8_t* __restrict__ src) const {
+    if (src != nullptr) issue_record_async<kBytes, kThreads>(dst, src);
+    asm volatile("cp.async.commit_group;" ::: "memory");
+  }
+  __device__ __forceinline__ void wait(int, bool last) const {
+    if (last) {
+      asm volatile("cp.async.wait_group 0;" ::: "memory");
+    } else {
+      asm volatile("cp.async.wait_group 1;" ::: "memory");
+    }
+  }
+};
+
+// RecordLoad::Bulk: one mbarrier per buffer.  Thread 0 arms the buffer's barrier with the record's
+// bytes and issues the copy, or for a skipped pair only arrives, so every use of a buffer completes
+// one phase and page j, the (j >> 1)-th use of buffer j & 1, waits on parity (j >> 1) & 1.
+template <int kBytes>
+struct BulkRecords {
+  uint32_t bars;  // shared address of buffer 0's barrier; buffer 1's follows
+
+  __device__ __forceinline__ uint32_t bar(int page) const { return bars + 8 * (page & 1); }
+  __device__ __forceinline__ void issue(int page, uint8_t* __restrict__ dst, const uint8_t* __restrict__ src) const {
+    if (threadIdx.x != 0) return;
+    if (src != nullptr) {
+      asm volatile(
+          "mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n\t"
+          "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%2], [%3], %1, [%0];"
+          ::"r"(bar(page)), "r"(kBytes), "r"(static_cast<uint32_t>(__cvta_generic_to_shared(dst))), "l"(src)
+          : "memory");
+    } else {
+      asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar(page)) : "memory");
+    }
+  }
+  __device__ __forceinline__ void wait(int page, bool) const {
+    asm volatile(
+        "{\n\t.reg .pred done;\n\t"
+        "wait:\n\tmbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n\t"
+        "@!done bra wait;\n\t}" ::"r"(bar(page)), "r"((page >> 1) & 1)
+        : "memory");
+  }
+};
+
+// The barriers' initialization must be visible to the copies (the async proxy) and to every
+// waiting thread before thread 0 arms one (load_record_bulk's rule).
+template <int kBytes>
+__device__ __forceinline__ BulkRecords<kBytes> bulk_records() {
+  static_assert(kBytes % 16 == 0 && kBytes < kMaxBulkRecordBytes, "one bulk copy, within one mbarrier phase");
+  __shared__ alignas(8) uint64_t arrived[2];
+  const uint32_t bars = static_cast<uint32_t>(__cvta_generic_to_shared(arrived));
+  if (threadIdx.x == 0) {
+    asm volatile(
+        "mbarrier.init.shared::cta.b64 [%0], 1;\n\t"
+        "mbarrier.init.shared::cta.b64 [%1], 1;\n\t"
+        "fence.mbarrier_init.release.cluster;\n\t"
+        "fence.proxy.async.shared::cta;" ::"r"(bars), "r"(bars + 8)
+        : "memory");
+  }
+  __syncthreads();
+  return BulkRecords<kBytes>{bars};
+}
+#endif
+
+// The CTA's layer record in a decode pair's cold slot; null for a pair out of range (recorded once,
+// by the CTA of the first layer, as with one page per CTA).
+template <class L>
+__device__ __forceinline__ const uint8_t* decode_slot(const PagePair& pair, const uint8_t* cold,
+                                                      int64_t cold_page_bytes, const PairLimits& limits) {
+  if (!pair_in_range<false>(pair, limits, threadIdx.x == 0 && blockIdx.y == 0)) return nullptr;
+  return cold + pair.src * cold_page_bytes + (int64_t)blockIdx.y * L::kRecordBytes;
+}
+
+// The CTA's pairs first .. first + count - 1 of the launch's n: page j + 1's record is issued
+// before page j is waited for and decoded, so one record is in flight while the other decodes.
+template <class L, bool kDevicePairs, class Records>
+__device__ __forceinline__ void decode_pages(const Records& records, uint8_t* smem, const PoolDesc* pools,
+                                             const uint8_t* cold, int64_t cold_page_bytes, const PairBatch& batch,
+                                             const PagePair* pairs, const PairLimits& limits, int64_t n) {
+  constexpr int kPages = DecodePages<L>::kPages;
+  const int64_t first = (int64_t)blockIdx.x * kPages;
+  const int count = n - first < kPages ? (int)(n - first) : kPages;
+  PagePair pair = pair_at<kDevicePairs>(batch, pairs, first);
+  const uint8_t* slot = decode_slot<L>(pair, cold, cold_page_bytes, limits);
+  records.issue(0, smem, slot);
+  for (int j = 0; j < count; ++j) {
+    PagePair next{};
+    const uint8_t* next_slot = nullptr;
+    if (j + 1 < count) {
+      next = pair_at<kDevicePairs>(batch, pairs, first + j + 1);
+      next_slot = decode_slot<L>(next, cold, cold_page_bytes, limits);
+      records.issue(j + 1, smem + ((j + 1) & 1) * L::kRecordBytes, next_slot);
+    }
+    records.wait(j, j + 1 == count);
+    __syncthreads();
+    if (slot != nullptr) {
+      L::decode(smem + (j & 1) * L::kRecordBytes, pools + blockIdx.y * L::kNumParts, pair.dst,
+                layer_scales<L>(pools), cta_lanes());
+    }
+    __syncthreads();  // page j + 2's record lands in this buffer
+    pair = next;
+    slot = next_slot;
+  }
+}
+
+// The record loader of DecodeLoad's route, as load_record picks it.
+template <class L, int kThreads, int kInFlight, bool kDevicePairs>
+__device__ __forceinline__ void decode_paged(uint8_t* smem, const PoolDesc* pools, const uint8_t* cold,
+                                             int64_t cold_page_bytes, const PairBatch& batch,
+                                             const PagePair* pairs, const PairLimits& limits,
+                                             bool cold_on_device, int64_t n) {
+#if KVGEN_CODEC_ASYNC_COPIES
+  if constexpr (DecodeLoad<L>::kRoute == RecordLoad::Bulk && L::kRecordBytes < kMaxBulkRecordBytes) {
+    if (cold_on_device) {  // uniform over the launch
+      decode_pages<L, kDevicePairs>(bulk_records<L::kRecordBytes>(), smem, pools, cold, cold_page_bytes, batch,
+                                    pairs, limits, n);
+      return;
+    }
+  }
+  if constexpr (DecodeLoad<L>::kRoute != RecordLoad::Registers) {
+    decode_pages<L, kDevicePairs>(AsyncRecords<L::kRecordBytes, kThreads>{}, smem, pools, cold, cold_page_bytes,
+                                  batch, pairs, limits, n);
+    return;
+  }
+#endif
+  decode_pages<L, kDevicePairs>(SyncRecords<L::kRecordBytes, kThreads, kInFlight>{}, smem, pools, cold,
+                                cold_page_bytes, batch, pairs, limits, n);
+}
+
 template <class L, int kThreads, int kInFlight, bool kDevicePairs>
 __global__ void __launch_bounds__(kThreads, LaunchBounds<L>::kMinBlocks)
 encode_kernel(const PoolDesc* __restrict__ pools, uint8_t* cold, int64_t cold_page_bytes, PairBatch batch,
@@ -749,21 +920,28 @@ encode_kernel(const PoolDesc* __restrict__ pools, uint8_t* cold, int64_t cold_pa
   store_record<L, kThreads, kInFlight>(slot, rec);
 }
 
+// n: the launch's pairs (read with DecodePages > 1 only: its last CTA may take fewer pages).
 template <class L, int kThreads, int kInFlight, bool kDevicePairs>
 __global__ void __launch_bounds__(kThreads, LaunchBounds<L>::kMinBlocks)
 decode_kernel(const PoolDesc* __restrict__ pools, const uint8_t* cold, int64_t cold_page_bytes, PairBatch batch,
-              const PagePair* __restrict__ pairs, PairLimits limits, bool cold_on_device) {
+              const PagePair* __restrict__ pairs, PairLimits limits, bool cold_on_device, int64_t n) {
   extern __shared__ uint4 smem[];
   uint8_t* rec = reinterpret_cast<uint8_t*>(smem);
-  const PagePair pair = pair_at<kDevicePairs>(batch, pairs, blockIdx.x);
-  if (!pair_in_range<false>(pair, limits, threadIdx.x == 0 && blockIdx.y == 0)) return;
-  const uint8_t* slot = cold + pair.src * cold_page_bytes + (int64_t)blockIdx.y * L::kRecordBytes;
-  load_record<L, kThreads, kInFlight>(rec, slot, cold_on_device);
-  __syncthreads();
-  L::decode(rec, pools + blockIdx.y * L::kNumParts, pair.dst, layer_scales<L>(pools), cta_lanes());
+  if constexpr (DecodePages<L>::kPages > 1) {
+    decode_paged<L, kThreads, kInFlight, kDevicePairs>(rec, pools, cold, cold_page_bytes, batch, pairs, limits,
+                                                       cold_on_device, n);
+  } else {
+    const PagePair pair = pair_at<kDevicePairs>(batch, pairs, blockIdx.x);
+    if (!pair_in_range<false>(pair, limits, threadIdx.x == 0 && blockIdx.y == 0)) return;
+    const uint8_t* slot = cold + pair.src * cold_page_bytes + (int64_t)blockIdx.y * L::kRecordBytes;
+    load_record<L, kThreads, kInFlight>(rec, slot, cold_on_device);
+    __syncthreads();
+    L::decode(rec, pools + blockIdx.y * L::kNumParts, pair.dst, layer_scales<L>(pools), cta_lanes());
+  }
 }
 
 }  // namespace codec
 }  // namespace kvgen
 
+#undef KVGEN_CODEC_ASYNC_COPIES
 #undef KVGEN_CODEC_HD
