@@ -157,7 +157,7 @@ class _Library:
     """A loaded score library's identity, as ScoreDispatch reads it."""
 
     def __init__(self, name: str, family: str = "fam", arch: str = "sm_90a"):
-        self.path, self.family, self.arch = Path(name), family, arch
+        self.path, self.family, self.arch, self.geometry = Path(name), family, arch, {}
         self.calls: list[tuple] = []
 
     def score(self, *args, num_pages: int) -> None:

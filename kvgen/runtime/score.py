@@ -166,6 +166,8 @@ class ScoreDispatch:
 
     def __init__(self, main: ScoreLibrary, variants: Sequence[tuple[int, ScoreLibrary]] = ()):
         self.main = main
+        # what a caller of one library reads: the main library's identity and geometry
+        self.path, self.family, self.arch, self.geometry = main.path, main.family, main.arch, main.geometry
         self.thresholds = [start for start, _ in variants]
         self.variants = [library for _, library in variants]
         for library in self.variants:
@@ -190,26 +192,6 @@ class ScoreDispatch:
 
     def _all(self) -> list[ScoreLibrary]:
         return list({id(lib): lib for lib in (self.main, *self.variants)}.values())
-
-    @property
-    def path(self) -> Path:
-        return self.main.path
-
-    @property
-    def family(self) -> str:
-        return self.main.family
-
-    @property
-    def arch(self) -> str:
-        return self.main.arch
-
-    @property
-    def geometry(self) -> dict[str, int | str]:
-        return self.main.geometry
-
-    @property
-    def freqs(self) -> int:
-        return self.main.freqs
 
     def check_geometry(self, geometry: TriGeometry, dtype: str) -> None:
         for library in self._all():
