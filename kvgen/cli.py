@@ -418,8 +418,8 @@ def _config(args: argparse.Namespace) -> dict[str, Any]:
 
 def _registry_tuning(registry: Path) -> dict[str, str]:
     """``"<arch> <family> <op>" -> how its built parameters were chosen`` (measured, model-tuned,
-    override, default), from the registry's manifests (a manifest that does not read is skipped:
-    ``kvgen verify`` reports it)."""
+    override, default, then the op's size-dispatched variants), from the registry's manifests (a
+    manifest that does not read is skipped: ``kvgen verify`` reports it)."""
     from kvgen.artifacts.manifest import RegistryError, parse_manifest
 
     out = {}
@@ -429,7 +429,8 @@ def _registry_tuning(registry: Path) -> dict[str, str]:
         except RegistryError:
             continue
         for entry in manifest.families:
-            out.update({f"{manifest.arch} {entry.family} {op.op}": op.tuning for op in entry.ops})
+            out.update({f"{manifest.arch} {entry.family} {op.op}": op.tuning + "".join(
+                f"; from work {v.from_work}: {v.artifact} ({v.bucket})" for v in op.variants) for op in entry.ops})
     return out
 
 

@@ -142,6 +142,9 @@ def test_the_manifest_carries_variants_and_refuses_one_naming_an_unlisted_file(t
     entry = manifest.family("fam")
     assert entry.op("score").variants == (variant,)
     assert [p.name for p in verify_op_files(path, manifest, entry, "score")] == ["lib.so", "lib_b32.so"]
+    from kvgen.cli import _registry_tuning   # kvgen show-config's tuning lines
+
+    assert _registry_tuning(tmp_path) == {"sm_90a fam score": "measured; from work 23170: lib_b32.so (b32)"}
     data = json.loads(path.read_text())
     data["families"][0]["ops"][0]["variants"][0]["artifact"] = "lib_gone.so"
     path.write_text(json.dumps(data))
