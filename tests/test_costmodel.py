@@ -358,3 +358,18 @@ def test_the_record_load_route_sets_decode_bytes_in_flight_and_round_trips() -> 
     assert record_load({**base, "decode_load": 1}, 36864) == (144.0, 1)
     assert record_load({**base, "decode_load": 2}, 36864) == (144.0, 1)
     assert record_load({"threads": 512, "in_flight": 8, "decode_load": 0}, 4096) == (8.0, 1)
+
+
+def test_decode_pages_takes_fewer_ctas_with_twice_the_shared_memory() -> None:
+    """decode_pages: the model sees its occupancy cost (what lost on the H100), not its overlap."""
+    from kvgen.tuning.costmodel.workload import codec_launches, decode_pages
+
+    assert decode_pages({"decode_load": 0, "decode_pages": 4}) == 1   # the register copy folds it
+    from kvgen.tuning.costmodel.features import KernelFeatures
+
+    features = {name: KernelFeatures(name, 32, 1024, 0, 0, Mix.of([]), []) for name in ("encode_kernel", "decode_kernel")}
+    size = {"hot_bytes": 4 * 36864 * 4, "cold_bytes": 4 * 36864}
+    base = {**default_params("codec"), "decode_load": 1}
+    one = codec_launches(features, {**base, "decode_pages": 1}, size, 36864)[1]
+    two = codec_launches(features, {**base, "decode_pages": 2}, size, 36864)[1]
+    assert (one.ctas, one.dynamic_shared) == (4, 36864) and (two.ctas, two.dynamic_shared) == (2, 2 * 36864)
