@@ -98,6 +98,7 @@ def test_tuned_variants_reach_the_build_and_an_override_drops_them(tmp_path: Pat
     ([{"bucket": "b32", "from_work": 1, "params": {"threads": 3}}], "score", "variants\\[0\\]"),
     ([{"bucket": "large", "from_work": 1, "params": default_params("codec")}], "codec",
      "codec takes one configuration for every size"),
+    ({"bucket": "b32"}, "score", "variants: dict, expected a list"),
 ])
 def test_bad_variants_in_a_tuned_file_are_named(tmp_path: Path, variants: list, op: str, why: str) -> None:
     path = tmp_path / "sm_90a" / f"{FP8}.json"
@@ -111,14 +112,36 @@ def test_bad_variants_in_a_tuned_file_are_named(tmp_path: Path, variants: list, 
 def test_each_variant_with_other_params_is_one_more_job_of_its_op_alone() -> None:
     source = load_spec_source(SPECS_DIR / f"{FP8}.yaml")
     main = {"score": {**default_params("score"), "token_tiles": 16}}
-    variants = {"score": (Variant("b32", 23170, {**default_params("score"), "token_tiles": 32}),
-                          Variant("b32-wide", 100000, main["score"]))}
+    t32 = {**default_params("score"), "token_tiles": 32}
+    variants = {"score": (Variant("b32", 23170, t32), Variant("b32-wide", 100000, main["score"]),
+                          Variant("b64", 200000, t32))}   # t32 again: served by the b32 library
     jobs = family_jobs(source, "sm_90a", main, variants=variants)
     names = [job.artifact for job in jobs]
     assert "libkvgen_qwen3_8b_fp8_score.so" in names and "libkvgen_qwen3_8b_fp8_score_b32.so" in names
     assert not any("b32_wide" in name for name in names)   # the main config again: served by the main library
     (extra,) = [job for job in jobs if job.variant is not None]
     assert extra.ops == ("score",) and extra.plans[0].params["token_tiles"] == 32
+
+
+def test_the_manifest_names_each_variants_library_and_leaves_out_one_that_failed() -> None:
+    from kvgen.build.job import BuildOutcome
+    from kvgen.build.pipeline import _family_entry
+    from kvgen.lower.tuned import TunedParams
+
+    source = load_spec_source(SPECS_DIR / f"{FP8}.yaml")
+    t16, t32 = ({**default_params("score"), "token_tiles": t} for t in (16, 32))
+    tuned = TunedParams()
+    tuned.set("sm_90a", FP8, "score", t16, variants=(Variant("b32", 23170, t32), Variant("b32-wide", 100000, t16),
+                                                      Variant("b64", 200000, t32)))
+    jobs = family_jobs(source, "sm_90a", tuned.for_family("sm_90a", FP8), variants=tuned.variants_for("sm_90a", FP8))
+    built = [(job, BuildOutcome(FP8, "sm_90a", job.backend, "built", sha256="s")) for job in jobs]
+    score = _family_entry(built, tuned).op("score")
+    assert [(v.bucket, v.from_work, v.artifact) for v in score.variants] == [
+        ("b32", 23170, "libkvgen_qwen3_8b_fp8_score_b32.so"), ("b32-wide", 100000, "libkvgen_qwen3_8b_fp8_score.so"),
+        ("b64", 200000, "libkvgen_qwen3_8b_fp8_score_b32.so")]
+    assert score.variants[0].params["token_tiles"] == 32
+    without = [(job, outcome) for job, outcome in built if job.variant is None]   # the b32 library failed
+    assert [v.bucket for v in _family_entry(without, tuned).op("score").variants] == ["b32-wide"]
 
 
 def _registry(tmp_path: Path, variants: tuple[VariantEntry, ...], files: tuple[str, ...]) -> Path:
@@ -173,6 +196,7 @@ def test_each_call_goes_to_the_library_of_its_work() -> None:
     main, large = _Library("main.so"), _Library("large.so")
     dispatch = ScoreDispatch(main, [(23170, large)])
     assert dispatch.library_for(1, 4096) is main and dispatch.library_for(32, 4096) is large
+    assert dispatch.variant_index(1, 4096) is None and dispatch.variant_index(32, 4096) == 0
     assert dispatch.library_for(1, 23170) is large and dispatch.library_for(1, 23169) is main
     for batch, width in ((1, 100), (32, 16384)):
         dispatch.score(*[None] * 11, torch.empty(2, batch, 4, width, device="meta"), num_pages=1)

@@ -15,10 +15,6 @@ from __future__ import annotations
 
 from typing import Mapping, Sequence
 
-# What a call's work counts, per op.
-WORK_UNITS = {"score": "scored tokens per layer and query head: requests x width"}
-
-
 def score_work(batch: int, width: int) -> int:
     """A score call's work: it reads each of ``batch`` requests' ``width`` tokens once per layer."""
     return int(batch) * int(width)

@@ -5,12 +5,12 @@ each artifact the family ships: the nvcc library (``codec``, ``compact``), the C
 library (``score``) and the AOT-compiled Triton libraries of the packer (``pack``) and of
 normalize/aggregate/select (``select``), each with its sha256. Every op names the artifact file
 that serves it, and may list size-dispatched variants (``kvgen.artifacts.dispatch``): another
-artifact, with its own params, for calls of at least ``from_work``. ``read_manifest`` refuses a manifest written by another format
-or kvgen version, a manifest whose arch is not its folder's, an artifact path that leaves the
-manifest's folder (absolute, ``..``, a symlink pointing out) and an artifact whose bytes do not
-match, each with an error naming the file and the command that rebuilds it. ``manifest_problems``
-lists every such problem of one manifest (``kvgen verify``). Nothing here knows how an artifact
-was made.
+artifact, with its own params, for calls of at least ``from_work``. ``read_manifest`` refuses a
+manifest written by another format or kvgen version, a manifest whose arch is not its folder's, an
+artifact path that leaves the manifest's folder (absolute, ``..``, a symlink pointing out) and an
+artifact whose bytes do not match, each with an error naming the file and the command that
+rebuilds it. ``manifest_problems`` lists every such problem of one manifest (``kvgen verify``).
+Nothing here knows how an artifact was made.
 """
 
 from __future__ import annotations
@@ -57,8 +57,8 @@ class ArtifactEntry:
 
 @dataclass(frozen=True)
 class VariantEntry:
-    """The artifact serving an op's calls of at least ``from_work`` (in the op's unit,
-    ``kvgen.artifacts.dispatch.WORK_UNITS``), up to the next variant's threshold."""
+    """The artifact serving an op's calls of at least ``from_work`` (in the op's unit of work,
+    ``kvgen.artifacts.dispatch``: requests x width for the scorer), up to the next variant's threshold."""
 
     from_work: int
     bucket: str                                   # the tuning bucket whose measurements chose it
@@ -198,8 +198,9 @@ def _family(data: Any, where: str) -> FamilyEntry:
     ops = []
     for i, op in enumerate(data["ops"]):
         op = _checked(op, f"{where}.ops[{i}]", _OP)
-        ops.append(OpEntry(op["op"], op["artifact"], op["template"], op["plan_key"], _params(op, f"{where}.ops[{i}]"),
-                           op.get("tuning", "default"), _variants(op.get("variants", []), f"{where}.ops[{i}].variants")))
+        at = f"{where}.ops[{i}]"
+        ops.append(OpEntry(op["op"], op["artifact"], op["template"], op["plan_key"], _params(op, at),
+                           op.get("tuning", "default"), _variants(op.get("variants", []), f"{at}.variants")))
     artifacts = []
     for i, artifact in enumerate(data["artifacts"]):
         artifact = _checked(artifact, f"{where}.artifacts[{i}]", _ARTIFACT)

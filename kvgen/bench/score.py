@@ -41,7 +41,6 @@ from pathlib import Path
 import torch
 
 from kvgen import paths
-from kvgen.artifacts.dispatch import score_work, serving
 from kvgen.artifacts.manifest import RegistryError
 from kvgen.lower.plan import TUNABLES
 from kvgen.lower.triattention import eviction_config, rope_scaling, tri_geometry
@@ -79,15 +78,6 @@ def score_library(family: str, registry: Path, arch: str) -> ScoreDispatch:
     return ScoreDispatch.from_resolved(RuntimeRegistry([registry]).resolve(family, arch))
 
 
-def served_variant(op, batch: int, width: int) -> tuple[str, dict[str, int]]:  # noqa: ANN001 - an OpEntry
-    """Which of the score op's libraries serves ``batch`` x ``width`` ("main" or the variant's
-    bucket), and its parameters."""
-    index = serving([v.from_work for v in op.variants], score_work(batch, width))
-    if index is None:
-        return "main", dict(op.params)
-    return op.variants[index].bucket, dict(op.variants[index].params)
-
-
 def _has_score(registry: Path, family: str, arch: str) -> bool:
     try:
         RuntimeRegistry([registry]).resolve(family, arch).artifact("score")
@@ -119,7 +109,7 @@ def bench_score(family: str, batch: int, width: int, copy: dict, registries: lis
     for registry in registries:
         try:
             resolved = RuntimeRegistry([registry]).resolve(family, arch)
-            served, params = served_variant(resolved.op("score"), batch, width)
+            resolved.artifact("score")   # a family without a score library is refused here
         except RegistryError as exc:
             if registry == default_registry:
                 result["default_error"] = f"{registry}: no score library ({str(exc).splitlines()[0]})"
@@ -134,11 +124,14 @@ def bench_score(family: str, batch: int, width: int, copy: dict, registries: lis
         else:
             lib = ScoreDispatch.from_resolved(resolved)
             t = time_ms(lambda: lib.score(**inputs), reps=10, warmup=2)
-        passes = int(lib.geometry["passes"])
+        index, op = lib.variant_index(batch, width), resolved.op("score")
+        served = op if index is None else op.variants[index]   # the manifest entry of the library timed
+        passes = int(lib.library_for(batch, width).geometry["passes"])
         k_bytes = k_bytes_read(g, batch, width, elem)
         gbps = (k_bytes + score_bytes) / t["median_ms"] / 1e6
         role = "tuned" if registry == registries[0] else "default" if registry == default_registry else "variant"
-        variant = {"registry": str(registry), "role": role, "params": params, "served_by": served, "passes": passes,
+        variant = {"registry": str(registry), "role": role, "params": dict(served.params),
+                   "served_by": "main" if index is None else served.bucket, "passes": passes,
                    "k_bytes": k_bytes, "gbps": gbps, "fraction_of_copy": gbps / copy["gbps_read_plus_write"],
                    **{k: v for k, v in t.items()}}
         if reference is None:

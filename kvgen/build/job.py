@@ -56,7 +56,7 @@ class BuildJob:
     backend: Backend
     plans: tuple[KernelPlan, ...]
     rendered: Mapping[str, str]           # "<family>/<name>" -> text
-    variant: Variant | None = None        # a size-dispatched variant of its one op
+    variant: Variant | None = None        # the first size-dispatched variant its one plan serves (its name)
 
     @property
     def family(self) -> str:
@@ -105,19 +105,20 @@ def family_jobs(source: SpecSource, arch: str, params: Mapping[Op, Mapping[str, 
                 variants: Mapping[Op, tuple[Variant, ...]] | None = None) -> list[BuildJob]:
     """One job per artifact the family needs for ``arch`` (ops of one backend and suffix share
     one), ``params`` (tuned, per op) over the safe defaults, each job's plans rendered for exactly
-    those parameters; then one job per size-dispatched variant whose parameters differ from its
-    op's (a variant naming the op's own configuration is served by the op's artifact)."""
+    those parameters; then one job per distinct plan of the size-dispatched variants that is not
+    already the op's (a variant compiling to a plan built before is served by that artifact)."""
     plans = plans_for(source.spec, params)
     by_artifact: dict[tuple[Backend, str], list[KernelPlan]] = {}
     for plan in plans:
         by_artifact.setdefault((OP_BACKEND[plan.op], ARTIFACT_SUFFIX[plan.op]), []).append(plan)
     jobs = [BuildJob(source, arch, backend, tuple(group), render_plans(group, templates_dir))
             for (backend, _), group in by_artifact.items()]
-    main = {plan.op: plan for plan in plans}
+    built = {plan.key() for plan in plans}
     for op, op_variants in (variants or {}).items():
         for variant in op_variants:
             plan = variant_plan(source.spec, params, op, variant)
-            if plan.key() != main[op].key():
+            if plan.key() not in built:
+                built.add(plan.key())
                 jobs.append(BuildJob(source, arch, OP_BACKEND[op], (plan,), render_plans([plan], templates_dir),
                                      variant))
     return jobs

@@ -133,22 +133,18 @@ def _family_entry(built: Sequence[tuple[BuildJob, BuildOutcome]], tuned: TunedPa
 
 def _variant_entries(built: Sequence[tuple[BuildJob, BuildOutcome]], main: KernelPlan,
                      tuned: TunedParams | None) -> tuple[VariantEntry, ...]:
-    """The size-dispatched variants of the op ``main`` (a plan) serves: each built variant's artifact,
-    or the op's own where the variant compiles to the same plan."""
+    """The size-dispatched variants of the op of ``main`` (its plan), each served by the built
+    artifact of its plan (the op's own where the variant compiles to the same plan)."""
     if tuned is None:
         return ()
     job = built[0][0]
-    own = {j.variant.bucket: j for j, _ in built if j.variant is not None and j.plans[0].op == main.op}
+    by_plan = {p.key(): j.artifact for j, _ in built for p in j.plans if p.op == main.op}
     entries = []
     for variant in tuned.variants_for(job.arch, job.family).get(main.op, ()):
         plan = variant_plan(job.source.spec, tuned.for_family(job.arch, job.family), main.op, variant)
-        if variant.bucket in own:
-            artifact = own[variant.bucket].artifact
-        elif plan.key() == main.key():
-            artifact = next(j.artifact for j, _ in built if j.variant is None and main in j.plans)
-        else:
-            continue   # its library failed to build
-        entries.append(VariantEntry(variant.from_work, variant.bucket, artifact, plan.key(), dict(plan.params)))
+        if plan.key() in by_plan:   # else its library failed to build: its calls take the one below
+            entries.append(VariantEntry(variant.from_work, variant.bucket, by_plan[plan.key()], plan.key(),
+                                        dict(plan.params)))
     return tuple(entries)
 
 

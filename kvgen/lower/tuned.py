@@ -89,8 +89,10 @@ def _check_variants(path: Path, where: str, op: Op, variants: Any) -> None:
     if variants and op not in VARIANT_OPS:
         raise TuningFileError(f"{path}: {where}.variants: {op} takes one configuration for every size "
                               f"(variants exist for {', '.join(VARIANT_OPS)})")
+    if not isinstance(variants, list):
+        raise TuningFileError(f"{path}: {where}.variants: {type(variants).__name__}, expected a list")
     last = -1
-    for i, variant in enumerate(variants if isinstance(variants, list) else [None]):
+    for i, variant in enumerate(variants):
         try:
             check_params(op, variant["params"])
             start = variant["from_work"]

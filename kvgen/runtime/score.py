@@ -185,9 +185,13 @@ class ScoreDispatch:
             loaded.setdefault(path, ScoreLibrary(path, family=family))
         return cls(loaded[main_path], [(start, loaded[path]) for start, path in variant_paths])
 
+    def variant_index(self, batch: int, width: int) -> int | None:
+        """Which variant serves ``batch`` requests of ``width`` tokens (None: the main library)."""
+        return serving(self.thresholds, score_work(batch, width))
+
     def library_for(self, batch: int, width: int) -> ScoreLibrary:
         """The library serving ``batch`` requests of ``width`` tokens."""
-        index = serving(self.thresholds, score_work(batch, width))
+        index = self.variant_index(batch, width)
         return self.main if index is None else self.variants[index]
 
     def _all(self) -> list[ScoreLibrary]:

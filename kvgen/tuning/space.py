@@ -237,24 +237,24 @@ def dispatch_variants(per_bucket: Mapping[str, Mapping[str, float]], choice: str
     is within the noise of the bucket's best (``margin``, or either measurement's p80/p20 ``spread``).
     Otherwise it takes, among the configs within the noise of its best, the one that is also within
     it in the most larger buckets (fewest libraries; ties: the fastest here). A variant starts at the
-    geometric mean of its bucket's work and the work of the bucket below; one naming ``choice`` again
-    sends calls back to the main library. Between buckets the boundary is the geometric mean of their
-    work: the buckets are spaced by factors, not by steps."""
+    geometric mean of its bucket's work and the work of the bucket below (the buckets are spaced by
+    factors, not by steps); one naming ``choice`` again sends calls back to the main library."""
     order = sorted(per_bucket, key=lambda b: work[b])
-
-    def near(bucket: str) -> set[str]:
-        times, ratios = per_bucket[bucket], (spread or {}).get(bucket, {})
-        best = min(times, key=times.get)
-        return {c for c, t in times.items()
-                if t <= times[best] * max(1.0 + margin, ratios.get(c, 1.0), ratios.get(best, 1.0))}
-
+    near = {b: _within_noise(per_bucket[b], (spread or {}).get(b, {}), margin) for b in order}
     serving, variants = choice, []
     for i, bucket in enumerate(order):
-        good = near(bucket)
-        if serving in good:
+        if serving in near[bucket]:
             continue
         later = order[i + 1:]
-        serving = max(sorted(good), key=lambda c: (sum(c in near(b) for b in later), -per_bucket[bucket][c]))
+        serving = max(sorted(near[bucket]),
+                      key=lambda c: (sum(c in near[b] for b in later), -per_bucket[bucket][c]))
         start = math.isqrt(work[order[i - 1]] * work[bucket]) if i else 0
         variants.append({"bucket": bucket, "from_work": start, "config": serving})
     return variants
+
+
+def _within_noise(times: Mapping[str, float], ratios: Mapping[str, float], margin: float) -> set[str]:
+    """The configs whose time is within the noise of the bucket's best."""
+    best = min(times, key=times.get)
+    return {c for c, t in times.items()
+            if t <= times[best] * max(1.0 + margin, ratios.get(c, 1.0), ratios.get(best, 1.0))}
