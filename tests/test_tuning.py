@@ -214,21 +214,23 @@ run_bucket(load_spec({str(SPECS_DIR / 'qwen3-8b.yaml')!r}), "codec", "sm_90a", "
 
 
 def test_two_workers_share_one_study_on_a_real_postgresql_server(tmp_path: Path, postgres_url: str) -> None:
-    # Each worker parses the measurements after the barrier below: a subspace keeps that file small,
-    # so the two start their trials close together.
+    # A subspace keeps the measurement file small.
     fixed = {"decode_load": 1, "decode_pages": 1, "encode_store": 1}
     measurements = write_codec_measurements(tmp_path / "m.jsonl", fixed=fixed)
     cmd = [sys.executable, "-m", "kvgen.cli", "tune", "--family", "qwen3-8b", "--op", "codec", "--arch", "sm_90a",
            "--bucket", "offload", "--strategy", "random", "--trials", "12", "--measurements", str(measurements),
            "--storage", postgres_url, "--no-write", "--fix", ",".join(f"{k}={v}" for k, v in fixed.items())]
-    # Each worker imports everything, then waits for the other at a file barrier before it tunes:
+    # Each worker reads the measurements, then waits for the other at a file barrier before it tunes:
     # with recorded measurements a trial is instant, so on a loaded machine one worker could
-    # otherwise finish the study before the other has started python.
+    # otherwise finish the study before the other has read its file.
     barrier = tmp_path / "barrier"
     barrier.mkdir()
-    script = (f"import pathlib, sys, time; import kvgen.cli, kvgen.tuning.study\n"
-              f"b = pathlib.Path({str(barrier)!r}); (b / sys.argv[-1]).touch()\n"
-              f"while len(list(b.iterdir())) < 2: time.sleep(0.01)\n"
+    script = (f"import pathlib, sys, time; import kvgen.cli, kvgen.tuning.study as study\n"
+              f"b = pathlib.Path({str(barrier)!r}); read = study.RecordedEvaluator.__init__\n"
+              f"def read_then_wait(self, *args):\n"
+              f"    read(self, *args); (b / sys.argv[-1]).touch()\n"
+              f"    while len(list(b.iterdir())) < 2: time.sleep(0.01)\n"
+              f"study.RecordedEvaluator.__init__ = read_then_wait\n"
               f"sys.exit(kvgen.cli.main(sys.argv[1:]))")
     workers = [subprocess.Popen([sys.executable, "-c", script, *cmd[3:], "--seed", str(seed)], cwd=ROOT,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for seed in (1, 2)]
