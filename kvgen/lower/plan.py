@@ -108,7 +108,7 @@ TUNABLES: dict[str, dict[str, tuple[tuple[int, ...], int]]] = {
         # CTAs per (request, KV head, layer), each copying its 1/slices run of every K and V row
         # (compact_kernels.cuh): batch 1 launches only layers x KV heads CTAs (288 for qwen3-8b on
         # 132 SMs). The same bytes land; folded to the largest choice dividing a move's vectors.
-        "slices": ((1, 2, 4), 1),
+        "slices": ((1, 2, 4, 8), 1),
     },
     "pack": {
         "block": ((64, 128, 256, 512), 256),

@@ -173,9 +173,9 @@ def synthetic_libraries(tmp_path_factory) -> dict[str, CompactLibrary]:
 
 # The compaction tunables' larger values (more bytes in flight per CTA), on bf16 rows of 256 and
 # 512 bytes: every (threads, tile_tokens) pair with 512 threads or 128-move tiles; then rows cut
-# into 2 and 4 slices (CTAs of one request, head and layer side by side on disjoint bytes).
+# into 2, 4 and 8 slices (CTAs of one request, head and layer side by side on disjoint bytes).
 BIG_TILES = [(t, k, 1) for t in (256, 512) for k in (32, 64, 128) if t == 512 or k == 128] + [
-    (128, 32, 2), (128, 32, 4), (256, 64, 4), (512, 128, 2)]
+    (128, 32, 2), (128, 32, 4), (256, 64, 4), (512, 128, 2), (128, 32, 8), (256, 32, 8)]
 BF16_GEOMETRIES = {
     "bf16-hnd-d128-tpb64": {"dtype": "bf16", "layout": "HND", "elem_bytes": 2, "kv_heads": 8, "head_dim": 128,
                             "tokens_per_block": 64, "layers": 3},
