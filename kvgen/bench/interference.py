@@ -6,6 +6,8 @@ zero-copy as the peer row, device-then-copy) and direction: the transfer alone (
 bytes / time / pinned ceiling of that way) and beside each foreground (memory-bound copy,
 compute-bound GEMM): the transfer's wall time, its fraction of pinned, the foreground's slowdown.
 Goal for staged: >= 0.90 of pinned with a foreground slowdown <= 1.05x, both ways (``GOALS``).
+Per direction, ``sm_bound``: the codec kernels' time on the whole GPU, their share of a transfer at
+the goal rate, and the least slowdown of a foreground that keeps every SM busy (the GEMM's bound).
 
 Usage: ``kvgen bench run --only interference`` (ceilings measured once in the same process).
 """
@@ -19,7 +21,7 @@ import torch
 from kvgen import paths
 from kvgen.lower.layout import family_layout
 from kvgen.measure.libraries import registry_artifact
-from kvgen.measure.workloads.interference import InterferenceWorkload, beside, foregrounds, time_alone
+from kvgen.measure.workloads.interference import InterferenceWorkload, beside, foregrounds, sm_bound, time_alone
 from kvgen.runtime import FamilyLibrary
 from kvgen.spec.schema import load_spec
 
@@ -39,13 +41,20 @@ def bench_family(family: str, hot_gib: float, ceilings: dict, fg: dict, fg_ms: d
     pinned = {"offload": ceilings["pinned"]["d2h"]["gbps"], "onboard": ceilings["pinned"]["h2d"]["gbps"]}
     result = {"family": family, "pages": s["pages"], "hot_bytes": s["pages"] * lc.hot_page_bytes,
               "cold_bytes": cold_bytes, "codec": s["codec"].describe_offload(),
-              "staged_equals_zero_copy": workload.staged_equals_zero_copy(s), "runs": []}
+              "staged_equals_zero_copy": workload.staged_equals_zero_copy(s), "runs": [], "sm_bound": {}}
 
     def fraction(ms: float, direction: str) -> float:
         return cold_bytes / ms / 1e6 / pinned[direction]
 
+    current = torch.cuda.current_stream()
+    for direction, kernels in workload.codec_kernels(s).items():
+        kernels_ms = time_alone(lambda: kernels(current), REPS)["median_ms"]
+        bound = sm_bound(kernels_ms, cold_bytes, pinned[direction], GOALS["fraction_of_pinned"])
+        result["sm_bound"][direction] = bound
+        print(f"  {family} {direction}: codec kernels {kernels_ms:.3f} ms = {bound['sm_share']:.3f} of the GPU at "
+              f"{GOALS['fraction_of_pinned']:.2f} of pinned; a busy foreground slows >= "
+              f"{bound['busy_foreground_floor']:.3f}x", flush=True)
     for (strategy, direction), transfer in workload.transfers(s).items():
-        current = torch.cuda.current_stream()
         alone = time_alone(lambda: transfer(current), REPS)
         run = {"strategy": strategy, "direction": direction, "alone_ms": alone["median_ms"],
                "alone_p20_ms": alone["p20_ms"], "alone_p80_ms": alone["p80_ms"],

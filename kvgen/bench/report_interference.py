@@ -64,7 +64,18 @@ def interference_markdown(doc: dict, figure: str | None, table, ms, num) -> list
         out.append(f"{r['family']}: runtime default strategy **{codec.get('strategy', '?')}** "
                    f"({codec.get('reason', '')}); staging {codec.get('staging_bytes', 0) / 2**20:.0f} MiB; "
                    f"staged and zero-copy cold bytes identical: {r.get('staged_equals_zero_copy')}.")
+        out += [sm_bound_line(r["family"], way, b, goals) for way, b in r.get("sm_bound", {}).items()]
     return out + [""]
+
+
+def sm_bound_line(family: str, way: str, bound: dict, goals: dict) -> str:
+    """Why a compute-bound foreground cannot keep both goals where the codec's share is too large."""
+    floor = bound["busy_foreground_floor"]
+    verdict = "within" if floor <= goals["slowdown"] else "**above**"
+    return (f"{family} {way}: the codec kernels take {bound['kernels_ms']:.3f} ms on the whole GPU, "
+            f"{bound['sm_share']:.1%} of a transfer at {goals['fraction_of_pinned']:.2f} of pinned "
+            f"({bound['transfer_ms_at_goal']:.2f} ms): a foreground keeping every SM busy slows at least "
+            f"{floor:.3f}×, {verdict} the {goals['slowdown']:.2f}× goal.")
 
 
 def plot_interference(rows: list[dict], goals: dict, path: Path, pyplot: Any) -> None:

@@ -332,7 +332,7 @@ def _build_only(args, sources, ops, console, cache_dir: Path, toolchains) -> int
                    ) if console.is_terminal else line
         candidates = build_candidates(requests, args.arch, args.bundle, cache_dir, toolchains=toolchains,
                                       jobs=args.jobs, on_done=on_done)
-    archive = pack_bundle(args.bundle, args.bundle.with_suffix(".tar.xz"))
+    archive = pack_bundle(args.bundle, args.bundle.parent / f"{args.bundle.name}.tar.xz")  # a dotted name keeps its dots
     failed = [c for c in candidates if c.status == "failed"]
     console.print(f"{len(candidates)} candidates ({len(failed)} failed to build) in {args.bundle}; packed: {archive} "
                   f"({archive.stat().st_size / 2**20:.1f} MiB)")

@@ -15,6 +15,13 @@ Strategies: ``staged`` (``ColdPageCodec.offload``: device staging ring + copy en
 (the peer row: encode/decode straight into/from pinned host memory) and ``device-then-copy`` (the
 whole batch encoded into device memory, then one copy-engine copy; onboard the other way: unbounded
 staging, the reference point for the ring).
+
+The SMs' share (``sm_bound``): whatever the strategy, a transfer's encode or decode is the same
+kernel work, timed alone on the whole GPU into and from device memory (``codec_kernels``). At a
+goal rate the transfer lasts ``cold bytes / (goal x pinned)``, so the codec needs that work's share
+of the GPU for that long, and a foreground that keeps every SM busy for the whole time (a
+compute-bound kernel with no idle tail) must cede the share: it runs at least ``1 / (1 - share)``
+times slower. Where that floor exceeds the slowdown goal, no strategy meets both beside it.
 """
 
 from __future__ import annotations
@@ -94,6 +101,13 @@ class InterferenceWorkload:
         }
 
     @staticmethod
+    def codec_kernels(s: dict[str, Any]) -> dict[str, Transfer]:
+        """direction -> the transfer's SM work alone: the batch encoded into / decoded from device memory."""
+        codec, enc, dec, dev = s["codec"], s["enc"], s["dec"], s["cold_dev"]
+        return {"offload": lambda stream: codec.encode(dev, enc, stream=stream),
+                "onboard": lambda stream: codec.decode(dev, dec, stream=stream)}
+
+    @staticmethod
     def staged_equals_zero_copy(s: dict[str, Any]) -> bool:
         """Both strategies write the same cold bytes (the format does not depend on the path)."""
         codec, enc, pin = s["codec"], s["enc"], s["cold_pin"]
@@ -104,6 +118,15 @@ class InterferenceWorkload:
         codec.offload(pin, enc, strategy="staged")
         torch.cuda.synchronize()
         return bool(torch.equal(pin, zero_copy))
+
+
+def sm_bound(kernels_ms: float, cold_bytes: int, pinned_gbps: float, fraction_of_pinned: float) -> dict[str, float]:
+    """The codec's share of the GPU during a transfer at ``fraction_of_pinned`` of ``pinned_gbps``, and
+    the least slowdown of a foreground that keeps every SM busy meanwhile (module docstring)."""
+    transfer_ms = cold_bytes / (fraction_of_pinned * pinned_gbps * 1e6)
+    share = kernels_ms / transfer_ms
+    return {"kernels_ms": kernels_ms, "transfer_ms_at_goal": transfer_ms, "sm_share": share,
+            "busy_foreground_floor": 1 / (1 - share) if share < 1 else math.inf}
 
 
 def time_alone(fn: Callable[[], Any], reps: int) -> dict[str, float]:
