@@ -271,6 +271,19 @@ def compact_library(tmp_path_factory) -> Path:
     return out
 
 
+def test_a_size_variant_of_another_geometry_is_refused(compact_library: Path, tmp_path: Path) -> None:
+    """Compactor(variants=...) serves the registry's size-dispatched libraries; one compiled for
+    another family's pages would write the wrong bytes, so it is refused before any pool is read."""
+    nvcc = [t for t in find_toolchains([SYSTEM_NVCC]) if t.supports("sm_90a")][0]
+    source = tmp_path / "compact.cu"
+    source.write_text(render(_compact_plan(_triattention_specs()["gpt-oss-20b"], {"slices": 2})))
+    other = tmp_path / "libkvgen_gpt_oss_20b_compact_b32.so"
+    compile_shared_library([source], "sm_90a", list(INCLUDE_DIRS), other, nvcc)
+    with pytest.raises(LibraryError, match=f"{other}: a compaction variant of another geometry than "
+                                           f"{compact_library} \\(num_layers 24 vs 32, kv_heads 8 vs 8, head_dim 64 vs 128"):
+        Compactor(compact_library, [], [], variants=[(5, other)])
+
+
 def test_library_describes_itself(compact_library: Path) -> None:
     lib = CompactLibrary(compact_library)
     assert lib.info == {"abi_version": 2, "num_layers": 32, "kv_heads": 8, "head_dim": 128, "tokens_per_block": 16,

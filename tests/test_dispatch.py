@@ -1,7 +1,9 @@
 """Size-dispatched variants (kvgen.artifacts.dispatch) without a GPU: which sizes the tuner gives
 their own library, the tuned file and the manifest that carry them, the build jobs that compile
-them, and the runtime's choice per call. The GPU side (every variant library against the float64
-oracle) is tests/gpu/test_score_gpu.py::test_size_dispatched_variants_match_the_float64_oracle.
+them, and the runtime's choice per call. The GPU side: every score variant library against the
+float64 oracle (tests/gpu/test_score_gpu.py::test_size_dispatched_variants_match_the_float64_oracle),
+every compaction variant byte-exact against the oracle (tests/gpu/test_compact_gpu.py::
+test_size_dispatched_compaction_equals_the_oracle).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvgen.artifacts.dispatch import bucket_work, score_work, serving
+from kvgen.artifacts.dispatch import bucket_work, compact_work, dispatch_rows, score_work, serving
 from kvgen.artifacts.manifest import (
     ArtifactEntry,
     FamilyEntry,
@@ -44,6 +46,16 @@ def test_work_is_requests_times_width_and_the_bucket_sizes_follow_it() -> None:
     assert {b.name: bucket_work("score", b.size) for b in BUCKETS["score"]} == WORK
     with pytest.raises(ValueError, match="codec: no unit of work"):
         bucket_work("codec", {"hot_mib": 8})
+
+
+def test_compaction_work_is_its_request_slots() -> None:
+    assert compact_work(7) == 7
+    assert {b.name: bucket_work("compact", b.size) for b in BUCKETS["compact"]} == {"b1": 1, "b32": 32}
+    # b32's own best serves calls from the geometric mean of 1 and 32 request slots on
+    per_bucket = {"b1": {"m": 0.063, "t64": 0.070}, "b32": {"m": 1.275, "t64": 1.047}}
+    assert dispatch_variants(per_bucket, "m", {"b1": 1, "b32": 32}) == [{"bucket": "b32", "from_work": 5, "config": "t64"}]
+    assert dispatch_rows("lib.so", [(5, "lib_compact_b32.so")]) == [
+        {"from_work": 0, "library": "lib.so"}, {"from_work": 5, "library": "lib_compact_b32.so"}]
 
 
 def test_serving_takes_the_last_threshold_reached() -> None:
@@ -121,6 +133,19 @@ def test_each_variant_with_other_params_is_one_more_job_of_its_op_alone() -> Non
     assert not any("b32_wide" in name for name in names)   # the main config again: served by the main library
     (extra,) = [job for job in jobs if job.variant is not None]
     assert extra.ops == ("score",) and extra.plans[0].params["token_tiles"] == 32
+
+
+def test_a_compaction_variant_is_a_library_of_compact_cu_alone() -> None:
+    source = load_spec_source(SPECS_DIR / "gpt-oss-20b.yaml")
+    main = {"compact": {"threads": 128, "tile_tokens": 128, "slices": 2}}
+    variants = {"compact": (Variant("b32", 5, {"threads": 128, "tile_tokens": 64, "slices": 2}),)}
+    jobs = family_jobs(source, "sm_90a", main, variants=variants)
+    (family_library,) = [job for job in jobs if job.artifact == "libkvgen_gpt_oss_20b.so"]
+    assert family_library.ops == ("codec", "compact")
+    (extra,) = [job for job in jobs if job.variant is not None]
+    assert extra.artifact == "libkvgen_gpt_oss_20b_compact_b32.so" and extra.ops == ("compact",)
+    assert list(extra.rendered) == ["gpt-oss-20b/compact.cu"] and "kTileTokens = 64" in extra.rendered[
+        "gpt-oss-20b/compact.cu"]
 
 
 def test_the_manifest_names_each_variants_library_and_leaves_out_one_that_failed() -> None:

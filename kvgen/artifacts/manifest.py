@@ -58,7 +58,8 @@ class ArtifactEntry:
 @dataclass(frozen=True)
 class VariantEntry:
     """The artifact serving an op's calls of at least ``from_work`` (in the op's unit of work,
-    ``kvgen.artifacts.dispatch``: requests x width for the scorer), up to the next variant's threshold."""
+    ``kvgen.artifacts.dispatch``: requests x width for the scorer, request slots for compaction), up to the
+    next variant's threshold."""
 
     from_work: int
     bucket: str                                   # the tuning bucket whose measurements chose it

@@ -50,7 +50,8 @@ import torch
 from kvgen import paths
 from kvgen.artifacts.manifest import RegistryError
 from kvgen.measure.environment import environment, write_result
-from kvgen.measure.libraries import registry_artifact
+from kvgen.artifacts.dispatch import dispatch_rows
+from kvgen.measure.libraries import registry_artifact, registry_dispatch
 from kvgen.measure.timing import (
     capture,
     l2_bytes,
@@ -75,8 +76,16 @@ MAX_TAIL = 31
 REPS = 20
 
 
-def library_for(family: str, registry: Path, arch: str) -> CompactLibrary:
-    return CompactLibrary(registry_artifact(registry, family, arch, "compact"))
+Libraries = tuple[CompactLibrary, list[tuple[int, CompactLibrary]]]   # the main one, (from_work, variant)
+
+
+def libraries_for(family: str, registry: Path, arch: str) -> Libraries:
+    """The registry's compaction library and its size-dispatched variants, each file loaded once."""
+    main, variants = registry_dispatch(registry, family, arch, "compact")
+    loaded = {main: CompactLibrary(main)}
+    for _, path in variants:
+        loaded.setdefault(path, CompactLibrary(path))
+    return loaded[main], [(start, loaded[path]) for start, path in variants]
 
 
 def oracle_geometry(info: dict, packer: MovePacker) -> TriGeometry:
@@ -175,11 +184,13 @@ def page_table(batch: int, pages_per_request: int, order: str) -> torch.Tensor:
     return ids.reshape(batch, pages_per_request)
 
 
-def bench_compaction(library: CompactLibrary, packer: MovePacker, geo: TriGeometry, batch: int, mode: str,
+def bench_compaction(libraries: Libraries, packer: MovePacker, geo: TriGeometry, batch: int, mode: str,
                      copy_gbps: float, default_library: CompactLibrary | None = None,
                      table_order: str = "scattered") -> tuple[dict, dict, int]:
-    """The compaction result of one batch size, plus the batch and capacity for the packer run;
-    with ``default_library``, that library's compaction over the same pools and moves too."""
+    """The compaction result of one batch size (by the library serving it: the main one or a
+    size-dispatched variant), plus the batch and capacity for the packer run; with
+    ``default_library``, that library's compaction over the same pools and moves too."""
+    library, variants = libraries
     info = library.info
     tpb = info["tokens_per_block"]
     pages_per_request = math.ceil((PROMPT + DECODE + MAX_TAIL) / tpb)
@@ -199,13 +210,16 @@ def bench_compaction(library: CompactLibrary, packer: MovePacker, geo: TriGeomet
     graphs, verified = [], None
     for i in range(sets):
         k_pools, v_pools = make_pools(info, pages, own_layers, fill=(batch == 1 and i == 0))
-        compactor = Compactor(library, k_pools, v_pools)
+        compactor = Compactor(library, k_pools, v_pools, variants)
         if batch == 1 and i == 0:
             verified = oracle_compaction_matches(compactor, k_pools, v_pools, table, Moves(src, dst, offsets), geo)
         graphs.append((capture(lambda c=compactor: c(table, src, dst, offsets)), compactor))
     t = time_calls([graph.replay for graph, _ in graphs], reps=REPS)
     gbps = moved_bytes / t["median_ms"] / 1e6
-    result = {"batch": batch, "layers_moved": info["num_layers"], "layers_with_own_pools": own_layers,
+    served = graphs[0][1].library_for(batch)
+    result = {"batch": batch, "library": str(served.path),
+              "params": {k: served.info[k] for k in ("threads", "tile_tokens", "slices")},
+              "layers_moved": info["num_layers"], "layers_with_own_pools": own_layers,
               "layers": info["num_layers"], "real_moves": real,
               "moved_bytes": moved_bytes, "rotation_sets": sets, "verified_against_oracle": verified,
               "packer_verified_against_oracle": packer_verified,
@@ -243,11 +257,12 @@ def run(ceilings: dict, family: str = "qwen3-8b", batches: list[int] = (1, 32, 2
         default_registry: Path | None = None, table_order: str = "scattered") -> dict:
     """Compaction and packing at every batch size against ``ceilings["device_copy"]``:
     ``{"config": {...}, "results": [...]}``."""
-    library = library_for(family, paths.registry_dir(registry), arch)
+    libraries = libraries_for(family, paths.registry_dir(registry), arch)
+    library = libraries[0]
     default_library, default_error = None, None
     if default_registry is not None:
         try:
-            default_library = library_for(family, default_registry, arch)
+            default_library = libraries_for(family, default_registry, arch)[0]
         except (LookupError, RegistryError, LibraryError) as exc:
             default_error = f"{type(exc).__name__}: {exc}"
     packer = MovePacker(registry_artifact(paths.registry_dir(registry), family, arch, "pack"), family)
@@ -256,7 +271,7 @@ def run(ceilings: dict, family: str = "qwen3-8b", batches: list[int] = (1, 32, 2
     copy_gbps = ceilings["device_copy"]["gbps_read_plus_write"]
     results = []
     for batch in batches:
-        res, b, capacity = bench_compaction(library, packer, geo, batch, mode, copy_gbps, default_library,
+        res, b, capacity = bench_compaction(libraries, packer, geo, batch, mode, copy_gbps, default_library,
                                             table_order)
         if default_error:
             res["default"] = {"registry": str(default_registry), "error": default_error}
@@ -267,7 +282,8 @@ def run(ceilings: dict, family: str = "qwen3-8b", batches: list[int] = (1, 32, 2
         del b
         torch.cuda.empty_cache()
     config = {"family": family, "mode": mode, "budget": BUDGET, "decode": DECODE, "prompt": PROMPT,
-              "tail": f"0..{MAX_TAIL}", "page_table": table_order, "geometry": library.info, "l2_bytes": l2_bytes()}
+              "tail": f"0..{MAX_TAIL}", "page_table": table_order, "geometry": library.info, "l2_bytes": l2_bytes(),
+              "dispatch": dispatch_rows(library.path, [(start, lib.path) for start, lib in libraries[1]])}
     if default_library is not None:
         config["default_geometry"] = default_library.info
     return {"config": config, "results": results}

@@ -45,7 +45,7 @@ from kvgen.artifacts.manifest import RegistryError
 from kvgen.lower.plan import TUNABLES
 from kvgen.lower.triattention import eviction_config, rope_scaling, tri_geometry
 from kvgen.measure.environment import environment, write_result
-from kvgen.measure.libraries import registry_artifact
+from kvgen.measure.libraries import registry_artifact, registry_dispatch
 from kvgen.measure.timing import measure_ceilings, require_cuda, time_ms
 from kvgen.measure.workloads.round import round_artifacts
 from kvgen.measure.workloads.score import PROMPT, ScoreCache, ScoreFamily
@@ -182,7 +182,7 @@ def bench_round(width: int, batch: int, copy: dict, registry: Path, arch: str,
         try:
             packer, compactor = generated_backends(family, k_pools, v_pools,
                                                    registry_artifact(registry, family, arch, "pack"),
-                                                   registry_artifact(registry, family, arch, "compact"))
+                                                   registry_dispatch(registry, family, arch, "compact"))
             backends, which = {"packer": packer, "compactor": compactor}, "generated Triton packer + CUDA compactor"
         except Exception as exc:  # noqa: BLE001 - fall back and say so in the record
             which = f"oracle (generated backends unusable: {exc})"

@@ -77,9 +77,11 @@ class BuildJob:
     @property
     def artifact(self) -> str:
         """The artifact's file name, in the cache entry and in ``<registry>/<arch>/``."""
-        stem, ext = ARTIFACT_SUFFIX[self.plans[0].op].rsplit(".", 1)
-        tail = f"_{c_identifier(self.variant.bucket)}" if self.variant else ""
-        return f"lib{self.symbol}{stem}{tail}.{ext}"
+        op = self.plans[0].op
+        stem, ext = ARTIFACT_SUFFIX[op].rsplit(".", 1)
+        if self.variant:   # one op alone, named for it and its bucket: lib<symbol>_<op>_<bucket>
+            return f"lib{self.symbol}_{op}_{c_identifier(self.variant.bucket)}.{ext}"
+        return f"lib{self.symbol}{stem}.{ext}"
 
 
 @dataclass(frozen=True)

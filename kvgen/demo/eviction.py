@@ -88,11 +88,11 @@ def eviction_backends(config: DemoConfig, spec: FamilySpec, spec_path: Path, cal
         kwargs["score_library"] = oracle_scorer
         labels["score"] = f"oracle score_keys (generated unavailable: {exc})"
     try:
-        pack, compact = resolved.artifact("pack"), resolved.artifact("compact")
+        pack, compact = resolved.artifact("pack"), resolved.dispatch("compact")
         packer, compactor = generated_backends(spec.name, k_pools, v_pools, pack, compact)
         kwargs.update(packer=packer, compactor=compactor)
         labels["pack"] = f"generated Triton ({pack})"
-        labels["compact"] = f"generated CUDA ({compact})"
+        labels["compact"] = f"generated CUDA ({compact[0]}{f', {len(compact[1])} size variants' if compact[1] else ''})"
     except Exception as exc:  # noqa: BLE001 - recorded in the report, never silent
         labels["pack"] = f"oracle pack_moves (generated unavailable: {exc})"
         labels["compact"] = f"oracle compact_paged (generated unavailable: {exc})"

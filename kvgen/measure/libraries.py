@@ -1,4 +1,4 @@
-"""A registry's verified artifact of one op, found through the runtime lookup."""
+"""A registry's verified artifacts of one op, found through the runtime lookup."""
 
 from __future__ import annotations
 
@@ -12,3 +12,9 @@ def registry_artifact(registry: Path, family: str, arch: str, op: str) -> Path:
     names the registry under test: no ``$KVGEN_REGISTRY``, no installed wheel). A missing family is a
     ``RegistryError`` naming the build command."""
     return RuntimeRegistry([registry]).resolve(family, arch).artifact(op)
+
+
+def registry_dispatch(registry: Path, family: str, arch: str, op: str) -> tuple[Path, list[tuple[int, Path]]]:
+    """``op``'s verified main artifact and its size-dispatched variants as ``(from_work, file)``
+    (``Resolved.dispatch``), from ``registry`` alone."""
+    return RuntimeRegistry([registry]).resolve(family, arch).dispatch(op)

@@ -15,10 +15,12 @@ from pathlib import Path
 
 import torch
 
+from kvgen.artifacts.dispatch import compact_work, dispatch_rows, serving
 from kvgen.runtime.library import LibraryError, load_typed
 
 COMPACT_ABI_VERSION = 2  # 2: kvgen_compact_info.slices
 LAYOUTS = ("HND", "NHD")  # kvgen_page_layout
+GEOMETRY = ("num_layers", "kv_heads", "head_dim", "tokens_per_block", "elem_bytes", "layout")
 
 
 class CompactPool(ctypes.Structure):
@@ -112,8 +114,17 @@ def _stream_handle(stream: torch.cuda.Stream | None, device: torch.device) -> in
     return stream.cuda_stream
 
 
+def _library(library: CompactLibrary | str | Path) -> CompactLibrary:
+    return library if isinstance(library, CompactLibrary) else CompactLibrary(library)
+
+
 class Compactor:
     """Compaction over fixed K and V pools (one pair per layer of the family).
+
+    ``variants``: ``(from_work, library)`` of the size-dispatched compaction libraries a registry
+    lists (ascending, ``kvgen.artifacts.dispatch``): a call of ``max_requests`` request slots goes
+    to the last one whose threshold it reaches, else to ``library``. Each is checked to compile the
+    same geometry; only the launch shape differs.
 
     Checked without synchronizing: pools (layers, page shape, element size, alignment, one CUDA
     device) at construction; the moves' and page table's dtypes, shapes and devices per call. Their
@@ -122,9 +133,15 @@ class Compactor:
     ``check_device_errors``) raises ``LibraryError`` saying what was skipped."""
 
     def __init__(self, library: CompactLibrary | str | Path, k_pools: Sequence[torch.Tensor],
-                 v_pools: Sequence[torch.Tensor]):
-        self.library = library if isinstance(library, CompactLibrary) else CompactLibrary(library)
+                 v_pools: Sequence[torch.Tensor], variants: Sequence[tuple[int, CompactLibrary | str | Path]] = ()):
+        self.library = _library(library)
+        self.thresholds = [int(start) for start, _ in variants]
+        self.variants = [_library(lib) for _, lib in variants]
         info = self.library.info
+        for variant in self.variants:
+            if any(variant.info[k] != info[k] for k in GEOMETRY):
+                raise LibraryError(f"{variant.path}: a compaction variant of another geometry than {self.library.path} "
+                                   f"({', '.join(f'{k} {variant.info[k]} vs {info[k]}' for k in GEOMETRY)})")
         if len(k_pools) != info["num_layers"] or len(v_pools) != info["num_layers"]:
             raise ValueError(f"{self.library.path}: {info['num_layers']} layers, got {len(k_pools)} K and "
                              f"{len(v_pools)} V pools")
@@ -141,7 +158,7 @@ class Compactor:
             CompactPoolExtent(k.data_ptr(), k.stride(0) * k.element_size(), v.data_ptr(),
                               v.stride(0) * v.element_size(), min(k.shape[0], v.shape[0]))
             for k, v in zip(k_pools, v_pools)])
-        with torch.cuda.device(self.device):  # allocates the library's error record (never while capturing)
+        with torch.cuda.device(self.device):  # allocates each library's error record (never while capturing)
             self.check_device_errors()
 
     def _check_moves(self, page_table: torch.Tensor, src: torch.Tensor, dst: torch.Tensor,
@@ -168,18 +185,30 @@ class Compactor:
 
     def __call__(self, page_table: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, offsets: torch.Tensor,
                  stream: torch.cuda.Stream | None = None) -> None:
-        """Enqueue the compaction of every (layer, KV head, request) on ``stream`` (default: current)."""
+        """Enqueue the compaction of every (layer, KV head, request) on ``stream`` (default: current),
+        by the library serving ``offsets.numel() - 1`` request slots."""
         self._check_moves(page_table, src, dst, offsets)
-        ok = self.library.kvgen_compact_checked(
+        library = self.library_for(offsets.numel() - 1)
+        ok = library.kvgen_compact_checked(
             self._descs, len(self._descs), page_table.data_ptr(), page_table.stride(0), page_table.shape[1],
             offsets.numel() - 1, src.data_ptr(), dst.data_ptr(), offsets.data_ptr(), src.shape[2],
             _stream_handle(stream, self.device))
         if not ok:
-            raise LibraryError(f"{self.library.path}: {self.library.last_error()}")
+            raise LibraryError(f"{library.path}: {library.last_error()}")
+
+    def library_for(self, max_requests: int) -> CompactLibrary:
+        """The library serving a call of ``max_requests`` request slots."""
+        index = serving(self.thresholds, compact_work(max_requests))
+        return self.library if index is None else self.variants[index]
+
+    def describe(self) -> list[dict[str, object]]:
+        """Which library serves which calls (``from_work``: request slots)."""
+        return dispatch_rows(self.library.path, [(start, lib.path) for start, lib in zip(self.thresholds, self.variants)])
 
     def check_device_errors(self) -> None:
-        """``LibraryError`` if a compaction kernel of this library skipped a move since the last check
-        or call (then cleared). No synchronization: it sees the kernels that have finished, so
+        """``LibraryError`` if a compaction kernel of these libraries skipped a move since the last
+        check or call (then cleared). No synchronization: it sees the kernels that have finished, so
         synchronize the stream first to see all of them."""
-        if not self.library.kvgen_compact_check_device_errors():
-            raise LibraryError(f"{self.library.path}: {self.library.last_error()}")
+        for library in {id(lib): lib for lib in (self.library, *self.variants)}.values():
+            if not library.kvgen_compact_check_device_errors():
+                raise LibraryError(f"{library.path}: {library.last_error()}")

@@ -52,6 +52,7 @@ from kvgen.runtime.score import TORCH_DTYPES, ScoreDispatch, ScoreLibrary
 
 Packer = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 Compactor = Callable[..., None]
+CompactFiles = tuple[Path, list[tuple[int, Path]]]   # a registry's compaction library and its variants
 Decider = Callable[..., Any]   # (scores, P, S, budget, mode, device_rows) -> object with .kept, .check()
 # selector="oracle": the reference's selection (tests), said explicitly; a manager built directly with
 # neither a selector nor a select_module gets it too, as it gets the oracle's packer and compactor.
@@ -148,14 +149,16 @@ def _long_rows(rows: Sequence[Sequence[int]], device: torch.device) -> torch.Ten
 
 
 def generated_backends(family: str, k_pools: Sequence[torch.Tensor], v_pools: Sequence[torch.Tensor],
-                       pack_module: str | Path, compact_library: str | Path) -> tuple[Packer, Compactor]:
+                       pack_module: str | Path, compact_library: str | Path | CompactFiles) -> tuple[Packer, Compactor]:
     """The family's packer (its AOT library ``lib<symbol>_pack.so``, or a checkout's
-    ``generated/<family>/pack.py``) and CUDA compactor (its family library) as the manager's
-    ``packer`` and ``compactor``."""
+    ``generated/<family>/pack.py``) and CUDA compactor (its family library, or a registry's
+    ``(library, [(from_work, variant library), ...])``: ``Resolved.dispatch("compact")``) as the
+    manager's ``packer`` and ``compactor``."""
     from kvgen.runtime.compact import Compactor as CudaCompactor
     from kvgen.runtime.pack import MovePacker
 
-    return MovePacker(pack_module, family=family), CudaCompactor(compact_library, k_pools, v_pools)
+    main, variants = compact_library if isinstance(compact_library, tuple) else (compact_library, [])
+    return MovePacker(pack_module, family=family), CudaCompactor(main, k_pools, v_pools, variants)
 
 
 def registry_config(resolved: Any) -> EvictionConfig:
@@ -217,7 +220,7 @@ class TriAttentionManager:
                  v_pools: Sequence[torch.Tensor], score_library: ScoreLibrary | ScoreDispatch | str | Path, *,
                  budget: int | None = None, beta: int | None = None, eviction_mode: str | None = None,
                  max_position: int = 1 << 15, packer: Packer | None = None, compactor: Compactor | None = None,
-                 pack_module: str | Path | None = None, compact_library: str | Path | None = None,
+                 pack_module: str | Path | None = None, compact_library: str | Path | CompactFiles | None = None,
                  selector: Decider | str | None = None, select_module: str | Path | None = None):
         overrides = {"budget": budget, "beta": beta, "eviction_mode": eviction_mode}
         # replace() runs the config's checks again on the overridden values (mode, budget >= windows).
@@ -258,9 +261,9 @@ class TriAttentionManager:
     def from_registry(cls, resolved: Any, calibration_path: str | Path, k_pools: Sequence[torch.Tensor],
                       v_pools: Sequence[torch.Tensor], **overrides: Any) -> TriAttentionManager:
         """The manager of a registry family: config from ``resolved.entry.layout["triattention"]``,
-        the score library, packer module, compactor library and selection module from
-        ``resolved.artifact(op)`` for ops ``pack``, ``compact`` and ``select`` and every score library
-        with its size-dispatched variants (``ScoreDispatch.from_resolved``) (a
+        the packer module and selection module from ``resolved.artifact(op)`` for ops ``pack`` and
+        ``select``, the compaction and score libraries with their size-dispatched variants
+        (``resolved.dispatch("compact")``, ``ScoreDispatch.from_resolved``) (a
         ``kvgen.runtime.lookup.Resolved``; no spec).
 
         ``overrides`` are the constructor's keywords; a ``score_library``, a ``packer`` and
@@ -270,7 +273,7 @@ class TriAttentionManager:
         config = registry_config(resolved)
         if overrides.get("packer") is None and overrides.get("compactor") is None:
             overrides.setdefault("pack_module", resolved.artifact("pack"))
-            overrides.setdefault("compact_library", resolved.artifact("compact"))
+            overrides.setdefault("compact_library", resolved.dispatch("compact"))
         if overrides.get("selector") is None:
             overrides.setdefault("select_module", resolved.artifact("select"))
         if "score_library" not in overrides:   # loads the libraries: after every artifact is verified
@@ -439,5 +442,6 @@ class TriAttentionManager:
         return {"family": self.family, "budget": self.budget, "beta": self.beta, "mode": self.mode,
                 "score_library": str(self.library.path), "arch": self.library.arch,
                 "score_dispatch": self.library.describe() if isinstance(self.library, ScoreDispatch) else [],
+                "compact_dispatch": self.compactor.describe() if hasattr(self.compactor, "describe") else [],
                 "selection": str(getattr(self.selector, "path", ORACLE)),
                 "scored_layers": list(self.geometry.scored_layers)}

@@ -19,7 +19,7 @@ from typing import Sequence
 
 import torch
 
-from kvgen.artifacts.dispatch import score_work, serving
+from kvgen.artifacts.dispatch import dispatch_rows, score_work, serving
 from kvgen.reference.triattention import TriGeometry
 from kvgen.runtime.library import LibraryError, load_typed
 
@@ -223,9 +223,7 @@ class ScoreDispatch:
 
     def describe(self) -> list[dict[str, object]]:
         """Which library serves which calls, for ``TriAttentionManager.describe``."""
-        rows = [{"from_work": 0, "library": str(self.main.path)}]
-        return rows + [{"from_work": start, "library": str(lib.path)}
-                       for start, lib in zip(self.thresholds, self.variants)]
+        return dispatch_rows(self.main.path, [(start, lib.path) for start, lib in zip(self.thresholds, self.variants)])
 
 
 def _check(name: str, tensor: torch.Tensor, dtype: torch.dtype, shape: Sequence[int], device: torch.device) -> None:

@@ -99,7 +99,8 @@ def _batch(geo, mode: str, seed: int) -> Batch:
                         max_tail=tpb // 2 + 5)
 
 
-def _check_compaction(library: CompactLibrary, mode: str, seed: int, combined: bool = False) -> None:
+def _check_compaction(library: CompactLibrary, mode: str, seed: int, combined: bool = False,
+                      variants: tuple = (), serves: CompactLibrary | None = None) -> None:
     geo = _geometry_of(library.info)
     batch = _batch(geo, mode, seed)
     moves = pack_moves(*batch.args(), geo, batch.max_requests)
@@ -111,9 +112,11 @@ def _check_compaction(library: CompactLibrary, mode: str, seed: int, combined: b
     v_ref = [p.clone() for p in v_pools]
     table = table.to(DEVICE)
     compact_paged(k_ref, v_ref, table, moves, geo)
-    compactor = Compactor(library, k_pools, v_pools)
+    compactor = Compactor(library, k_pools, v_pools, variants)
+    assert compactor.library_for(batch.max_requests) is (serves or library)
     compactor(table, moves.src.to(DEVICE), moves.dst.to(DEVICE), moves.offsets.to(DEVICE))
     torch.cuda.synchronize()
+    compactor.check_device_errors()
     for layer in range(geo.num_layers):
         assert torch.equal(k_pools[layer].view(torch.uint8), k_ref[layer].view(torch.uint8)), f"{mode}: K {layer}"
         assert torch.equal(v_pools[layer].view(torch.uint8), v_ref[layer].view(torch.uint8)), f"{mode}: V {layer}"
@@ -213,6 +216,16 @@ def test_big_tiles_equal_oracle(tile_libraries: dict, name: str, threads: int, t
     assert library.info["slices"] == slices
     for i, mode in enumerate(MODES):
         _check_compaction(library, mode, seed=300 + i, combined=(i == 2))
+
+
+@pytest.mark.parametrize("name", sorted(BF16_GEOMETRIES))
+def test_size_dispatched_compaction_equals_the_oracle(tile_libraries: dict, name: str) -> None:
+    """A registry's size variants (kvgen.artifacts.dispatch): calls of at least the threshold's
+    request slots go to the variant library, smaller ones to the main one; both bit for bit."""
+    main, variant = tile_libraries[(name, 512, 32, 1)], tile_libraries[(name, 128, 32, 8)]
+    slots = _batch(_geometry_of(main.info), MODES[0], 0).max_requests
+    _check_compaction(main, MODES[0], seed=400, variants=[(slots, variant)], serves=variant)
+    _check_compaction(main, MODES[1], seed=401, variants=[(slots + 1, variant)], serves=main)
 
 
 @pytest.mark.parametrize("name", sorted(SYNTHETIC))

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from kvgen.artifacts.manifest import RegistryError
-from kvgen.measure.libraries import registry_artifact
+from kvgen.measure.libraries import registry_artifact, registry_dispatch
 from kvgen.measure.workloads.score import PROMPT, ScoreCache, ScoreFamily
 from kvgen.reference.triattention import EvictionConfig, save_calibration
 from kvgen.runtime.eviction import TriAttentionManager
@@ -49,7 +49,7 @@ class Artifacts:
 
     score: ScoreDispatch           # the score library and its size-dispatched variants
     pack: Path | None
-    compact: Path | None
+    compact: tuple[Path, list[tuple[int, Path]]] | None   # the compaction library and its size variants
     select: Path
     note: str
 
@@ -66,7 +66,8 @@ def round_artifacts(family: str, registry: Path, arch: str, generated: Path) -> 
         select = Path(generated) / family / "select.py"
         notes.append(f"selection from {select} (not in the registry)")
     try:
-        pack, compact = (registry_artifact(registry, family, arch, op) for op in ("pack", "compact"))
+        pack, compact = (registry_artifact(registry, family, arch, "pack"),
+                         registry_dispatch(registry, family, arch, "compact"))
     except RegistryError as exc:
         pack = compact = None
         notes.append(f"oracle pack_moves + compact_paged ({str(exc).splitlines()[0]})")
