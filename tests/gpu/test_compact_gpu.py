@@ -188,7 +188,9 @@ BF16_GEOMETRIES = {
 
 
 @pytest.fixture(scope="module")
-def tile_libraries(tmp_path_factory) -> dict[tuple, CompactLibrary]:
+def tile_library(tmp_path_factory):
+    """(geometry name, threads, tile, slices) -> its CompactLibrary, compiled on first use (so a
+    test that needs two configurations compiles two)."""
     from kvgen.build.nvcc import compile_shared_library, probe_toolchain
 
     nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
@@ -196,33 +198,36 @@ def tile_libraries(tmp_path_factory) -> dict[tuple, CompactLibrary]:
         pytest.skip("no nvcc on this machine to build the tile-variant test libraries")
     toolchain = probe_toolchain(nvcc)
     work = tmp_path_factory.mktemp("compact_tiles")
-    libraries = {}
-    for name, geometry_ in BF16_GEOMETRIES.items():
-        for threads, tile, slices in BIG_TILES:
-            source = work / f"{name}-t{threads}x{tile}s{slices}.cu"
-            source.write_text(_render_synthetic(name, geometry_, {"threads": threads, "tile_tokens": tile,
-                                                                  "slices": slices}))
-            out = work / f"lib{name}-t{threads}x{tile}s{slices}.so"
-            compile_shared_library([source], "sm_90a", list(INCLUDE_DIRS), out, toolchain)
-            libraries[(name, threads, tile, slices)] = CompactLibrary(out)
-    return libraries
+    libraries: dict[tuple, CompactLibrary] = {}
+
+    def library(name: str, threads: int, tile: int, slices: int) -> CompactLibrary:
+        key = (name, threads, tile, slices)
+        if key not in libraries:
+            stem = f"{name}-t{threads}x{tile}s{slices}"
+            source = work / f"{stem}.cu"
+            source.write_text(_render_synthetic(name, BF16_GEOMETRIES[name], {"threads": threads, "tile_tokens": tile,
+                                                                              "slices": slices}))
+            compile_shared_library([source], "sm_90a", list(INCLUDE_DIRS), work / f"lib{stem}.so", toolchain)
+            libraries[key] = CompactLibrary(work / f"lib{stem}.so")
+        return libraries[key]
+    return library
 
 
 @pytest.mark.parametrize("threads, tile, slices", BIG_TILES)
 @pytest.mark.parametrize("name", sorted(BF16_GEOMETRIES))
-def test_big_tiles_equal_oracle(tile_libraries: dict, name: str, threads: int, tile: int, slices: int) -> None:
+def test_big_tiles_equal_oracle(tile_library, name: str, threads: int, tile: int, slices: int) -> None:
     """threads 512 / tile_tokens 128 and rows in slices move exactly the oracle's bytes (bit for bit)."""
-    library = tile_libraries[(name, threads, tile, slices)]
+    library = tile_library(name, threads, tile, slices)
     assert library.info["slices"] == slices
     for i, mode in enumerate(MODES):
         _check_compaction(library, mode, seed=300 + i, combined=(i == 2))
 
 
 @pytest.mark.parametrize("name", sorted(BF16_GEOMETRIES))
-def test_size_dispatched_compaction_equals_the_oracle(tile_libraries: dict, name: str) -> None:
+def test_size_dispatched_compaction_equals_the_oracle(tile_library, name: str) -> None:
     """A registry's size variants (kvgen.artifacts.dispatch): calls of at least the threshold's
     request slots go to the variant library, smaller ones to the main one; both bit for bit."""
-    main, variant = tile_libraries[(name, 512, 32, 1)], tile_libraries[(name, 128, 32, 8)]
+    main, variant = tile_library(name, 512, 32, 1), tile_library(name, 128, 32, 8)
     slots = _batch(_geometry_of(main.info), MODES[0], 0).max_requests
     _check_compaction(main, MODES[0], seed=400, variants=[(slots, variant)], serves=variant)
     _check_compaction(main, MODES[1], seed=401, variants=[(slots + 1, variant)], serves=main)
