@@ -263,3 +263,6 @@ def test_compaction_sizes_say_which_layers_moved_and_on_whose_pools():
     assert _size_compact({"batch": 256, "layers_moved": 36, "layers_with_own_pools": 14, "layers": 36}) == \
         "batch 256 (36 layers on 14 layers' pools)"
     assert _size_compact({"batch": 32, "layers_moved": 36, "layers_with_own_pools": 36, "layers": 36}) == "batch 32"
+    # since the fourteenth session: the parameters of the library that served the batch (a size variant's)
+    assert _size_compact({"batch": 32, "params": {"threads": 128, "tile_tokens": 64, "slices": 2}}) == \
+        "batch 32 [threads 128, tile_tokens 64, slices 2]"

@@ -113,6 +113,8 @@ def _size_compact(r: dict) -> str:
     own = r.get("layers_with_own_pools")
     if own is not None and r.get("layers") and own != r["layers"]:
         size += f" ({r['layers']} layers on {own} layers' pools)"
+    if r.get("params"):   # the library that served this batch (a size-dispatched variant or the main one)
+        size += " [" + ", ".join(f"{k} {v}" for k, v in r["params"].items()) + "]"
     return size
 
 
