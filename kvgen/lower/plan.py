@@ -108,6 +108,8 @@ TUNABLES: dict[str, dict[str, tuple[tuple[int, ...], int]]] = {
         # CTAs per (request, KV head, layer), each copying its 1/slices run of every K and V row
         # (compact_kernels.cuh): batch 1 launches only layers x KV heads CTAs (288 for qwen3-8b on
         # 132 SMs). The same bytes land; folded to the largest choice dividing a move's vectors.
+        # 8: qwen3.5-397b-a17b batch 1 (256 threads, 128-move tiles) 0.0692 ms against 0.0728 at 4;
+        # it loses everywhere for qwen3-8b (H100, results/2026-12-07-h100-s14/call1).
         "slices": ((1, 2, 4, 8), 1),
     },
     "pack": {
