@@ -1,7 +1,8 @@
 """The real templates over every shipped spec: generated/ is current, rendering is deterministic,
 every family's generated CUDA compiles for every target, SM100-family code uses the hardware
-FP4/FP8 conversions (checked in the SASS) while sm_90a uses none, and decode_pages compiles its
-double-buffered decode (the next record in flight) without spills.
+FP4/FP8 conversions (checked in the SASS) while sm_90a uses none, decode_pages compiles its
+double-buffered decode (the next record in flight) without spills, and decode_min_blocks caps
+decode's registers alone.
 
 Compiles are device-only (`nvcc -cubin`: ptxas validates every kernel) so the whole grid of
 families x targets stays within a few minutes on two cores; `kvgen build` links the same sources
@@ -140,3 +141,37 @@ def test_paged_decode_keeps_the_next_record_in_flight_without_spills(tmp_path, t
         waits = {(op, operands.replace(" ", "")) for _, op, operands, _ in insns if op.startswith("DEPBAR")}
         assert (("DEPBAR.LE", "SB0,0x1") in waits) == (decode_pages > 1)
         assert any(op.startswith("SYNCS.PHASECHK") for _, op, _, _ in insns) == (decode_load == 2)
+
+
+def _ptxas(source_text: str, tmp_path: Path, toolchains) -> dict:
+    source = tmp_path / "codec.cu"
+    source.write_text(source_text)
+    cmd = [toolchain_for("sm_90a", toolchains).nvcc, "-cubin", "-O3", "-std=c++17", "--fmad=false", "-Xptxas", "-v",
+           "-gencode", gencode("sm_90a"), *[f"-I{d}" for d in INCLUDE_DIRS], "-o", str(tmp_path / "codec.cubin"),
+           str(source)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[:2000]
+    return parse_ptxas(proc.stderr)
+
+
+def test_decode_min_blocks_caps_the_decode_kernel_alone(tmp_path, toolchains):
+    """deepseek-v4-csa at its tuned 256 threads and min_blocks 4: decode_min_blocks 6 takes decode
+    from 48 registers to at most 40 (6 CTAs of 256 threads) while encode keeps its own cap."""
+    spec = load_spec(SPECS_DIR / "deepseek-v4-csa.yaml")
+    tuned = {"threads": 256, "min_blocks": 4, "hot_batch": 4, "rounding": 4, "decode_route": 1, "decode_split": 2}
+
+    def registers(decode_min_blocks: int) -> dict[str, int]:
+        text = render_family(spec, params={"codec": {**tuned, "decode_min_blocks": decode_min_blocks}})[
+            "deepseek-v4-csa/codec.cu"]
+        out = tmp_path / str(decode_min_blocks)
+        out.mkdir()
+        by_kernel = {}
+        for name, r in _ptxas(text, out, toolchains).items():
+            kind = "decode" if "decode_kernel" in name else "encode" if "encode_kernel" in name else None
+            if kind:
+                by_kernel[kind] = max(by_kernel.get(kind, 0), r.registers)
+        return by_kernel
+
+    shared, own = registers(-1), registers(6)
+    assert shared["decode"] > 40 >= own["decode"]
+    assert own["encode"] == shared["encode"]

@@ -69,13 +69,17 @@ def test_space_folds_configurations_that_compile_to_the_same_kernel() -> None:
     # on decode_route 0 (no half-block route there): 3 (route, split) pairs instead of 4; rounding 3
     # (FP8 hot pages only) folds into 2 on bf16 and rounding 4 (BF16's packed route) into 3 on fp8:
     # 4 roundings instead of 5; decode_pages folds into 1 on decode_load 0 (the register copy has no
-    # load in flight to overlap): 1 + 2 x 3 (load, pages) pairs instead of 9
+    # load in flight to overlap): 1 + 2 x 3 (load, pages) pairs instead of 9; decode_min_blocks equal to
+    # min_blocks folds into -1 (the same kernels): 7 x 3 - 2 (min_blocks, decode_min_blocks) pairs
     codec = configurations("codec", QWEN)
     others = [len(choices) for name, (choices, _) in TUNABLES["codec"].items()
-              if name not in ("decode_route", "decode_split", "rounding", "decode_load", "decode_pages")]
-    assert len(codec) == math.prod(others) * 3 * 4 * 7
+              if name not in ("decode_route", "decode_split", "rounding", "decode_load", "decode_pages", "min_blocks",
+                              "decode_min_blocks")]
+    assert len(codec) == math.prod(others) * 3 * 4 * 7 * 19
     fp8 = load_spec(SPECS_DIR / "qwen3-8b-fp8.yaml")  # no half blocks (1 split)
-    assert len(configurations("codec", fp8)) == math.prod(others) * 2 * 4 * 7
+    assert len(configurations("codec", fp8)) == math.prod(others) * 2 * 4 * 7 * 19
+    assert canonical("codec", {**default_params("codec"), "min_blocks": 5, "decode_min_blocks": 5},
+                     QWEN)["decode_min_blocks"] == -1
     paged = {**default_params("codec"), "decode_pages": 4}
     assert [canonical("codec", {**paged, "decode_load": load}, QWEN)["decode_pages"] for load in (0, 1, 2)] == [1, 4, 4]
     # the default rounding 4 is bf16's packed route; qwen3-8b-fp8 builds its own (3)

@@ -2,7 +2,7 @@
 // family:   deepseek-v3-lossless-rope
 // op:       codec
 // template: codec.cu.j2
-// plan key: 8d9003210680207ca14afaac0565b8d201d3ce85e97ce90abf3b90b27b1903f3
+// plan key: a9c076c1d4b2575463a81052a9ea164dc85cb759cc88825c1355e8af0737bfd1
 //
 // Cold-page codec of family deepseek-v3-lossless-rope (COLD_PAGE_FORMAT.md, version 1).
 // This file only describes the family; the kernels are kvgen/kernels/cuda/codec_kernels.cuh.
@@ -49,10 +49,12 @@ using Layer = codec::Layer<13312, 13312, codec::Quantized<Buffer_latent, Hot, kR
 
 }  // namespace family
 
-// Minimum resident CTAs per SM asked of ptxas (register cap, a tunable; 0: none).
+// Minimum resident CTAs per SM asked of ptxas (register cap, a tunable; 0: none), and decode's own
+// (a tunable; -1: the same).
 template <>
 struct codec::LaunchBounds<family::Layer> {
   static constexpr int kMinBlocks = 0;
+  static constexpr int kDecodeMinBlocks = -1;
 };
 
 // How decode loads the record into shared memory (codec::RecordLoad, a tunable; 0: through registers).

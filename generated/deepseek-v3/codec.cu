@@ -2,7 +2,7 @@
 // family:   deepseek-v3
 // op:       codec
 // template: codec.cu.j2
-// plan key: 4aa7d4d75b57ed03041529dbb6518e1a994cca495da1fbae1eb662c7c13a01aa
+// plan key: f83373280a31540f345576d594af449c4332eecd6a972342bccc6753afc7b462
 //
 // Cold-page codec of family deepseek-v3 (COLD_PAGE_FORMAT.md, version 1).
 // This file only describes the family; the kernels are kvgen/kernels/cuda/codec_kernels.cuh.
@@ -49,10 +49,12 @@ using Layer = codec::Layer<20736, 20736, codec::Quantized<Buffer_latent, Hot, kR
 
 }  // namespace family
 
-// Minimum resident CTAs per SM asked of ptxas (register cap, a tunable; 0: none).
+// Minimum resident CTAs per SM asked of ptxas (register cap, a tunable; 0: none), and decode's own
+// (a tunable; -1: the same).
 template <>
 struct codec::LaunchBounds<family::Layer> {
   static constexpr int kMinBlocks = 0;
+  static constexpr int kDecodeMinBlocks = -1;
 };
 
 // How decode loads the record into shared memory (codec::RecordLoad, a tunable; 0: through registers).

@@ -2,7 +2,7 @@
 // family:   deepseek-v4-csa
 // op:       codec
 // template: codec.cu.j2
-// plan key: 39e4e4e5c961fb55f275579f29d914c2906bc0da42ad4ed0621178c826fbfb7d
+// plan key: 20cc60eae0fa10214ba34011723ea9f14e970afb1045ac97c411505642c1a2c6
 //
 // Cold-page codec of family deepseek-v4-csa (COLD_PAGE_FORMAT.md, version 1).
 // This file only describes the family; the kernels are kvgen/kernels/cuda/codec_kernels.cuh.
@@ -49,10 +49,12 @@ using Layer = codec::Layer<10368, 10368, codec::Quantized<Buffer_entry, Hot, kRo
 
 }  // namespace family
 
-// Minimum resident CTAs per SM asked of ptxas (register cap, a tunable; 0: none).
+// Minimum resident CTAs per SM asked of ptxas (register cap, a tunable; 0: none), and decode's own
+// (a tunable; -1: the same).
 template <>
 struct codec::LaunchBounds<family::Layer> {
   static constexpr int kMinBlocks = 0;
+  static constexpr int kDecodeMinBlocks = -1;
 };
 
 // How decode loads the record into shared memory (codec::RecordLoad, a tunable; 0: through registers).

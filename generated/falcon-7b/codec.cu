@@ -2,7 +2,7 @@
 // family:   falcon-7b
 // op:       codec
 // template: codec.cu.j2
-// plan key: 2095f43a30fdfb477a195d4be1dbcb031877c3a21eac2a4aa540899cbd080dbf
+// plan key: e87fea5d3156ce45a2dc661606512a1580f0246254cd9f11ef596a182d6431b5
 //
 // Cold-page codec of family falcon-7b (COLD_PAGE_FORMAT.md, version 1).
 // This file only describes the family; the kernels are kvgen/kernels/cuda/codec_kernels.cuh.
@@ -71,10 +71,12 @@ using Layer = codec::Layer<4608, 4608, codec::Quantized<Buffer_k, Hot, kRounding
 
 }  // namespace family
 
-// Minimum resident CTAs per SM asked of ptxas (register cap, a tunable; 0: none).
+// Minimum resident CTAs per SM asked of ptxas (register cap, a tunable; 0: none), and decode's own
+// (a tunable; -1: the same).
 template <>
 struct codec::LaunchBounds<family::Layer> {
   static constexpr int kMinBlocks = 0;
+  static constexpr int kDecodeMinBlocks = -1;
 };
 
 // How decode loads the record into shared memory (codec::RecordLoad, a tunable; 0: through registers).

@@ -2,7 +2,7 @@
 // family:   gemma-2-9b
 // op:       codec
 // template: codec.cu.j2
-// plan key: 6ec05ffe97431d317eecaeca992403e211b6e9913172a2d0f8445e4d5431e910
+// plan key: 3693ba2a597bbc35bb7bdf1951d08e08344ff741b3f48dbb4cf8ceb36f00c714
 //
 // Cold-page codec of family gemma-2-9b (COLD_PAGE_FORMAT.md, version 1).
 // This file only describes the family; the kernels are kvgen/kernels/cuda/codec_kernels.cuh.
@@ -71,10 +71,12 @@ using Layer = codec::Layer<73728, 73728, codec::Quantized<Buffer_k, Hot, kRoundi
 
 }  // namespace family
 
-// Minimum resident CTAs per SM asked of ptxas (register cap, a tunable; 0: none).
+// Minimum resident CTAs per SM asked of ptxas (register cap, a tunable; 0: none), and decode's own
+// (a tunable; -1: the same).
 template <>
 struct codec::LaunchBounds<family::Layer> {
   static constexpr int kMinBlocks = 0;
+  static constexpr int kDecodeMinBlocks = -1;
 };
 
 // How decode loads the record into shared memory (codec::RecordLoad, a tunable; 0: through registers).

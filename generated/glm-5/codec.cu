@@ -2,7 +2,7 @@
 // family:   glm-5
 // op:       codec
 // template: codec.cu.j2
-// plan key: 967605824986eabd45233a6c2781abf618a2ea03a9bb62688e377c1f64c9bcbc
+// plan key: 199ce29875efafe37e28542c93d58a8a187873d179df149b8c44ce24ebda1608
 //
 // Cold-page codec of family glm-5 (COLD_PAGE_FORMAT.md, version 1).
 // This file only describes the family; the kernels are kvgen/kernels/cuda/codec_kernels.cuh.
@@ -56,10 +56,12 @@ using Layer = codec::Layer<29184, 29184, codec::Quantized<Buffer_latent, Hot, kR
 
 }  // namespace family
 
-// Minimum resident CTAs per SM asked of ptxas (register cap, a tunable; 0: none).
+// Minimum resident CTAs per SM asked of ptxas (register cap, a tunable; 0: none), and decode's own
+// (a tunable; -1: the same).
 template <>
 struct codec::LaunchBounds<family::Layer> {
   static constexpr int kMinBlocks = 0;
+  static constexpr int kDecodeMinBlocks = -1;
 };
 
 // How decode loads the record into shared memory (codec::RecordLoad, a tunable; 0: through registers).

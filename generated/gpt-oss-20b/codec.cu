@@ -2,7 +2,7 @@
 // family:   gpt-oss-20b
 // op:       codec
 // template: codec.cu.j2
-// plan key: 190aa0291d027a36b4b3f868bb24a92bb5278b169036546d85f6d604715ce028
+// plan key: b80c937f2e7e7372ccc20ad86fb6dab935977eb27ea276c5dd70d6a7cb53c70f
 //
 // Cold-page codec of family gpt-oss-20b (COLD_PAGE_FORMAT.md, version 1).
 // This file only describes the family; the kernels are kvgen/kernels/cuda/codec_kernels.cuh.
@@ -71,10 +71,12 @@ using Layer = codec::Layer<18432, 18432, codec::Quantized<Buffer_k, Hot, kRoundi
 
 }  // namespace family
 
-// Minimum resident CTAs per SM asked of ptxas (register cap, a tunable; 0: none).
+// Minimum resident CTAs per SM asked of ptxas (register cap, a tunable; 0: none), and decode's own
+// (a tunable; -1: the same).
 template <>
 struct codec::LaunchBounds<family::Layer> {
   static constexpr int kMinBlocks = 0;
+  static constexpr int kDecodeMinBlocks = -1;
 };
 
 // How decode loads the record into shared memory (codec::RecordLoad, a tunable; 0: through registers).

@@ -2,7 +2,7 @@
 // family:   llama-3.1-8b
 // op:       codec
 // template: codec.cu.j2
-// plan key: 40500b8b024253dd0307004710bbdf979c07710af5339ab9fda7eaf20d955a03
+// plan key: 34d2ff4d111e53c47c1512386946bf981b0f5c8e7c5c3332a7a25823f9631c26
 //
 // Cold-page codec of family llama-3.1-8b (COLD_PAGE_FORMAT.md, version 1).
 // This file only describes the family; the kernels are kvgen/kernels/cuda/codec_kernels.cuh.
@@ -71,10 +71,12 @@ using Layer = codec::Layer<36864, 36864, codec::Quantized<Buffer_k, Hot, kRoundi
 
 }  // namespace family
 
-// Minimum resident CTAs per SM asked of ptxas (register cap, a tunable; 0: none).
+// Minimum resident CTAs per SM asked of ptxas (register cap, a tunable; 0: none), and decode's own
+// (a tunable; -1: the same).
 template <>
 struct codec::LaunchBounds<family::Layer> {
   static constexpr int kMinBlocks = 0;
+  static constexpr int kDecodeMinBlocks = -1;
 };
 
 // How decode loads the record into shared memory (codec::RecordLoad, a tunable; 0: through registers).

@@ -2,7 +2,7 @@
 // family:   mistral-7b
 // op:       codec
 // template: codec.cu.j2
-// plan key: 5c630bba26ee9403cbea7a845d99e7d6cacb1b4bf2ea9771fa1d63ca7897e682
+// plan key: 49a12b3606e5520fed24c69ca07bf24732b060d3714eeb56eb7d722ed0fe1081
 //
 // Cold-page codec of family mistral-7b (COLD_PAGE_FORMAT.md, version 1).
 // This file only describes the family; the kernels are kvgen/kernels/cuda/codec_kernels.cuh.
@@ -71,10 +71,12 @@ using Layer = codec::Layer<18432, 18432, codec::Quantized<Buffer_k, Hot, kRoundi
 
 }  // namespace family
 
-// Minimum resident CTAs per SM asked of ptxas (register cap, a tunable; 0: none).
+// Minimum resident CTAs per SM asked of ptxas (register cap, a tunable; 0: none), and decode's own
+// (a tunable; -1: the same).
 template <>
 struct codec::LaunchBounds<family::Layer> {
   static constexpr int kMinBlocks = 0;
+  static constexpr int kDecodeMinBlocks = -1;
 };
 
 // How decode loads the record into shared memory (codec::RecordLoad, a tunable; 0: through registers).

@@ -2,7 +2,7 @@
 // family:   qwen3-8b-fp8
 // op:       codec
 // template: codec.cu.j2
-// plan key: 5dd3b9c13f46e062052b7b77897b293ed4a71c35139680b314f24f2d9393a1f8
+// plan key: 2a48c55fe39e56cd9533b82c7f6b2ed6503b247a83cd0f8c7575d1490607a31a
 //
 // Cold-page codec of family qwen3-8b-fp8 (COLD_PAGE_FORMAT.md, version 1).
 // This file only describes the family; the kernels are kvgen/kernels/cuda/codec_kernels.cuh.
@@ -71,10 +71,12 @@ using Layer = codec::Layer<36864, 36864, codec::Quantized<Buffer_k, Hot, kRoundi
 
 }  // namespace family
 
-// Minimum resident CTAs per SM asked of ptxas (register cap, a tunable; 0: none).
+// Minimum resident CTAs per SM asked of ptxas (register cap, a tunable; 0: none), and decode's own
+// (a tunable; -1: the same).
 template <>
 struct codec::LaunchBounds<family::Layer> {
   static constexpr int kMinBlocks = 0;
+  static constexpr int kDecodeMinBlocks = -1;
 };
 
 // How decode loads the record into shared memory (codec::RecordLoad, a tunable; 0: through registers).

@@ -2,7 +2,7 @@
 // family:   qwen3-8b-nhd
 // op:       codec
 // template: codec.cu.j2
-// plan key: b9f47db67bd6af3a2be55fe858f1e71e79b13f7e7304bf7ba951c4ca09c48286
+// plan key: 4cb21326671beef84070b7805846ca2198f2f18447432649488d36bb78315d0d
 //
 // Cold-page codec of family qwen3-8b-nhd (COLD_PAGE_FORMAT.md, version 1).
 // This file only describes the family; the kernels are kvgen/kernels/cuda/codec_kernels.cuh.
@@ -71,10 +71,12 @@ using Layer = codec::Layer<36864, 36864, codec::Quantized<Buffer_k, Hot, kRoundi
 
 }  // namespace family
 
-// Minimum resident CTAs per SM asked of ptxas (register cap, a tunable; 0: none).
+// Minimum resident CTAs per SM asked of ptxas (register cap, a tunable; 0: none), and decode's own
+// (a tunable; -1: the same).
 template <>
 struct codec::LaunchBounds<family::Layer> {
   static constexpr int kMinBlocks = 0;
+  static constexpr int kDecodeMinBlocks = -1;
 };
 
 // How decode loads the record into shared memory (codec::RecordLoad, a tunable; 0: through registers).

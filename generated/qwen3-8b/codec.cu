@@ -2,7 +2,7 @@
 // family:   qwen3-8b
 // op:       codec
 // template: codec.cu.j2
-// plan key: c3bc2e9d2ba8642fa1d8679cd45ce8e2975539ba60e99e7fec16cb66d4486f04
+// plan key: f6c3ce9ddefc859d8f7591ab0d60188471e9b10412c8250f2969c9f7f8ba29e3
 //
 // Cold-page codec of family qwen3-8b (COLD_PAGE_FORMAT.md, version 1).
 // This file only describes the family; the kernels are kvgen/kernels/cuda/codec_kernels.cuh.
@@ -71,10 +71,12 @@ using Layer = codec::Layer<36864, 36864, codec::Quantized<Buffer_k, Hot, kRoundi
 
 }  // namespace family
 
-// Minimum resident CTAs per SM asked of ptxas (register cap, a tunable; 0: none).
+// Minimum resident CTAs per SM asked of ptxas (register cap, a tunable; 0: none), and decode's own
+// (a tunable; -1: the same).
 template <>
 struct codec::LaunchBounds<family::Layer> {
   static constexpr int kMinBlocks = 0;
+  static constexpr int kDecodeMinBlocks = -1;
 };
 
 // How decode loads the record into shared memory (codec::RecordLoad, a tunable; 0: through registers).

@@ -2,7 +2,7 @@
 // family:   qwen3.5-397b-a17b-lossless-rope
 // op:       codec
 // template: codec.cu.j2
-// plan key: db59fd8a0deaa193b47d3f3a47fbc31218c3761cfc9cf431d72d8ef1712ccb0d
+// plan key: 51c1d8276f9144591c567d7236a3de3f1e788e297c4b96d1755fe9709cc08ceb
 //
 // Cold-page codec of family qwen3.5-397b-a17b-lossless-rope (COLD_PAGE_FORMAT.md, version 1).
 // This file only describes the family; the kernels are kvgen/kernels/cuda/codec_kernels.cuh.
@@ -71,10 +71,12 @@ using Layer = codec::Layer<24320, 24320, codec::Quantized<Buffer_k, Hot, kRoundi
 
 }  // namespace family
 
-// Minimum resident CTAs per SM asked of ptxas (register cap, a tunable; 0: none).
+// Minimum resident CTAs per SM asked of ptxas (register cap, a tunable; 0: none), and decode's own
+// (a tunable; -1: the same).
 template <>
 struct codec::LaunchBounds<family::Layer> {
   static constexpr int kMinBlocks = 0;
+  static constexpr int kDecodeMinBlocks = -1;
 };
 
 // How decode loads the record into shared memory (codec::RecordLoad, a tunable; 0: through registers).

@@ -2,7 +2,7 @@
 // family:   qwen3.5-397b-a17b
 // op:       codec
 // template: codec.cu.j2
-// plan key: 865b2633d1d87e523c207aaa1761e3eca7bb56a7ff82f26846aeba0e95523251
+// plan key: 39df3d8b80f07483ec49cf993102bcfe75468f793b66f4416e85e632bca6d86c
 //
 // Cold-page codec of family qwen3.5-397b-a17b (COLD_PAGE_FORMAT.md, version 1).
 // This file only describes the family; the kernels are kvgen/kernels/cuda/codec_kernels.cuh.
@@ -71,10 +71,12 @@ using Layer = codec::Layer<18432, 18432, codec::Quantized<Buffer_k, Hot, kRoundi
 
 }  // namespace family
 
-// Minimum resident CTAs per SM asked of ptxas (register cap, a tunable; 0: none).
+// Minimum resident CTAs per SM asked of ptxas (register cap, a tunable; 0: none), and decode's own
+// (a tunable; -1: the same).
 template <>
 struct codec::LaunchBounds<family::Layer> {
   static constexpr int kMinBlocks = 0;
+  static constexpr int kDecodeMinBlocks = -1;
 };
 
 // How decode loads the record into shared memory (codec::RecordLoad, a tunable; 0: through registers).

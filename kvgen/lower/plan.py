@@ -62,6 +62,11 @@ TUNABLES: dict[str, dict[str, tuple[tuple[int, ...], int]]] = {
         # occupancy, issue 56 %, DRAM 58 %: latency-bound, results/2026-12-03-h200-s6/callB/ncu/);
         # 5 caps it at 48 with 20 bytes spilled, 6 at 40 with 60.
         "min_blocks": ((0, 1, 2, 3, 4, 5, 6), 0),
+        # decode's own __launch_bounds__ minimum (-1: min_blocks, as before it existed). Decode needs
+        # fewer registers than encode: deepseek-v4-csa's decode takes 48 (5 CTAs of 256 threads,
+        # achieved occupancy 56 %, results/2026-12-07-h100-s13/call1/ncu-decode-deepseek-v4-csa.csv);
+        # 6 caps it at 40 with 4 bytes spilled, where encode at 6 spills 312. Same bytes.
+        "decode_min_blocks": ((-1, 5, 6), -1),
         # Plain blocks one thread loads before quantizing them in encode (all loads of the batch
         # first): more hot bytes in flight per thread for more registers. Same bytes. Default 1:
         # 2 and 4 gained nothing on the H200 (4 lost: qwen3-8b encode 0.773 -> 0.689 of copy).

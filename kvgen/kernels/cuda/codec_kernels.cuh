@@ -733,10 +733,18 @@ __device__ __forceinline__ void record_built() {
 // registers (and possibly spills) for occupancy.  A tunable: a generated file specializes this for
 // its Layer; 0 compiles like __launch_bounds__(threads) alone (1 does not: ptxas then allocates
 // registers differently, e.g. 54 instead of 40 for qwen3-8b encode).
+// kDecodeMinBlocks: the decode kernel's own minimum (-1: kMinBlocks); decode needs fewer registers
+// than encode, so a cap that would make encode spill can still raise decode's occupancy.
 template <class L>
 struct LaunchBounds {
   static constexpr int kMinBlocks = 0;
+  static constexpr int kDecodeMinBlocks = -1;
 };
+
+template <class L>
+constexpr int decode_min_blocks() {
+  return LaunchBounds<L>::kDecodeMinBlocks < 0 ? LaunchBounds<L>::kMinBlocks : LaunchBounds<L>::kDecodeMinBlocks;
+}
 
 // The row of the CTA's layer in the lifecycle's scale table, which follows the lifecycle's
 // descriptor table (gridDim.y layers x kNumParts descriptors) in the same allocation; null for a
@@ -922,7 +930,7 @@ encode_kernel(const PoolDesc* __restrict__ pools, uint8_t* cold, int64_t cold_pa
 
 // n: the launch's pairs (read with DecodePages > 1 only: its last CTA may take fewer pages).
 template <class L, int kThreads, int kInFlight, bool kDevicePairs>
-__global__ void __launch_bounds__(kThreads, LaunchBounds<L>::kMinBlocks)
+__global__ void __launch_bounds__(kThreads, decode_min_blocks<L>())
 decode_kernel(const PoolDesc* __restrict__ pools, const uint8_t* cold, int64_t cold_page_bytes, PairBatch batch,
               const PagePair* __restrict__ pairs, PairLimits limits, bool cold_on_device, int64_t n) {
   extern __shared__ uint4 smem[];
