@@ -184,6 +184,22 @@ def test_fix_names_what_is_wrong_with_it(tmp_path: Path, capsys: pytest.CaptureF
         assert not (tmp_path / "b").exists()
 
 
+def test_a_dotted_bundle_name_keeps_its_dots_in_the_archive(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """build/tune/cs-qwen3.5-397b-a17b packed as cs-qwen3.5-397b-a17b.tar.xz, not cs-qwen3.tar.xz."""
+    import kvgen.tuning.candidates as candidates
+    from kvgen.cli import main
+
+    def build_nothing(requests, arch, bundle, *args, **kwargs):   # noqa: ANN001, ANN202 - the packing is under test
+        Path(bundle).mkdir(parents=True)
+        return []
+
+    monkeypatch.setattr(candidates, "build_candidates", build_nothing)
+    bundle = tmp_path / "cs-qwen3.5-397b-a17b"
+    assert main(["tune", "--family", "qwen3.5-397b-a17b", "--op", "compact", "--build-only", "--bundle", str(bundle),
+                 "--fix", "threads=256,tile_tokens=32,slices=1"]) == 0
+    assert [p.name for p in tmp_path.glob("*.tar.xz")] == ["cs-qwen3.5-397b-a17b.tar.xz"]
+
+
 def test_a_killed_tune_resumes_without_losing_a_finished_trial(tmp_path: Path, measurements: Path) -> None:
     storage = f"sqlite:///{tmp_path / 'studies.sqlite3'}"
     script = f"""
