@@ -132,8 +132,8 @@ def test_missing_measurements_are_failed_trials_with_a_reason(tmp_path: Path, gr
     assert result.failures.get("missing") == dropped and result.best["threads"] != 512
 
 
-SUBSPACE = {"rounding": 4, "decode_route": 1, "min_blocks": 0, "hot_batch": 1, "decode_split": 2, "decode_load": 1,
-            "decode_pages": 1, "encode_store": 1}
+SUBSPACE = {"rounding": 4, "decode_route": 1, "min_blocks": 0, "decode_min_blocks": -1, "hot_batch": 1,
+            "decode_split": 2, "decode_load": 1, "decode_pages": 1, "encode_store": 1}
 
 
 def test_a_fixed_subspace_is_searched_whole_with_its_default_and_nothing_else(tmp_path: Path) -> None:
@@ -360,7 +360,8 @@ def test_tune_writes_a_config_the_build_compiles(tmp_path: Path, grid_measuremen
     entry = data["ops"]["codec"]
     assert {b: v["best"] for b, v in entry["buckets"].items()} == OPTIMUM
     assert entry["params"] == {"threads": 512, "in_flight": 4, "rounding": 1, "decode_route": 1,  # best geometric mean
-                               "min_blocks": 1, "hot_batch": 1, "decode_split": 1,         # over the three bowls
+                               "min_blocks": 1, "decode_min_blocks": -1,                    # over the three bowls
+                               "hot_batch": 1, "decode_split": 1,
                                "decode_load": 0, "decode_pages": 1, "encode_store": 0}
     env = entry["environment"]
     assert env["gpu"] == "NVIDIA H200" and env["toolchain"]["nvcc"] == "13.0.88"

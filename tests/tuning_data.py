@@ -19,10 +19,11 @@ from .conftest import SPECS_DIR
 
 # Optuna's GridSampler costs more than linearly in the grid's size, so tests that search a whole grid
 # (or write measurements for one) search this part of the codec space: rounding 0-1, min_blocks 1-2,
-# hot_batch 1, decode_split 1, decode_load 0, decode_pages 1, encode_store 0 (the full space is counted by
-# test_space_folds_...).
-GRID_SPACE = {"rounding": ((0, 1), 1), "min_blocks": ((1, 2), 1), "hot_batch": ((1,), 1), "decode_split": ((1,), 1),
-              "decode_load": ((0,), 0), "decode_pages": ((1,), 1), "encode_store": ((0,), 0)}
+# decode_min_blocks -1, hot_batch 1, decode_split 1, decode_load 0, decode_pages 1, encode_store 0 (the full
+# space is counted by test_space_folds_...).
+GRID_SPACE = {"rounding": ((0, 1), 1), "min_blocks": ((1, 2), 1), "decode_min_blocks": ((-1,), -1),
+              "hot_batch": ((1,), 1), "decode_split": ((1,), 1), "decode_load": ((0,), 0), "decode_pages": ((1,), 1),
+              "encode_store": ((0,), 0)}
 
 
 def use_grid_space(setitem=None) -> None:
@@ -31,14 +32,14 @@ def use_grid_space(setitem=None) -> None:
     for name, choices in GRID_SPACE.items():
         (setitem or dict.__setitem__)(TUNABLES["codec"], name, choices)
 
-OPTIMUM = {"small": {"threads": 128, "in_flight": 2, "rounding": 1, "decode_route": 1, "min_blocks": 1,
+OPTIMUM = {"small": {"threads": 128, "in_flight": 2, "rounding": 1, "decode_route": 1, "min_blocks": 1, "decode_min_blocks": -1,
                      "hot_batch": 1, "decode_split": 1, "decode_load": 0, "decode_pages": 1, "encode_store": 0},
-           "large": {"threads": 512, "in_flight": 4, "rounding": 1, "decode_route": 1, "min_blocks": 1,
+           "large": {"threads": 512, "in_flight": 4, "rounding": 1, "decode_route": 1, "min_blocks": 1, "decode_min_blocks": -1,
                      "hot_batch": 1, "decode_split": 1, "decode_load": 0, "decode_pages": 1, "encode_store": 0},
-           "offload": {"threads": 512, "in_flight": 8, "rounding": 0, "decode_route": 0, "min_blocks": 2,
+           "offload": {"threads": 512, "in_flight": 8, "rounding": 0, "decode_route": 0, "min_blocks": 2, "decode_min_blocks": -1,
                        "hot_batch": 1, "decode_split": 1, "decode_load": 0, "decode_pages": 1, "encode_store": 0}}
-WRONG = {"threads": 64, "in_flight": 1, "rounding": 1, "decode_route": 1, "min_blocks": 1, "hot_batch": 1,
-         "decode_split": 1, "decode_load": 0, "decode_pages": 1, "encode_store": 0}
+WRONG = {"threads": 64, "in_flight": 1, "rounding": 1, "decode_route": 1, "min_blocks": 1, "decode_min_blocks": -1,
+         "hot_batch": 1, "decode_split": 1, "decode_load": 0, "decode_pages": 1, "encode_store": 0}
 ENV = {"gpu": "NVIDIA H200", "compute_capability": "9.0", "driver": "570.00", "kvgen": "0.1.0",
        "toolchain": {"nvcc": "13.0.88", "kvgen": "0.1.0"}}
 
