@@ -48,9 +48,9 @@ from pathlib import Path
 import torch
 
 from kvgen import paths
+from kvgen.artifacts.dispatch import dispatch_rows
 from kvgen.artifacts.manifest import RegistryError
 from kvgen.measure.environment import environment, write_result
-from kvgen.artifacts.dispatch import dispatch_rows
 from kvgen.measure.libraries import registry_artifact, registry_dispatch
 from kvgen.measure.timing import (
     capture,
@@ -66,7 +66,7 @@ from kvgen.measure.workloads.compact import oracle_compaction_matches
 from kvgen.reference.triattention import Moves, TriGeometry, page_shape
 from kvgen.reference.triattention import pack_moves as oracle_pack_moves
 from kvgen.runtime.compact import CompactLibrary, Compactor
-from kvgen.runtime.library import LibraryError
+from kvgen.runtime.library import LibraryError, load_once
 from kvgen.runtime.pack import MovePacker
 
 BUDGET = 2048
@@ -81,11 +81,7 @@ Libraries = tuple[CompactLibrary, list[tuple[int, CompactLibrary]]]   # the main
 
 def libraries_for(family: str, registry: Path, arch: str) -> Libraries:
     """The registry's compaction library and its size-dispatched variants, each file loaded once."""
-    main, variants = registry_dispatch(registry, family, arch, "compact")
-    loaded = {main: CompactLibrary(main)}
-    for _, path in variants:
-        loaded.setdefault(path, CompactLibrary(path))
-    return loaded[main], [(start, loaded[path]) for start, path in variants]
+    return load_once(*registry_dispatch(registry, family, arch, "compact"), CompactLibrary)
 
 
 def oracle_geometry(info: dict, packer: MovePacker) -> TriGeometry:

@@ -202,13 +202,16 @@ def fold_codec_params(spec: FamilySpec, params: Mapping[str, int], layout: Famil
     """Codec params with a packed rounding (3, 4) folded onto the route the kernel compiles for this
     family: 4 is 3 on fp8 hot pages, and either is 2 where no buffer has its packed route, so
     16-bit families render what they always did with 3. The register record load (decode_load 0)
-    keeps one page per decode CTA: it has no load in flight to overlap with a decode."""
+    keeps one page per decode CTA: it has no load in flight to overlap with a decode. Decode's own
+    minimum equal to the shared one is the shared one (-1): the same kernels."""
     out = dict(params)
     if out.get("rounding") in (3, 4):
         route = packed_encode_route(spec, layout)
         out["rounding"] = 3 if route == 3 else (4 if route == out["rounding"] else 2)
     if out.get("decode_load") == 0 and "decode_pages" in out:
         out["decode_pages"] = 1
+    if "min_blocks" in out and out.get("decode_min_blocks") == out["min_blocks"]:
+        out["decode_min_blocks"] = -1
     return out
 
 

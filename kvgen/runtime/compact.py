@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from kvgen.artifacts.dispatch import compact_work, dispatch_rows, serving
-from kvgen.runtime.library import LibraryError, load_typed
+from kvgen.runtime.library import LibraryError, load_once, load_typed
 
 COMPACT_ABI_VERSION = 2  # 2: kvgen_compact_info.slices
 LAYOUTS = ("HND", "NHD")  # kvgen_page_layout
@@ -114,10 +114,6 @@ def _stream_handle(stream: torch.cuda.Stream | None, device: torch.device) -> in
     return stream.cuda_stream
 
 
-def _library(library: CompactLibrary | str | Path) -> CompactLibrary:
-    return library if isinstance(library, CompactLibrary) else CompactLibrary(library)
-
-
 class Compactor:
     """Compaction over fixed K and V pools (one pair per layer of the family).
 
@@ -134,9 +130,9 @@ class Compactor:
 
     def __init__(self, library: CompactLibrary | str | Path, k_pools: Sequence[torch.Tensor],
                  v_pools: Sequence[torch.Tensor], variants: Sequence[tuple[int, CompactLibrary | str | Path]] = ()):
-        self.library = _library(library)
-        self.thresholds = [int(start) for start, _ in variants]
-        self.variants = [_library(lib) for _, lib in variants]
+        self.library, loaded = load_once(library, variants, CompactLibrary)
+        self.thresholds = [int(start) for start, _ in loaded]
+        self.variants = [lib for _, lib in loaded]
         info = self.library.info
         for variant in self.variants:
             if any(variant.info[k] != info[k] for k in GEOMETRY):

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 ABI_VERSION = 2
 STAGED_ABI_VERSION = 2   # first version with kvgen_codec_set_staging / offload / onboard
@@ -11,6 +13,27 @@ STAGED_ABI_VERSION = 2   # first version with kvgen_codec_set_staging / offload 
 
 class LibraryError(RuntimeError):
     """A library that cannot be used; the message names the file."""
+
+
+Loaded = TypeVar("Loaded")
+
+
+def load_once(main: Loaded | str | Path, variants: Sequence[tuple[int, Loaded | str | Path]],
+              load: Callable[[Path], Loaded]) -> tuple[Loaded, list[tuple[int, Loaded]]]:
+    """An op's main library and its size-dispatched variants ``(from_work, library)``, each file
+    loaded by ``load`` once (a variant compiling to the main plan names the main file); an already
+    loaded library is kept as given."""
+    loaded: dict[Path, Loaded] = {}
+
+    def one(item: Loaded | str | Path) -> Loaded:
+        if not isinstance(item, (str, Path)):
+            return item
+        path = Path(item)
+        if path not in loaded:
+            loaded[path] = load(path)
+        return loaded[path]
+
+    return one(main), [(start, one(item)) for start, item in variants]
 
 
 class PoolDesc(ctypes.Structure):

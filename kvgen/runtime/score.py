@@ -21,7 +21,7 @@ import torch
 
 from kvgen.artifacts.dispatch import dispatch_rows, score_work, serving
 from kvgen.reference.triattention import TriGeometry
-from kvgen.runtime.library import LibraryError, load_typed
+from kvgen.runtime.library import LibraryError, load_once, load_typed
 
 ABI_VERSION = 2
 PAIRINGS = ("half", "interleaved")
@@ -179,11 +179,7 @@ class ScoreDispatch:
     def from_resolved(cls, resolved) -> ScoreDispatch:   # noqa: ANN001 - kvgen.runtime.lookup.Resolved
         """The score libraries of a registry family (``Resolved.dispatch``), each file loaded once."""
         family = resolved.entry.family
-        main_path, variant_paths = resolved.dispatch("score")
-        loaded = {main_path: ScoreLibrary(main_path, family=family)}
-        for _, path in variant_paths:
-            loaded.setdefault(path, ScoreLibrary(path, family=family))
-        return cls(loaded[main_path], [(start, loaded[path]) for start, path in variant_paths])
+        return cls(*load_once(*resolved.dispatch("score"), lambda path: ScoreLibrary(path, family=family)))
 
     def variant_index(self, batch: int, width: int) -> int | None:
         """Which variant serves ``batch`` requests of ``width`` tokens (None: the main library)."""

@@ -112,8 +112,6 @@ def canonical(op: Op, params: Mapping[str, int], spec: FamilySpec) -> dict[str, 
         out["decode_split"] = 1  # half blocks exist only on the Lut route of 16-bit hot dtypes
     if op == "codec":
         out = fold_codec_params(spec, out)  # the packed fp16 route (rounding 3) needs an fp8 Q = 1 buffer
-        if out.get("decode_min_blocks") == out["min_blocks"]:
-            out["decode_min_blocks"] = -1   # decode's own minimum equal to the shared one: the same kernels
     return out
 
 
