@@ -1,16 +1,16 @@
-"""Variants of the selection's statistics and aggregation kernels on the GPU: which launch shapes
-are fastest, each checked bit for bit against the shipped kernels (``kvgen/kernels/triton/select.py``)
-on the same scores. A decision input for the tunables, like ``score_variants.py``; the numbers the
-docs quote come from ``kvgen bench``.
+"""Launch shapes and routes of the selection's kernels on the GPU: which are fastest, each checked
+bit for bit against the family's shipped constants (``generated/<family>/select.py``) on the same
+scores. A decision input for the select tunables, like ``score_variants.py``; the figures the docs
+quote as round stages come from ``kvgen bench``.
 
-The statistics kernel reads every score row twice (mean, then the squared deviations); its
-tunables (``rows``, ``stats_unroll``, ``stats_warps``) decide how many rows are between their two
-reads, so how much of the second read hits L2. The aggregation's are ``block_w`` and
-``aggregate_warps``. (``results/2026-12-03-h200-s8/callA`` was measured by this script's first
-form, which also tried a persistent grid and L2 eviction hints: neither beat the plain grid
-beyond the noise, so neither became a tunable.)
+- statistics: ``stats_resident`` (a row read once from registers, or twice: the second read
+  partly from L2) x ``stats_warps`` x ``rows``;
+- select (one program per decision row, union mode: B rows): ``select_route`` (comparisons or
+  histograms) x ``radix_bits`` x ``block`` x ``select_warps``.
+(``results/2026-12-03-h200-s8/callA`` was measured by this script's first form, which also tried
+a persistent grid and L2 eviction hints: neither beat the plain grid beyond the noise.)
 
-    python scripts/select_variants.py [--batch 32] [--width 16384] > variants.json
+    python scripts/select_variants.py --family qwen3-8b [--batch 32] [--width 16384] > variants.json
 """
 
 from __future__ import annotations
@@ -19,16 +19,15 @@ import argparse
 import itertools
 import json
 import statistics
+import sys
+from pathlib import Path
 
 import torch
 
-from kvgen.kernels.triton import select as shipped
+from kvgen.kernels.triton import select as kernels
+from kvgen.runtime.select import load_select_module
 
-# qwen3-8b: 36 scored layers, 8 KV heads x 4 query heads.
-LAYERS, KV_HEADS, GROUP = 36, 8, 4
-# The launch shapes before the eighth session, the baseline every variant is checked against.
-SHIPPED_BEFORE = {"rows": 2, "stats_unroll": 1, "stats_warps": 4, "block_w": 128, "aggregate_warps": 4, "block": 512,
-                  "radix_bits": 4}
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def timed(fn, repeats: int = 15) -> float:
@@ -53,40 +52,62 @@ def copy_ms(nbytes: int) -> float:
     return timed(lambda: b.copy_(a))
 
 
-def selector(**tunables: int) -> shipped.TritonSelector:
-    return shipped.TritonSelector(LAYERS, KV_HEADS, GROUP, range(LAYERS), **{**SHIPPED_BEFORE, **tunables})
+def tunables(selector: kernels.TritonSelector) -> dict[str, int]:
+    return {"rows": selector.rows, "stats_unroll": selector.stats_unroll, "stats_resident": selector.stats_resident,
+            "stats_warps": selector.num_warps["statistics"], "block_w": selector.block_w,
+            "aggregate_warps": selector.num_warps["aggregate"], "block": selector.block,
+            "radix_bits": selector.radix_bits, "select_route": selector.select_route,
+            "select_warps": selector.num_warps["select"]}
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.view(torch.int32), b.view(torch.int32)) if a.is_floating_point() else torch.equal(a, b)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--family", default="qwen3-8b")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--width", type=int, default=16384)
+    parser.add_argument("--budget", type=int, default=2048)
     args = parser.parse_args()
+    shipped = load_select_module(ROOT / "generated" / args.family / "select.py").SELECTOR
+    base = tunables(shipped)
+
+    def selector(**changes: int) -> kernels.TritonSelector:
+        return kernels.TritonSelector(shipped.num_layers, shipped.kv_heads, shipped.group, shipped.scored_layers,
+                                      **{**base, **changes})
+
     torch.manual_seed(0)
     B, W = args.batch, args.width
-    heads = KV_HEADS * GROUP
-    scores = torch.randn((LAYERS, B, heads, W), dtype=torch.float32, device="cuda") * 3 + 1
+    scores = torch.randn((len(shipped.scored_layers), B, shipped.query_heads, W), dtype=torch.float32,
+                         device="cuda") * 3 + 1
     width = torch.full((B,), W, dtype=torch.int64, device="cuda")
-    width[::3] = W - 1000            # rows of unequal width
-    base = selector()
+    width[1::3] = W - 1000            # rows of unequal width
+    P = torch.zeros(B, dtype=torch.int64, device="cuda")
     nbytes = scores.numel() * 4
-    result = {"batch": B, "width": W, "score_bytes": nbytes, "copy_ms": copy_ms(nbytes), "baseline": SHIPPED_BEFORE,
-              "stats": [], "aggregate": []}
-    ref_mean, ref_std = base.statistics(scores, width)
-    for rows, unroll, warps in itertools.product((1, 2), (1, 2, 4, 8), (4, 8)):
-        sel = selector(rows=rows, stats_unroll=unroll, stats_warps=warps)
+    result = {"family": args.family, "batch": B, "width": W, "budget": args.budget, "score_bytes": nbytes,
+              "copy_ms": copy_ms(nbytes), "shipped": base, "stats": [], "select": []}
+    ref_mean, ref_std = shipped.statistics(scores, width)
+    for resident, warps, rows in itertools.product((0, 8192, 16384), (4, 8, 16), (1, 2)):
+        sel = selector(stats_resident=resident, stats_warps=warps, rows=rows)
         mean, std = sel.statistics(scores, width)
-        same = torch.equal(mean.view(torch.int32), ref_mean.view(torch.int32)) and torch.equal(
-            std.view(torch.int32), ref_std.view(torch.int32))
-        result["stats"].append({"rows": rows, "stats_unroll": unroll, "stats_warps": warps, "identical": bool(same),
+        result["stats"].append({"stats_resident": resident, "stats_warps": warps, "rows": rows,
+                                "identical": same_bits(mean, ref_mean) and same_bits(std, ref_std),
                                 "ms": timed(lambda: sel.statistics(scores, width))})
-    ref_union = base.aggregate(scores, ref_mean, ref_std, width, "union")
-    for block_w, warps in itertools.product((32, 64, 128, 256), (2, 4, 8)):
-        sel = selector(block_w=block_w, aggregate_warps=warps)
-        out = sel.aggregate(scores, ref_mean, ref_std, width, "union")
-        result["aggregate"].append({"block_w": block_w, "aggregate_warps": warps,
-                                    "identical": bool(torch.equal(out.view(torch.int32), ref_union.view(torch.int32))),
-                                    "ms": timed(lambda: sel.aggregate(scores, ref_mean, ref_std, width, "union"))})
+        print("stats", result["stats"][-1], flush=True, file=sys.stderr)
+    values = shipped.aggregate(scores, ref_mean, ref_std, width, "union")
+    ref_kept = shipped.select(values, width, args.budget, P).check()
+    configs = [(0, bits, block, warps) for bits, block, warps in itertools.product((2, 4), (512, 1024), (4, 8))]
+    configs += [(1, bits, block, warps) for bits, block, warps in
+                itertools.product((4, 8), (1024, 2048, 4096), (4, 8, 16))]
+    for route, bits, block, warps in configs:
+        sel = selector(select_route=route, radix_bits=bits, block=block, select_warps=warps)
+        kept = sel.select(values, width, args.budget, P).check()
+        result["select"].append({"select_route": route, "radix_bits": bits, "block": block, "select_warps": warps,
+                                 "identical": same_bits(kept, ref_kept),
+                                 "ms": timed(lambda: sel.select(values, width, args.budget, P))})
+        print("select", result["select"][-1], flush=True, file=sys.stderr)
     print(json.dumps(result, indent=1))
 
 

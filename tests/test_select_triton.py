@@ -36,8 +36,17 @@ from kvgen.runtime.select import SelectModuleError, Selector, check_round, impor
 from kvgen.spec.schema import load_spec
 
 ROOT = Path(__file__).resolve().parents[1]
-TUNABLES = {"rows": 2, "stats_unroll": 2, "stats_warps": 4, "block_w": 64, "aggregate_warps": 2, "block": 64,
-            "radix_bits": 4}
+TUNABLES = {"rows": 2, "stats_unroll": 2, "stats_resident": 0, "stats_warps": 4, "block_w": 64, "aggregate_warps": 2,
+            "block": 64, "radix_bits": 4, "select_route": 0, "select_warps": 4}
+# Tunables that must give the same bits: rows read once where they fit (the wide case's 1100
+# columns fall back to two reads under 512 resident columns and are held whole under 2048), and
+# the histogram passes, with 256 digits and with fewer digits than a warp has lanes.
+ROUTES = {
+    "two-reads-comparisons": TUNABLES,
+    "resident-histogram8": {**TUNABLES, "rows": 1, "stats_resident": 512, "radix_bits": 8, "select_route": 1,
+                            "select_warps": 8},
+    "resident-histogram2": {**TUNABLES, "stats_resident": 2048, "radix_bits": 2, "select_route": 1},
+}
 
 
 def _geometry(num_layers: int = 3, kv_heads: int = 2, group: int = 2, swa=(None, 8, None)) -> TriGeometry:
@@ -62,6 +71,8 @@ def _decide_cases() -> list[dict]:
         for budget in (1, 40, 120):
             cases.append({"id": f"{mode}-b{budget}", "geometry": g, "mode": mode, "budget": budget,
                           "width": [150, 0, 77], "P": [5, 9, 100], "scores": _scores(g, [150, 0, 77], 150, 7)})
+    cases.append({"id": "wide-rows", "geometry": g, "mode": "union", "budget": 300, "width": [1100, 613],
+                  "P": [0, 7], "scores": _scores(g, [1100, 613], 1100, 11, decimals=None)})
     constant = torch.full((len(g.scored_layers), 2, g.query_heads, 70), 2.5)
     cases.append({"id": "constant-rows", "geometry": g, "mode": "per_head", "budget": 16, "width": [70, 33],
                   "P": [0, 3], "scores": constant})
@@ -131,10 +142,10 @@ torch.save(out, sys.argv[2])
 """
 
 
-@pytest.fixture(scope="module")
-def interpreted(tmp_path_factory) -> dict:
+@pytest.fixture(scope="module", params=list(ROUTES))
+def interpreted(request: pytest.FixtureRequest, tmp_path_factory) -> dict:
     work = tmp_path_factory.mktemp("select_worker")
-    torch.save((DECIDE, SELECT, TUNABLES), work / "cases.pt")
+    torch.save((DECIDE, SELECT, ROUTES[request.param]), work / "cases.pt")
     env = {**os.environ, "TRITON_INTERPRET": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, "-c", WORKER, str(work / "cases.pt"), str(work / "out.pt")], env=env,
@@ -281,13 +292,19 @@ def test_selector_checks_shapes() -> None:
 @pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
 def test_kernels_compile_for_gpu_targets() -> None:
     """The real compiler is stricter than the interpreter; and it must round as the reference:
-    correctly rounded float64 division and square root, float32 division, no fused multiply-add."""
+    correctly rounded float64 division and square root, float32 division, no fused multiply-add.
+    Each route at the bench's sizes: 16384 resident columns, histograms of 256 or 4 digits."""
+    for route in ROUTES.values():
+        resident = {"stats_resident": 16384, "rows": 1, "stats_warps": 16} if route["stats_resident"] else {}
+        selector = kernels.TritonSelector(36, 8, 4, range(36), **{**route, **resident, "block": 1024})
+        _compile_for_gpu_targets(selector)
+
+
+def _compile_for_gpu_targets(selector: kernels.TritonSelector) -> None:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    selector = kernels.TritonSelector(36, 8, 4, range(36), rows=2, stats_unroll=4, stats_warps=8, block_w=128,
-                                      aggregate_warps=2, block=1024, radix_bits=4)
     specs = {spec.name: spec for spec in kernels.aot_specializations(selector)}
     assert list(specs) == ["statistics", "aggregate_union", "aggregate_per_head", "aggregate_per_layer_perhead",
                            "select"]

@@ -2,7 +2,7 @@
 # family:   llama-3.1-8b
 # op:       select
 # template: select.py.j2
-# plan key: c64bfe26434138ed3155ea5960a754562b36066fa513566f18b4f2147cb1f568
+# plan key: f230d1214e8f8c04ef42dcd6051ea7174281c15d67fe7c1e122e568534821021
 """Normalize, aggregate and select of family llama-3.1-8b (TRIATTENTION.md §4-§5), in Triton.
 
 The family's constants bound to ``kvgen.kernels.triton.select.TritonSelector`` (the kernels live
@@ -27,14 +27,18 @@ SCORED_LAYERS = (
 ROWS = 1  # score rows per statistics program (tunable "rows")
 STATS_UNROLL = 4  # steps of 512 columns a statistics program loads at once (tunable "stats_unroll")
 STATS_WARPS = 8  # warps per statistics program (tunable "stats_warps")
+STATS_RESIDENT = 0  # columns held to read a row once, 0: twice (tunable "stats_resident")
 BLOCK_W = 64  # columns per aggregation program (tunable "block_w")
 AGGREGATE_WARPS = 2  # warps per aggregation program (tunable "aggregate_warps")
 BLOCK = 512  # columns per selection step (tunable "block")
 RADIX_BITS = 4  # key bits found per selection pass (tunable "radix_bits")
+SELECT_ROUTE = 0  # 0: a pass compares keys with candidates, 1: histograms (tunable "select_route")
+SELECT_WARPS = 4  # warps per selection program (tunable "select_warps")
 
 SELECTOR = TritonSelector(NUM_LAYERS, KV_HEADS, GROUP, SCORED_LAYERS, rows=ROWS, stats_unroll=STATS_UNROLL,
-                          stats_warps=STATS_WARPS, block_w=BLOCK_W, aggregate_warps=AGGREGATE_WARPS, block=BLOCK,
-                          radix_bits=RADIX_BITS)
+                          stats_resident=STATS_RESIDENT, stats_warps=STATS_WARPS, block_w=BLOCK_W,
+                          aggregate_warps=AGGREGATE_WARPS, block=BLOCK, radix_bits=RADIX_BITS,
+                          select_route=SELECT_ROUTE, select_warps=SELECT_WARPS)
 decide = SELECTOR.decide
 statistics = SELECTOR.statistics
 aggregate = SELECTOR.aggregate

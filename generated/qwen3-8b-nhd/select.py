@@ -2,7 +2,7 @@
 # family:   qwen3-8b-nhd
 # op:       select
 # template: select.py.j2
-# plan key: cfc0ad2fc30ac8d1e07bf68cf356792e6fe10b259226f7b591a25cb8a28d1848
+# plan key: 415395330bb8fe0e9c7ef20699ff3d8a0bd5a39d132d8a0433632334067888d4
 """Normalize, aggregate and select of family qwen3-8b-nhd (TRIATTENTION.md §4-§5), in Triton.
 
 The family's constants bound to ``kvgen.kernels.triton.select.TritonSelector`` (the kernels live
@@ -27,14 +27,18 @@ SCORED_LAYERS = (
 ROWS = 1  # score rows per statistics program (tunable "rows")
 STATS_UNROLL = 4  # steps of 512 columns a statistics program loads at once (tunable "stats_unroll")
 STATS_WARPS = 8  # warps per statistics program (tunable "stats_warps")
+STATS_RESIDENT = 0  # columns held to read a row once, 0: twice (tunable "stats_resident")
 BLOCK_W = 64  # columns per aggregation program (tunable "block_w")
 AGGREGATE_WARPS = 2  # warps per aggregation program (tunable "aggregate_warps")
 BLOCK = 512  # columns per selection step (tunable "block")
 RADIX_BITS = 4  # key bits found per selection pass (tunable "radix_bits")
+SELECT_ROUTE = 0  # 0: a pass compares keys with candidates, 1: histograms (tunable "select_route")
+SELECT_WARPS = 4  # warps per selection program (tunable "select_warps")
 
 SELECTOR = TritonSelector(NUM_LAYERS, KV_HEADS, GROUP, SCORED_LAYERS, rows=ROWS, stats_unroll=STATS_UNROLL,
-                          stats_warps=STATS_WARPS, block_w=BLOCK_W, aggregate_warps=AGGREGATE_WARPS, block=BLOCK,
-                          radix_bits=RADIX_BITS)
+                          stats_resident=STATS_RESIDENT, stats_warps=STATS_WARPS, block_w=BLOCK_W,
+                          aggregate_warps=AGGREGATE_WARPS, block=BLOCK, radix_bits=RADIX_BITS,
+                          select_route=SELECT_ROUTE, select_warps=SELECT_WARPS)
 decide = SELECTOR.decide
 statistics = SELECTOR.statistics
 aggregate = SELECTOR.aggregate

@@ -52,20 +52,24 @@ def mode_index(mode: str) -> int:
 
 class SelectionHost:
     """Normalize -> aggregate -> select for one family: its layers, KV heads, query heads per KV
-    head, scored layers, and the launch tunables (``rows`` statistics rows per program,
-    ``stats_unroll`` steps of their columns loaded at once, ``block_w`` columns per aggregation
-    program, ``block`` columns per selection step, ``radix_bits`` bits of the budget-th key found
-    per pass, ``stats_warps`` / ``aggregate_warps`` warps per program; the selection's are 4)."""
+    head, scored layers, and the launch tunables (``kvgen.lower.plan.TUNABLES["select"]``:
+    ``rows`` statistics rows per program, ``stats_unroll`` steps of their columns loaded at once,
+    ``stats_resident`` columns a statistics program holds to read a row once (0: twice),
+    ``block_w`` columns per aggregation program, ``block`` columns per selection step,
+    ``radix_bits`` bits of the budget-th key found per pass, ``select_route`` how a pass counts
+    (0 comparisons, 1 histogram), and the warps per program of each kernel)."""
 
     def __init__(self, num_layers: int, kv_heads: int, group: int, scored_layers: Sequence[int], *,
-                 rows: int, stats_unroll: int, stats_warps: int, block_w: int, aggregate_warps: int, block: int,
-                 radix_bits: int):
+                 rows: int, stats_unroll: int, stats_resident: int, stats_warps: int, block_w: int,
+                 aggregate_warps: int, block: int, radix_bits: int, select_route: int, select_warps: int):
+        if stats_resident % REDUCTION_LANES:
+            raise ValueError(f"stats_resident {stats_resident}: must be a multiple of {REDUCTION_LANES}")
         self.num_layers, self.kv_heads, self.group = num_layers, kv_heads, group
         self.query_heads = kv_heads * group
         self.scored_layers = tuple(scored_layers)
-        self.rows, self.stats_unroll = rows, stats_unroll
-        self.block_w, self.block, self.radix_bits = block_w, block, radix_bits
-        self.num_warps = {"statistics": stats_warps, "aggregate": aggregate_warps, "select": 4}
+        self.rows, self.stats_unroll, self.stats_resident = rows, stats_unroll, stats_resident
+        self.block_w, self.block, self.radix_bits, self.select_route = block_w, block, radix_bits, select_route
+        self.num_warps = {"statistics": stats_warps, "aggregate": aggregate_warps, "select": select_warps}
         self._layers: dict[torch.device, torch.Tensor] = {}
 
     def num_decision_rows(self, mode: str) -> int:
@@ -82,7 +86,8 @@ class SelectionHost:
 
     def stats_constants(self) -> dict[str, int | float]:
         return {"QUERY_HEADS": self.query_heads, "ROWS": self.rows, "LANES": REDUCTION_LANES,
-                "LOG2_LANES": LOG2_LANES, "UNROLL": self.stats_unroll, "STD_FLOOR": STD_FLOOR}
+                "LOG2_LANES": LOG2_LANES, "UNROLL": self.stats_unroll,
+                "RESIDENT_STEPS": self.stats_resident // REDUCTION_LANES, "STD_FLOOR": STD_FLOOR}
 
     def aggregate_heads(self, mode: str) -> int:
         """Query heads one aggregation program reduces: all of them (union) or one KV group."""
@@ -94,7 +99,7 @@ class SelectionHost:
                 "HEADS": heads, "HEADS_P2": next_power_of_2(heads), "BLOCK_W": self.block_w}
 
     def select_constants(self) -> dict[str, int]:
-        return {"BLOCK": self.block, "RADIX_BITS": self.radix_bits}
+        return {"BLOCK": self.block, "RADIX_BITS": self.radix_bits, "ROUTE": self.select_route}
 
     # ---- checks (host-side facts only: nothing is read back from the device)
 

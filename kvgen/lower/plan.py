@@ -169,15 +169,23 @@ TUNABLES: dict[str, dict[str, tuple[tuple[int, ...], int]]] = {
         # at rows 1, unroll 4, 8 warps against the old 2 / 1 / 4 (results/2026-12-03-h200-s8/callA).
         "rows": ((1, 2, 4), 1),
         "stats_unroll": ((1, 2, 4, 8), 4),
-        "stats_warps": ((4, 8), 8),
+        "stats_warps": ((4, 8, 16), 8),
+        # Columns of a row a statistics program holds in registers between the two sums, so a row
+        # that fits is read once (0: every row twice). A wider row falls back to two reads.
+        "stats_resident": ((0, 4096, 8192, 16384), 0),
         # Columns and warps per aggregation program: 64 / 2 took the union aggregate of qwen3-8b B32
         # from 0.893 to 0.648 ms (128 / 4 before; same run).
         "block_w": ((32, 64, 128, 256), 64),
         "aggregate_warps": ((2, 4, 8), 2),
         # columns per selection step; each step compares BLOCK keys with 2^radix_bits candidates, so
         # 512 x 16 keeps the comparison tile at 64 registers a thread for 4 warps
-        "block": ((256, 512, 1024, 2048), 512),
-        "radix_bits": ((1, 2, 4), 4),          # bits of the budget-th key found per pass over a row
+        "block": ((256, 512, 1024, 2048, 4096), 512),
+        "radix_bits": ((1, 2, 4, 8), 4),       # bits of the budget-th key found per pass over a row
+        # How a pass counts the keys at or above each candidate digit: 0 compares every key with
+        # every candidate (2^radix_bits per key; radix_bits 8 folds to 4), 1 takes a histogram of
+        # the digits of the keys under the known prefix (one count per key). Same counts, same bits.
+        "select_route": ((0, 1), 0),
+        "select_warps": ((4, 8, 16), 4),
     },
 }
 
@@ -340,6 +348,15 @@ def compact_geometry(spec: FamilySpec) -> dict[str, Any]:
     }
 
 
+def fold_select_params(params: Mapping[str, int]) -> dict[str, int]:
+    """The comparison route (select_route 0) takes at most 4 radix bits: 8 would compare every key
+    with 256 candidates, a tile no register file holds."""
+    out = dict(params)
+    if out["select_route"] == 0 and out["radix_bits"] > 4:
+        out["radix_bits"] = 4
+    return out
+
+
 def fold_compact_params(spec: FamilySpec, params: Mapping[str, int]) -> dict[str, int]:
     """``slices`` lowered to the largest choice that divides a move's 16-byte vectors (its K and V
     row): the kernel cuts them into equal runs."""
@@ -409,7 +426,7 @@ def plans_for(spec: FamilySpec, params: Mapping[Op, Mapping[str, int]] | None = 
                                 {**default_params("pack"), **params.get("pack", {})}))
         plans.append(score_plan(spec, params.get("score")))
         plans.append(KernelPlan(spec.name, "select", "select.py.j2", select_geometry(spec),
-                                {**default_params("select"), **params.get("select", {})}))
+                                fold_select_params({**default_params("select"), **params.get("select", {})})))
     for plan in plans:
         check_params(plan.op, plan.params)
     return plans

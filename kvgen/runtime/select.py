@@ -26,7 +26,7 @@ from kvgen.kernels.selection import SelectionHost, mode_index
 from kvgen.runtime.generated_module import import_generated_module, load_generated_module
 from kvgen.runtime.library import TritonAotLibrary
 
-ABI_VERSION = 2
+ABI_VERSION = 3
 
 REQUIRED = ("FAMILY", "NUM_LAYERS", "KV_HEADS", "GROUP", "SCORED_LAYERS", "decide", "num_decision_rows")
 
@@ -48,7 +48,7 @@ def load_select_module(path: str | Path) -> ModuleType:
 class SelectGeometry(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int32) for name in (
         "abi_version", "num_layers", "kv_heads", "group", "num_scored", "rows", "block_w", "block", "radix_bits",
-        "stats_unroll", "stats_warps", "aggregate_warps")]
+        "stats_unroll", "stats_warps", "aggregate_warps", "stats_resident", "select_route", "select_warps")]
 
 
 _c = ctypes
@@ -82,8 +82,9 @@ class SelectLibrary(TritonAotLibrary, SelectionHost):
         self._call("query_geometry", ctypes.byref(g))
         layers = self._lib.kvgen_select_scored_layers()
         super().__init__(g.num_layers, g.kv_heads, g.group, [layers[i] for i in range(g.num_scored)], rows=g.rows,
-                         stats_unroll=g.stats_unroll, stats_warps=g.stats_warps, block_w=g.block_w,
-                         aggregate_warps=g.aggregate_warps, block=g.block, radix_bits=g.radix_bits)
+                         stats_unroll=g.stats_unroll, stats_resident=g.stats_resident, stats_warps=g.stats_warps,
+                         block_w=g.block_w, aggregate_warps=g.aggregate_warps, block=g.block,
+                         radix_bits=g.radix_bits, select_route=g.select_route, select_warps=g.select_warps)
 
     def _launch_statistics(self, scores, width, mean, std, batch, W):  # noqa: ANN001, ANN202
         self._call("statistics", scores.data_ptr(), width.data_ptr(), mean.data_ptr(), std.data_ptr(),

@@ -8,7 +8,8 @@ its age). Triton JIT-compiles the kernels at the first call.
    kernel's scores of tests/gpu/test_score_gpu.py's scenario (widths 300, 0, 517, duplicated K rows: ties): decision values and kept sets equal
    the oracle's functions run on the same device (budgets 1 .. past the widest request).
 2. Qwen3-8B-shaped scores of a real round (36 scored layers, 32 query heads, B = 4, widths up to
-   16384: many lanes, long sums): statistics, values and kept sets bit-identical, every mode.
+   16384: many lanes, long sums): statistics, values and kept sets bit-identical, every mode; with
+   the shipped tunables and with the other routes (rows read once, histogram passes).
 3. Whole rounds with the generated selection (oracle and generated packer/compactor): pools, kept
    sets and lengths byte-identical to ``eviction_round`` (tests/tri_sim.py), every family of
    test_score_gpu's ROUND_CASES.
@@ -75,9 +76,7 @@ def test_selection_equals_the_oracle_on_the_kernel_scores(family: str, mode: str
     case = scenario(family)
     scores, g = case["scores"], case["manager"].geometry   # the scenario keeps 6 cache layers
     tuned = load_select_module(select_module(family))
-    module = TritonSelector(g.num_layers, g.kv_heads, g.group, g.scored_layers, rows=tuned.ROWS,
-                            stats_unroll=tuned.STATS_UNROLL, stats_warps=tuned.STATS_WARPS, block_w=tuned.BLOCK_W,
-                            aggregate_warps=tuned.AGGREGATE_WARPS, block=tuned.BLOCK, radix_bits=tuned.RADIX_BITS)
+    module = TritonSelector(g.num_layers, g.kv_heads, g.group, g.scored_layers, **_tunables(tuned.SELECTOR))
     P, width = _long(PROMPTS), _long(case["S"]) - _long(PROMPTS)
     values = _oracle(scores, width, mode, g)
     mean, std = module.statistics(scores, width)
@@ -87,10 +86,33 @@ def test_selection_equals_the_oracle_on_the_kernel_scores(family: str, mode: str
         assert torch.equal(kept, T.select_keep(values, width, budget, P)), f"budget {budget}"
 
 
+def _tunables(selector: TritonSelector) -> dict[str, int]:
+    """The launch tunables a selector was built with (its family's generated constants)."""
+    return {"rows": selector.rows, "stats_unroll": selector.stats_unroll, "stats_resident": selector.stats_resident,
+            "stats_warps": selector.num_warps["statistics"], "block_w": selector.block_w,
+            "aggregate_warps": selector.num_warps["aggregate"], "block": selector.block,
+            "radix_bits": selector.radix_bits, "select_route": selector.select_route,
+            "select_warps": selector.num_warps["select"]}
+
+
+# Routes beside the shipped constants: every row read once (16384 resident columns), or the rows
+# wider than 8192 read twice, and histogram passes of 8 and 4 bits.
+ROUTES = {
+    "shipped": {},
+    "resident16384-histogram8": {"stats_resident": 16384, "stats_warps": 16, "select_route": 1, "radix_bits": 8,
+                                 "block": 4096, "select_warps": 16},
+    "resident8192-histogram4": {"stats_resident": 8192, "select_route": 1, "radix_bits": 4, "block": 1024,
+                                "select_warps": 8},
+}
+
+
+@pytest.mark.parametrize("route", list(ROUTES))
 @pytest.mark.parametrize("mode", T.MODES)
-def test_round_sized_scores_are_bit_identical(mode: str) -> None:
+def test_round_sized_scores_are_bit_identical(mode: str, route: str) -> None:
     g = tri_geometry(load_spec(SPECS_DIR / "qwen3-8b.yaml"))
-    module = load_select_module(select_module("qwen3-8b"))
+    shipped = load_select_module(select_module("qwen3-8b")).SELECTOR
+    module = TritonSelector(g.num_layers, g.kv_heads, g.group, g.scored_layers,
+                            **{**_tunables(shipped), **ROUTES[route]})
     gen = torch.Generator(device="cuda").manual_seed(5)
     W, widths = 16384, [16384, 9001, 513, 16000]
     scores = torch.randn(len(g.scored_layers), len(widths), g.query_heads, W, device="cuda", generator=gen) * 40 + 7
@@ -136,7 +158,8 @@ def test_rounds_with_the_generated_selection_are_byte_identical(tmp_path: Path, 
 def test_a_nan_score_stops_the_round_before_anything_moves() -> None:
     g = tri_geometry(load_spec(SPECS_DIR / "qwen3-8b.yaml"))
     selector = TritonSelector(g.num_layers, g.kv_heads, g.group, g.scored_layers, rows=2, stats_unroll=1,
-                              stats_warps=4, block_w=128, aggregate_warps=4, block=512, radix_bits=4)
+                              stats_resident=0, stats_warps=4, block_w=128, aggregate_warps=4, block=512, radix_bits=4,
+                              select_route=0, select_warps=4)
     scores = torch.randn(len(g.scored_layers), 2, g.query_heads, 300, device="cuda")
     scores[3, 1, 5, 17] = float("nan")
     width = _long([300, 200])

@@ -25,7 +25,8 @@
 extern "C" {
 #endif
 
-#define KVGEN_SELECT_ABI_VERSION 2
+// 3: kvgen_select_geometry gained stats_resident, select_route and select_warps.
+#define KVGEN_SELECT_ABI_VERSION 3
 
 // Error codes (besides CUresult values of a failed launch, returned as is).
 #define KVGEN_SELECT_EINVAL (-1)   // an argument is out of range; the message names it
@@ -50,6 +51,9 @@ typedef struct {
   int32_t stats_unroll;  // steps of 512 columns a statistics program loads at once (tunable)
   int32_t stats_warps;   // warps per statistics program (tunable)
   int32_t aggregate_warps;  // warps per aggregation program (tunable)
+  int32_t stats_resident;   // columns a statistics program holds to read a row once, 0: twice (tunable)
+  int32_t select_route;     // 0: a selection pass compares keys with candidates, 1: histograms (tunable)
+  int32_t select_warps;     // warps per selection program (tunable)
 } kvgen_select_geometry;
 
 int kvgen_select_abi_version(void);

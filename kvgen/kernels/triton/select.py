@@ -6,6 +6,8 @@ Three kernels after the scorer, matching ``kvgen.reference.triattention`` bit fo
    population std over its valid columns, in float64 and in ``lane_sum``'s fixed order (column
    ``j`` into lane ``j % REDUCTION_LANES``, lanes added in ascending column order, then folded by
    halving), rounded to float32, the std floored at ``STD_FLOOR``: exactly ``zscore``'s statistics.
+   The squared deviations need the mean first: a row is read twice, or once where it fits the
+   registers a program holds (``RESIDENT_STEPS``; the same additions in the same order).
 2. ``_aggregate_kernel``: the decision values ``[B, R, W]`` of ``aggregate`` for the eviction mode
    (a compile-time constant), z-normalizing on the fly (one subtraction, one correctly rounded
    division) so the z-scores are never written. Max propagates NaN as torch's does; the per_head
@@ -14,7 +16,8 @@ Three kernels after the scorer, matching ``kvgen.reference.triattention`` bit fo
    (value descending, index ascending) among the row's valid columns, emitted ascending as
    absolute positions, -1 past the valid count. Values become order-preserving integer keys
    (-0.0 and +0.0 one key); a radix search, ``RADIX_BITS`` bits per pass over the row, finds the
-   ``budget``-th largest key ``t``; a last pass keeps every key ``> t`` and the lowest-index keys
+   ``budget``-th largest key ``t`` (``ROUTE`` 0 by comparing every key with each candidate digit,
+   1 by a histogram of the digits: the same counts); a last pass keeps every key ``> t`` and the lowest-index keys
    ``== t`` up to the budget, compacted by a running cumulative sum. That pass also counts NaN
    among the valid values: the oracle raises on any, ``Selection.check`` raises the same error.
 
@@ -75,12 +78,50 @@ def _lane_sums(scores_ptr, base, width, lane, end, mean, SQUARES: tl.constexpr, 
 
 
 @triton.jit
+def _two_read_moments(scores_ptr, base, width, lane, count, ROWS: tl.constexpr, LANES: tl.constexpr,
+                      LOG2_LANES: tl.constexpr, UNROLL: tl.constexpr):
+    """(mean, folded sum of squared deviations) of each row, reading it twice: the values, then
+    their deviations from the mean."""
+    # Each row stops at its own width: the columns it skips would add +0.0, which changes no lane.
+    end = tl.max(width, axis=0)
+    no_mean = tl.zeros((ROWS,), dtype=tl.float64)
+    sums = _lane_sums(scores_ptr, base, width, lane, end, no_mean, False, ROWS, LANES, UNROLL)
+    mean = _lane_fold(sums, ROWS, LANES, LOG2_LANES) / count
+    squares = _lane_sums(scores_ptr, base, width, lane, end, mean, True, ROWS, LANES, UNROLL)
+    return mean, _lane_fold(squares, ROWS, LANES, LOG2_LANES)
+
+
+@triton.jit
+def _resident_moments(scores_ptr, base, width, lane, count, ROWS: tl.constexpr, LANES: tl.constexpr,
+                      LOG2_LANES: tl.constexpr, STEPS: tl.constexpr):
+    """The same two sums from one read: a row's first STEPS x LANES columns (the whole row: the
+    caller checks W) stay in registers between them. Each lane adds its columns in ascending order,
+    as ``_lane_sums`` does; the columns past the width add +0.0 there too."""
+    held = ()
+    sums = tl.zeros((ROWS, LANES), dtype=tl.float64)
+    for step in tl.static_range(STEPS):
+        column = step * LANES + lane
+        x = tl.load(scores_ptr + base + column, mask=column < width[:, None], other=0.0)
+        held = held + (x,)
+        sums += x.to(tl.float64)
+    mean = _lane_fold(sums, ROWS, LANES, LOG2_LANES) / count
+    squares = tl.zeros((ROWS, LANES), dtype=tl.float64)
+    for step in tl.static_range(STEPS):
+        column = step * LANES + lane
+        deviation = tl.where(column < width[:, None], held[step].to(tl.float64) - mean[:, None], 0.0)
+        squares += deviation * deviation
+    return mean, _lane_fold(squares, ROWS, LANES, LOG2_LANES)
+
+
+@triton.jit
 def _stats_kernel(scores_ptr, width_ptr, mean_ptr, std_ptr, num_rows, batch, W,
                   QUERY_HEADS: tl.constexpr, ROWS: tl.constexpr, LANES: tl.constexpr,
-                  LOG2_LANES: tl.constexpr, UNROLL: tl.constexpr, STD_FLOOR: tl.constexpr):
-    """Program p: rows p*ROWS .. p*ROWS+ROWS-1 of the scores ``[layers * B * Hq, W]``, each read
-    twice (mean, then squared deviations: the second read partly hits L2 when few rows are in
-    flight, hence one row of 8 warps by default)."""
+                  LOG2_LANES: tl.constexpr, UNROLL: tl.constexpr, RESIDENT_STEPS: tl.constexpr,
+                  STD_FLOOR: tl.constexpr):
+    """Program p: rows p*ROWS .. p*ROWS+ROWS-1 of the scores ``[layers * B * Hq, W]``. Rows of at
+    most RESIDENT_STEPS x LANES columns are read once (``_resident_moments``); wider rows, or
+    every row at RESIDENT_STEPS 0, twice (``_two_read_moments``: the second read partly hits L2
+    when few rows are in flight, hence one row of 8 warps by default)."""
     row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     live = row < num_rows
     request = (row // QUERY_HEADS) % batch
@@ -88,15 +129,16 @@ def _stats_kernel(scores_ptr, width_ptr, mean_ptr, std_ptr, num_rows, batch, W,
     width = tl.minimum(tl.load(width_ptr + request, mask=live, other=0), W)
     base = row.to(tl.int64)[:, None] * W
     lane = tl.arange(0, LANES)[None, :]
-    # Each row stops at its own width: the columns it skips would add +0.0, which changes no lane.
-    end = tl.max(width, axis=0)
     count = tl.maximum(width, 1).to(tl.float64)
-    no_mean = tl.zeros((ROWS,), dtype=tl.float64)
     # float64 '/' and sqrt are correctly rounded (div.rn.f64, sqrt.rn.f64; div_rn/sqrt_rn are float32-only)
-    sums = _lane_sums(scores_ptr, base, width, lane, end, no_mean, False, ROWS, LANES, UNROLL)
-    mean = _lane_fold(sums, ROWS, LANES, LOG2_LANES) / count
-    squares = _lane_sums(scores_ptr, base, width, lane, end, mean, True, ROWS, LANES, UNROLL)
-    std = tl.sqrt(_lane_fold(squares, ROWS, LANES, LOG2_LANES) / count).to(tl.float32)
+    if RESIDENT_STEPS == 0:
+        mean, squares = _two_read_moments(scores_ptr, base, width, lane, count, ROWS, LANES, LOG2_LANES, UNROLL)
+    elif W <= RESIDENT_STEPS * LANES:
+        mean, squares = _resident_moments(scores_ptr, base, width, lane, count, ROWS, LANES, LOG2_LANES,
+                                          RESIDENT_STEPS)
+    else:
+        mean, squares = _two_read_moments(scores_ptr, base, width, lane, count, ROWS, LANES, LOG2_LANES, UNROLL)
+    std = tl.sqrt(squares / count).to(tl.float32)
     std = tl.where(std < STD_FLOOR, STD_FLOOR, std)  # torch's clamp: NaN stays NaN
     tl.store(mean_ptr + row, mean.to(tl.float32), mask=live)
     tl.store(std_ptr + row, std, mask=live)
@@ -176,22 +218,13 @@ def _keys(row_ptr, column, width):
 
 
 @triton.jit
-def _select_kernel(values_ptr, width_ptr, P_ptr, kept_ptr, nan_ptr, rows_per_request, W, budget,
-                   BLOCK: tl.constexpr, RADIX_BITS: tl.constexpr):
-    """Program r: decision row r (= request * rows_per_request + row) -> kept_ptr[r, :budget]."""
-    row = tl.program_id(0)
-    request = row // rows_per_request
-    width = tl.minimum(tl.load(width_ptr + request), W)
-    base = tl.load(P_ptr + request)
-    row_ptr = values_ptr + row.to(tl.int64) * W
-    kept_row = kept_ptr + row.to(tl.int64) * budget
-    lane = tl.arange(0, BLOCK)
+def _threshold_by_comparison(row_ptr, width, budget, lane, BLOCK: tl.constexpr, RADIX_BITS: tl.constexpr):
+    """(t, count(key > t)): the budget-th largest key t, the largest t with count(key >= t) >= budget,
+    built digit by digit from the top. Each pass compares every key with the candidates t + k*2^shift
+    for k = 1 .. DIGITS (k = DIGITS is the next digit up, which an earlier pass already refused: it
+    never passes). t is 0 when fewer keys are valid."""
     DIGITS: tl.constexpr = 1 << RADIX_BITS
     digit = tl.arange(0, DIGITS)
-
-    # The budget-th largest key: the largest t with count(key >= t) >= budget, built digit by
-    # digit from the top. Candidate t + k*2^shift for k = 1 .. DIGITS (k = DIGITS is the next
-    # digit up, which an earlier pass already refused: it never passes). 0 when fewer valid.
     t = tl.zeros((), dtype=tl.int64)
     above = tl.zeros((), dtype=tl.int64)   # count(key > t) once the last digit is known
     for level in tl.static_range(32 // RADIX_BITS):
@@ -204,6 +237,51 @@ def _select_kernel(values_ptr, width_ptr, P_ptr, kept_ptr, nan_ptr, rows_per_req
         chosen = tl.sum((counts >= budget).to(tl.int64), axis=0)   # counts fall with k
         t += chosen << shift
         above = tl.sum(tl.where(digit == chosen, counts, 0), axis=0).to(tl.int64)
+    return t, above
+
+
+@triton.jit
+def _threshold_by_histogram(row_ptr, width, budget, lane, BLOCK: tl.constexpr, RADIX_BITS: tl.constexpr):
+    """The same (t, count(key > t)) from a histogram per pass: the next digit of the keys that share
+    t's known prefix (``tl.histogram``), one count per key instead of one comparison per candidate.
+    count(key >= t + k*2^shift) is then the keys above the prefix plus that histogram's tail from k."""
+    DIGITS: tl.constexpr = 1 << RADIX_BITS
+    digit = tl.arange(0, DIGITS)
+    t = tl.zeros((), dtype=tl.int64)
+    above = tl.zeros((), dtype=tl.int64)   # count(key >= t + 2^(shift + RADIX_BITS)): above the prefix
+    for level in tl.static_range(32 // RADIX_BITS):
+        shift = 32 - RADIX_BITS * (level + 1)
+        prefix = t >> (shift + RADIX_BITS)
+        counts = tl.zeros((DIGITS,), dtype=tl.int32)
+        for start in range(0, width, BLOCK):
+            key, _, valid = _keys(row_ptr, start + lane, width)
+            inside = valid & ((key >> (shift + RADIX_BITS)) == prefix)
+            counts += tl.histogram(((key >> shift) & (DIGITS - 1)).to(tl.int32), DIGITS, mask=inside)
+        at_least = above + (tl.sum(counts, axis=0) - tl.cumsum(counts, axis=0) + counts).to(tl.int64)
+        # k = 0 is t itself, which every earlier pass already accepted
+        chosen = tl.sum(((digit >= 1) & (at_least >= budget)).to(tl.int64), axis=0)
+        t += chosen << shift
+        # count(key >= t + 2^shift): the next digit's count, or the old prefix's when chosen is the last
+        above = tl.max(tl.where(digit == chosen + 1, at_least, above), axis=0)
+    return t, above
+
+
+@triton.jit
+def _select_kernel(values_ptr, width_ptr, P_ptr, kept_ptr, nan_ptr, rows_per_request, W, budget,
+                   BLOCK: tl.constexpr, RADIX_BITS: tl.constexpr, ROUTE: tl.constexpr):
+    """Program r: decision row r (= request * rows_per_request + row) -> kept_ptr[r, :budget].
+    ROUTE 0 finds the threshold by comparisons, 1 by histograms (the same t and count)."""
+    row = tl.program_id(0)
+    request = row // rows_per_request
+    width = tl.minimum(tl.load(width_ptr + request), W)
+    base = tl.load(P_ptr + request)
+    row_ptr = values_ptr + row.to(tl.int64) * W
+    kept_row = kept_ptr + row.to(tl.int64) * budget
+    lane = tl.arange(0, BLOCK)
+    if ROUTE == 0:
+        t, above = _threshold_by_comparison(row_ptr, width, budget, lane, BLOCK, RADIX_BITS)
+    else:
+        t, above = _threshold_by_histogram(row_ptr, width, budget, lane, BLOCK, RADIX_BITS)
 
     # Ascending pass: every key > t, and the first (budget - above) keys == t.
     ties_wanted = budget - above
@@ -268,7 +346,9 @@ def aot_header_constants(host: SelectionHost) -> dict[str, int | list[int]]:
     return {"kNumLayers": host.num_layers, "kKvHeads": host.kv_heads, "kGroup": host.group,
             "kNumScored": len(host.scored_layers), "kRows": host.rows, "kBlockW": host.block_w, "kBlock": host.block,
             "kRadixBits": host.radix_bits, "kStatsUnroll": host.stats_unroll, "kStatsWarps": host.num_warps["statistics"],
-            "kAggregateWarps": host.num_warps["aggregate"], "kScoredLayers": list(host.scored_layers)}
+            "kAggregateWarps": host.num_warps["aggregate"], "kStatsResident": host.stats_resident,
+            "kSelectRoute": host.select_route, "kSelectWarps": host.num_warps["select"],
+            "kScoredLayers": list(host.scored_layers)}
 
 
 class TritonSelector(SelectionHost):

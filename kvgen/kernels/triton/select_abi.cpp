@@ -38,7 +38,7 @@ const int32_t* kvgen_select_scored_layers(void) { return kScoredLayers; }
 int kvgen_select_query_geometry(kvgen_select_geometry* out) {
   if (out == nullptr) return invalid("kvgen_select_query_geometry", "out is NULL");
   *out = {KVGEN_SELECT_ABI_VERSION, kNumLayers, kKvHeads, kGroup, kNumScored, kRows, kBlockW, kBlock, kRadixBits,
-          kStatsUnroll, kStatsWarps, kAggregateWarps};
+          kStatsUnroll, kStatsWarps, kAggregateWarps, kStatsResident, kSelectRoute, kSelectWarps};
   return 0;
 }
 
