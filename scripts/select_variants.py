@@ -5,6 +5,7 @@ quote as round stages come from ``kvgen bench``.
 
 - statistics: ``stats_resident`` (a row read once from registers, or twice: the second read
   partly from L2) x ``stats_warps`` x ``rows``;
+- aggregate (union): ``block_w`` x ``aggregate_warps``;
 - select (one program per decision row, union mode: B rows): ``select_route`` (comparisons or
   histograms) x ``radix_bits`` x ``block`` x ``select_warps``.
 (``results/2026-12-03-h200-s8/callA`` was measured by this script's first form, which also tried
@@ -87,7 +88,7 @@ def main() -> None:
     P = torch.zeros(B, dtype=torch.int64, device="cuda")
     nbytes = scores.numel() * 4
     result = {"family": args.family, "batch": B, "width": W, "budget": args.budget, "score_bytes": nbytes,
-              "copy_ms": copy_ms(nbytes), "shipped": base, "stats": [], "select": []}
+              "copy_ms": copy_ms(nbytes), "shipped": base, "stats": [], "aggregate": [], "select": []}
     ref_mean, ref_std = shipped.statistics(scores, width)
     for resident, warps, rows in itertools.product((0, 8192, 16384), (4, 8, 16), (1, 2)):
         sel = selector(stats_resident=resident, stats_warps=warps, rows=rows)
@@ -97,6 +98,12 @@ def main() -> None:
                                 "ms": timed(lambda: sel.statistics(scores, width))})
         print("stats", result["stats"][-1], flush=True, file=sys.stderr)
     values = shipped.aggregate(scores, ref_mean, ref_std, width, "union")
+    for block_w, warps in itertools.product((32, 64, 128), (2, 4, 8)):
+        sel = selector(block_w=block_w, aggregate_warps=warps)
+        out = sel.aggregate(scores, ref_mean, ref_std, width, "union")
+        result["aggregate"].append({"block_w": block_w, "aggregate_warps": warps, "identical": same_bits(out, values),
+                                    "ms": timed(lambda: sel.aggregate(scores, ref_mean, ref_std, width, "union"))})
+        print("aggregate", result["aggregate"][-1], flush=True, file=sys.stderr)
     ref_kept = shipped.select(values, width, args.budget, P).check()
     configs = [(0, bits, block, warps) for bits, block, warps in itertools.product((2, 4), (512, 1024), (4, 8))]
     configs += [(1, bits, block, warps) for bits, block, warps in
