@@ -53,14 +53,6 @@ def copy_ms(nbytes: int) -> float:
     return timed(lambda: b.copy_(a))
 
 
-def tunables(selector: kernels.TritonSelector) -> dict[str, int]:
-    return {"rows": selector.rows, "stats_unroll": selector.stats_unroll, "stats_resident": selector.stats_resident,
-            "stats_warps": selector.num_warps["statistics"], "block_w": selector.block_w,
-            "aggregate_warps": selector.num_warps["aggregate"], "block": selector.block,
-            "radix_bits": selector.radix_bits, "select_route": selector.select_route,
-            "select_warps": selector.num_warps["select"]}
-
-
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.view(torch.int32), b.view(torch.int32)) if a.is_floating_point() else torch.equal(a, b)
 
@@ -73,7 +65,7 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=2048)
     args = parser.parse_args()
     shipped = load_select_module(ROOT / "generated" / args.family / "select.py").SELECTOR
-    base = tunables(shipped)
+    base = shipped.tunables()
 
     def selector(**changes: int) -> kernels.TritonSelector:
         return kernels.TritonSelector(shipped.num_layers, shipped.kv_heads, shipped.group, shipped.scored_layers,

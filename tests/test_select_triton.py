@@ -323,3 +323,12 @@ def _compile_for_gpu_targets(selector: kernels.TritonSelector) -> None:
             ptx = compiled(f"aggregate_{mode}", target).asm["ptx"]
             assert "div.rn.f32" in ptx and ".ftz" not in ptx
         assert compiled("select", target).asm["cubin"]
+
+
+def test_tunables_are_the_plans_names() -> None:
+    """``SelectionHost.tunables`` names exactly the plan's select tunables and rebuilds the same host."""
+    from kvgen.lower.plan import TUNABLES as PLAN
+
+    for route in ROUTES.values():
+        selector = kernels.TritonSelector(3, 2, 2, (0, 2), **route)
+        assert selector.tunables() == route and set(route) == set(PLAN["select"])

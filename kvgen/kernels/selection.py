@@ -72,6 +72,13 @@ class SelectionHost:
         self.num_warps = {"statistics": stats_warps, "aggregate": aggregate_warps, "select": select_warps}
         self._layers: dict[torch.device, torch.Tensor] = {}
 
+    def tunables(self) -> dict[str, int]:
+        """The launch tunables this host was built with, by their plan names (the constructor's keywords)."""
+        return {"rows": self.rows, "stats_unroll": self.stats_unroll, "stats_resident": self.stats_resident,
+                "stats_warps": self.num_warps["statistics"], "block_w": self.block_w,
+                "aggregate_warps": self.num_warps["aggregate"], "block": self.block, "radix_bits": self.radix_bits,
+                "select_route": self.select_route, "select_warps": self.num_warps["select"]}
+
     def num_decision_rows(self, mode: str) -> int:
         return (1, self.kv_heads, self.num_layers * self.kv_heads)[mode_index(mode)]
 

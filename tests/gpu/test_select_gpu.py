@@ -76,7 +76,7 @@ def test_selection_equals_the_oracle_on_the_kernel_scores(family: str, mode: str
     case = scenario(family)
     scores, g = case["scores"], case["manager"].geometry   # the scenario keeps 6 cache layers
     tuned = load_select_module(select_module(family))
-    module = TritonSelector(g.num_layers, g.kv_heads, g.group, g.scored_layers, **_tunables(tuned.SELECTOR))
+    module = TritonSelector(g.num_layers, g.kv_heads, g.group, g.scored_layers, **tuned.SELECTOR.tunables())
     P, width = _long(PROMPTS), _long(case["S"]) - _long(PROMPTS)
     values = _oracle(scores, width, mode, g)
     mean, std = module.statistics(scores, width)
@@ -84,15 +84,6 @@ def test_selection_equals_the_oracle_on_the_kernel_scores(family: str, mode: str
     for budget in (1, 100, 300, 600):
         kept = module.decide(scores, width, P, budget, mode).check()
         assert torch.equal(kept, T.select_keep(values, width, budget, P)), f"budget {budget}"
-
-
-def _tunables(selector: TritonSelector) -> dict[str, int]:
-    """The launch tunables a selector was built with (its family's generated constants)."""
-    return {"rows": selector.rows, "stats_unroll": selector.stats_unroll, "stats_resident": selector.stats_resident,
-            "stats_warps": selector.num_warps["statistics"], "block_w": selector.block_w,
-            "aggregate_warps": selector.num_warps["aggregate"], "block": selector.block,
-            "radix_bits": selector.radix_bits, "select_route": selector.select_route,
-            "select_warps": selector.num_warps["select"]}
 
 
 # Routes beside the shipped constants: every row read once (16384 resident columns), or the rows
@@ -112,7 +103,7 @@ def test_round_sized_scores_are_bit_identical(mode: str, route: str) -> None:
     g = tri_geometry(load_spec(SPECS_DIR / "qwen3-8b.yaml"))
     shipped = load_select_module(select_module("qwen3-8b")).SELECTOR
     module = TritonSelector(g.num_layers, g.kv_heads, g.group, g.scored_layers,
-                            **{**_tunables(shipped), **ROUTES[route]})
+                            **{**shipped.tunables(), **ROUTES[route]})
     gen = torch.Generator(device="cuda").manual_seed(5)
     W, widths = 16384, [16384, 9001, 513, 16000]
     scores = torch.randn(len(g.scored_layers), len(widths), g.query_heads, W, device="cuda", generator=gen) * 40 + 7
