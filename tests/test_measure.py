@@ -65,7 +65,8 @@ def test_page_shapes():
 
 
 def test_workload_classes_and_launch_failures():
-    assert [workload_class(op).op for op in ("codec", "compact", "score")] == ["codec", "compact", "score"]
+    ops = ("codec", "compact", "score", "select")
+    assert [workload_class(op).op for op in ops] == list(ops)
     with pytest.raises(ValueError, match="pack"):
         workload_class("pack")
 

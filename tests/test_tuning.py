@@ -200,6 +200,24 @@ def test_a_dotted_bundle_name_keeps_its_dots_in_the_archive(tmp_path: Path, monk
     assert [p.name for p in tmp_path.glob("*.tar.xz")] == ["cs-qwen3.5-397b-a17b.tar.xz"]
 
 
+def test_selection_candidates_build_into_a_bundle(tmp_path: Path) -> None:
+    """``--op select``: the selection libraries (Triton AOT) of a subspace, radix_bits 8 folded to 4
+    on the comparison route (one candidate, not two), the Triton release recorded for the measure step."""
+    from kvgen.cli import main
+    from kvgen.tuning.candidates import read_bundle
+
+    bundle = tmp_path / "sel"
+    fix = "rows=1,stats_unroll=4,stats_resident=16384,stats_warps=16,block_w=64,aggregate_warps=2,block=4096,select_warps=16"
+    assert main(["tune", "--family", "qwen3-8b", "--op", "select", "--build-only", "--bundle", str(bundle),
+                 "--fix", fix, "--cache-dir", str(tmp_path / "cache")]) == 0
+    index = read_bundle(bundle)
+    routes = [(c["params"]["select_route"], c["params"]["radix_bits"]) for c in index["candidates"]]
+    assert len(routes) == 8 and routes[0] == (0, 4)   # the default (all at their defaults) first
+    assert sorted(routes[1:]) == [(0, 1), (0, 2), (0, 4), (1, 1), (1, 2), (1, 4), (1, 8)]
+    assert all(c["status"] in ("built", "hit") and c["artifact"].endswith(".so") for c in index["candidates"])
+    assert index["toolchains"]["triton"] and (tmp_path / "sel.tar.xz").is_file()
+
+
 def test_a_killed_tune_resumes_without_losing_a_finished_trial(tmp_path: Path, measurements: Path) -> None:
     storage = f"sqlite:///{tmp_path / 'studies.sqlite3'}"
     script = f"""

@@ -1,7 +1,7 @@
 """Build side of tuning: every candidate configuration of (family, op, arch) compiled here, no GPU.
 
 A candidate is the artifact the build would ship with those parameters (the whole family library
-for ``codec``/``compact``, the score library for ``score``), built through the same content-hash
+for ``codec``/``compact``, the score library for ``score``, the selection library for ``select``), built through the same content-hash
 cache as ``kvgen build``, so a winner is never rebuilt. A **bundle** is a directory holding the
 candidates and ``bundle.json`` (plain data: family, op, arch, parameters, artifact, build status),
 packed into one archive for the GPU machine: the libraries share their static CUDA runtime, so a
@@ -23,6 +23,7 @@ from kvgen.build.compile import Toolchains, compile_many
 from kvgen.build.cute_aot import find_cute_toolchain
 from kvgen.build.job import BuildJob, BuildOutcome, SpecSource, family_jobs
 from kvgen.build.nvcc import Toolchain, toolchain_for
+from kvgen.build.triton_aot import triton_version
 from kvgen.lower.plan import Op
 from kvgen.tuning.space import config_id
 
@@ -76,6 +77,8 @@ def build_candidates(requests: Sequence[Request], arch: str, out_dir: Path, cach
     compilers = Toolchains(tuple(toolchains))
     if any(r.op in ("codec", "compact") for r in requests):
         versions["nvcc"] = toolchain_for(arch, toolchains).version
+    if any(r.op == "select" for r in requests):
+        versions["triton"] = triton_version()
     if any(r.op == "score" for r in requests):
         compilers = Toolchains(tuple(toolchains), find_cute_toolchain())
         versions["cutlass_dsl"] = dict(compilers.cute.dsl_versions).get("nvidia-cutlass-dsl", "")

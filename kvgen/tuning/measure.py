@@ -79,6 +79,8 @@ def workload_for(op: str, family: str, specs: Path | None = None) -> Workload:
         return workload(family_layout(spec), spec.dtype)
     if op == "compact":
         return workload(tri_geometry(spec), spec.dtype)
+    if op == "select":
+        return workload(spec.name, tri_geometry(spec))
     from kvgen.measure.workloads.score import ScoreFamily
 
     return workload(ScoreFamily(spec.name, tri_geometry(spec), spec.dtype, spec.rope.theta, rope_scaling(spec)))

@@ -33,12 +33,13 @@ from kvgen.lower.plan import (
     f32_literal,
     fold_codec_params,
     fold_compact_params,
+    fold_select_params,
     score_geometry,
 )
 from kvgen.lower.tuned import CHOICE_MARGIN
 from kvgen.spec.schema import FamilySpec
 
-TUNED_OPS: tuple[Op, ...] = ("codec", "compact", "score")
+TUNED_OPS: tuple[Op, ...] = ("codec", "compact", "score", "select")
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,11 @@ BUCKETS: dict[Op, tuple[Bucket, ...]] = {
         # more stages per CTA pay (qwen3-8b form 1: token_tiles 8 at 4096, 16 at 16384, callC/callE
         # of results/2026-12-04-h200-s10)
         Bucket("b32-wide", {"batch": 32, "width": 16384}, "a full batch of long decodes (the bench's width)"),
+    ),
+    # normalize + aggregate (union) + select of a round, at the bench's width and budget
+    "select": (
+        Bucket("b1", {"batch": 1, "width": 16384, "budget": 2048}, "one request due: one selection program"),
+        Bucket("b32", {"batch": 32, "width": 16384, "budget": 2048}, "a full decode batch due at once"),
     ),
 }
 
@@ -112,6 +118,8 @@ def canonical(op: Op, params: Mapping[str, int], spec: FamilySpec) -> dict[str, 
         out["decode_split"] = 1  # half blocks exist only on the Lut route of 16-bit hot dtypes
     if op == "codec":
         out = fold_codec_params(spec, out)  # the packed fp16 route (rounding 3) needs an fp8 Q = 1 buffer
+    if op == "select":
+        out = fold_select_params(out)
     return out
 
 

@@ -1,6 +1,6 @@
 """The tuner's GPU side on a real GPU: the correctness gate rejects broken candidates (wrong bytes,
-a library of another family, a corrupt file), and the one-machine mode builds, measures and writes a
-tuned config. Candidates are compiled on the GPU machine itself (it has nvcc), so nothing needs
+a library of another family, a corrupt file), selection candidates of every route pass it and are
+timed, and the one-machine mode builds, measures and writes a tuned config. Candidates are compiled on the GPU machine itself (it has nvcc), so nothing needs
 carrying; skipped where there is no nvcc or no optuna.
 """
 
@@ -102,3 +102,27 @@ def test_one_machine_mode_builds_measures_and_writes_a_tuned_config(tmp_path: Pa
     assert small["trials"] == 3 and small["failed"] == 0 and small["best_ms"] <= small["default_ms"]
     env = data["ops"]["codec"]["environment"]
     assert env["gpu"] and env["toolchain"]["nvcc"]
+
+
+def test_selection_candidates_of_every_route_pass_the_gate(tmp_path: Path, toolchains) -> None:
+    """Selection libraries (rows read twice / once, comparison / histogram passes) built here, each
+    bit-identical to the oracle in every mode, then timed in both buckets; another family's
+    library is refused at load."""
+    source = load_spec_source(SPECS_DIR / f"{FAMILY}.yaml")
+    other = load_spec_source(SPECS_DIR / "gpt-oss-20b.yaml")
+    routes = [{}, {"stats_resident": 16384, "stats_warps": 16, "select_route": 1, "radix_bits": 8, "block": 4096,
+                   "select_warps": 16}]
+    requests = [Request(source, "select", {**default_params("select"), **r}) for r in routes]
+    bundle = tmp_path / "bundle"
+    built = build_candidates([*requests, Request(other, "select", default_params("select"))], "sm_90a", bundle,
+                             tmp_path / "cache", toolchains=toolchains)
+    foreign = replace(built[0], config=config_id("select", {**default_params("select"), "select_warps": 8}),
+                      params={**default_params("select"), "select_warps": 8}, artifact=built[2].artifact)
+    write_index(bundle, "sm_90a", [*built[:2], foreign], read_bundle(bundle)["toolchains"])
+    out = tmp_path / "m.jsonl"
+    measure_bundle(bundle, out, families={FAMILY}, reps=5)
+    status = {(r["config"], r["bucket"]): r["status"] for r in read_records(out)}
+    for c in built[:2]:
+        assert {status[(c.config, b.name)] for b in BUCKETS["select"]} == {"ok"}
+    assert {status[(foreign.config, b.name)] for b in BUCKETS["select"]} == {"load"}
+    assert all(r["environment"]["toolchain"]["triton"] for r in read_records(out) if r["status"] == "ok")

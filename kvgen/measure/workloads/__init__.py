@@ -2,7 +2,7 @@
 benchmarks (``kvgen bench``) and the tuner's measurement worker (``kvgen.tuning.measure``).
 
 A workload is built from what the tools lowered (a ``FamilyLayout`` for the codec, a
-``TriGeometry`` and dtype for compaction and scoring) and drives an artifact given by path:
+``TriGeometry`` and dtype for compaction and scoring, the ``TriGeometry`` for selection) and drives an artifact given by path:
 
 - ``load(path)``: the runtime library (``Failure("load")`` when it cannot be used);
 - ``inputs(size, seed)``: device inputs for one problem size, in enough copies that the timed
@@ -34,4 +34,8 @@ def workload_class(op: str) -> type:
         from kvgen.measure.workloads.score import ScoreWorkload
 
         return ScoreWorkload
-    raise ValueError(f"op: expected codec, compact or score, got {op!r}")
+    if op == "select":
+        from kvgen.measure.workloads.select import SelectWorkload
+
+        return SelectWorkload
+    raise ValueError(f"op: expected codec, compact, score or select, got {op!r}")
