@@ -2,7 +2,7 @@
 # family:   gemma-2-9b
 # op:       select
 # template: select.py.j2
-# plan key: b5ab0fcfec18d7cb4b9cef1987d37438c9aca9e4295c608a595bb6e9b6d1b737
+# plan key: 2deb01f4066cbd8dc2de2a34bfbe6d527d48f88b13ace45409a5d5dba3894f85
 """Normalize, aggregate and select of family gemma-2-9b (TRIATTENTION.md §4-§5), in Triton.
 
 The family's constants bound to ``kvgen.kernels.triton.select.TritonSelector`` (the kernels live
@@ -25,14 +25,14 @@ SCORED_LAYERS = (
 )
 ROWS = 1  # score rows per statistics program (tunable "rows")
 STATS_UNROLL = 4  # steps of 512 columns a statistics program loads at once (tunable "stats_unroll")
-STATS_WARPS = 8  # warps per statistics program (tunable "stats_warps")
+STATS_WARPS = 16  # warps per statistics program (tunable "stats_warps")
 STATS_RESIDENT = 0  # columns held to read a row once, 0: twice (tunable "stats_resident")
 BLOCK_W = 64  # columns per aggregation program (tunable "block_w")
 AGGREGATE_WARPS = 2  # warps per aggregation program (tunable "aggregate_warps")
-BLOCK = 512  # columns per selection step (tunable "block")
+BLOCK = 1024  # columns per selection step (tunable "block")
 RADIX_BITS = 4  # key bits found per selection pass (tunable "radix_bits")
-SELECT_ROUTE = 0  # 0: a pass compares keys with candidates, 1: histograms (tunable "select_route")
-SELECT_WARPS = 4  # warps per selection program (tunable "select_warps")
+SELECT_ROUTE = 1  # 0: a pass compares keys with candidates, 1: histograms (tunable "select_route")
+SELECT_WARPS = 16  # warps per selection program (tunable "select_warps")
 
 SELECTOR = TritonSelector(NUM_LAYERS, KV_HEADS, GROUP, SCORED_LAYERS, rows=ROWS, stats_unroll=STATS_UNROLL,
                           stats_resident=STATS_RESIDENT, stats_warps=STATS_WARPS, block_w=BLOCK_W,

@@ -2,7 +2,7 @@
 # family:   qwen3-8b-fp8
 # op:       select
 # template: select.py.j2
-# plan key: 639e7e30a65e9d110e4aec2124da4a6802cf3cc7e844029959e7178c5ea18e5a
+# plan key: ffc11684bf82deec1a3f6f4e6373e39e34b05aad55073b51b24edcf29464225c
 """Normalize, aggregate and select of family qwen3-8b-fp8 (TRIATTENTION.md §4-§5), in Triton.
 
 The family's constants bound to ``kvgen.kernels.triton.select.TritonSelector`` (the kernels live
@@ -26,14 +26,14 @@ SCORED_LAYERS = (
 )
 ROWS = 1  # score rows per statistics program (tunable "rows")
 STATS_UNROLL = 4  # steps of 512 columns a statistics program loads at once (tunable "stats_unroll")
-STATS_WARPS = 8  # warps per statistics program (tunable "stats_warps")
+STATS_WARPS = 16  # warps per statistics program (tunable "stats_warps")
 STATS_RESIDENT = 0  # columns held to read a row once, 0: twice (tunable "stats_resident")
 BLOCK_W = 64  # columns per aggregation program (tunable "block_w")
 AGGREGATE_WARPS = 2  # warps per aggregation program (tunable "aggregate_warps")
-BLOCK = 512  # columns per selection step (tunable "block")
+BLOCK = 1024  # columns per selection step (tunable "block")
 RADIX_BITS = 4  # key bits found per selection pass (tunable "radix_bits")
-SELECT_ROUTE = 0  # 0: a pass compares keys with candidates, 1: histograms (tunable "select_route")
-SELECT_WARPS = 4  # warps per selection program (tunable "select_warps")
+SELECT_ROUTE = 1  # 0: a pass compares keys with candidates, 1: histograms (tunable "select_route")
+SELECT_WARPS = 16  # warps per selection program (tunable "select_warps")
 
 SELECTOR = TritonSelector(NUM_LAYERS, KV_HEADS, GROUP, SCORED_LAYERS, rows=ROWS, stats_unroll=STATS_UNROLL,
                           stats_resident=STATS_RESIDENT, stats_warps=STATS_WARPS, block_w=BLOCK_W,

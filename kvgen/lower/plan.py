@@ -169,7 +169,7 @@ TUNABLES: dict[str, dict[str, tuple[tuple[int, ...], int]]] = {
         # at rows 1, unroll 4, 8 warps against the old 2 / 1 / 4 (results/2026-12-03-h200-s8/callA).
         "rows": ((1, 2, 4), 1),
         "stats_unroll": ((1, 2, 4, 8), 4),
-        "stats_warps": ((4, 8, 16), 8),
+        "stats_warps": ((4, 8, 16), 16),
         # Columns of a row a statistics program holds in registers between the two sums, so a row
         # that fits is read once (0: every row twice). A wider row falls back to two reads.
         "stats_resident": ((0, 4096, 8192, 16384), 0),
@@ -179,13 +179,13 @@ TUNABLES: dict[str, dict[str, tuple[tuple[int, ...], int]]] = {
         "aggregate_warps": ((2, 4, 8), 2),
         # columns per selection step; each step compares BLOCK keys with 2^radix_bits candidates, so
         # 512 x 16 keeps the comparison tile at 64 registers a thread for 4 warps
-        "block": ((256, 512, 1024, 2048, 4096), 512),
+        "block": ((256, 512, 1024, 2048, 4096), 1024),
         "radix_bits": ((1, 2, 4, 8), 4),       # bits of the budget-th key found per pass over a row
         # How a pass counts the keys at or above each candidate digit: 0 compares every key with
         # every candidate (2^radix_bits per key; radix_bits 8 folds to 4), 1 takes a histogram of
         # the digits of the keys under the known prefix (one count per key). Same counts, same bits.
-        "select_route": ((0, 1), 0),
-        "select_warps": ((4, 8, 16), 4),
+        "select_route": ((0, 1), 1),
+        "select_warps": ((4, 8, 16), 16),
     },
 }
 
