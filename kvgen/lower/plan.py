@@ -166,24 +166,28 @@ TUNABLES: dict[str, dict[str, tuple[tuple[int, ...], int]]] = {
         # Score rows per statistics program, its warps, and steps of LANES columns it loads at once.
         # Each row is read twice (mean, then squared deviations); with one row of 8 warps few rows
         # are between their two reads, so the second partly hits L2: qwen3-8b B32 1.245 -> 1.03 ms
-        # at rows 1, unroll 4, 8 warps against the old 2 / 1 / 4 (results/2026-12-03-h200-s8/callA).
+        # at rows 1, unroll 4, 8 warps against the old 2 / 1 / 4 (results/2026-12-03-h200-s8/callA);
+        # 16 warps, fewer rows in flight: 1.416 -> 1.064 ms on an H100 (results/2026-12-07-h100-s15).
         "rows": ((1, 2, 4), 1),
         "stats_unroll": ((1, 2, 4, 8), 4),
         "stats_warps": ((4, 8, 16), 16),
         # Columns of a row a statistics program holds in registers between the two sums, so a row
-        # that fits is read once (0: every row twice). A wider row falls back to two reads.
+        # that fits is read once (0: every row twice). A wider row falls back to two reads. Held
+        # rows take one program a SM, and lost to two reads by 13-16 % (same H100 run).
         "stats_resident": ((0, 4096, 8192, 16384), 0),
         # Columns and warps per aggregation program: 64 / 2 took the union aggregate of qwen3-8b B32
         # from 0.893 to 0.648 ms (128 / 4 before; same run).
         "block_w": ((32, 64, 128, 256), 64),
         "aggregate_warps": ((2, 4, 8), 2),
-        # columns per selection step; each step compares BLOCK keys with 2^radix_bits candidates, so
-        # 512 x 16 keeps the comparison tile at 64 registers a thread for 4 warps
+        # columns per selection step (route 0 compares BLOCK keys with 2^radix_bits candidates a step:
+        # 512 x 16 keeps that tile at 64 registers a thread for 4 warps)
         "block": ((256, 512, 1024, 2048, 4096), 1024),
         "radix_bits": ((1, 2, 4, 8), 4),       # bits of the budget-th key found per pass over a row
         # How a pass counts the keys at or above each candidate digit: 0 compares every key with
         # every candidate (2^radix_bits per key; radix_bits 8 folds to 4), 1 takes a histogram of
         # the digits of the keys under the known prefix (one count per key). Same counts, same bits.
+        # Route 1 at block 1024, 16 warps: 0.345 -> 0.127 ms a B32 round on an H100 (route 0 at
+        # 512, 4 warps before; results/2026-12-07-h100-s15).
         "select_route": ((0, 1), 1),
         "select_warps": ((4, 8, 16), 16),
     },

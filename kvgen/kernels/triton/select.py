@@ -38,8 +38,6 @@ Two ways to run them, same kernels, same constants (``SelectionHost.*_constants`
 
 from __future__ import annotations
 
-import os
-
 import triton
 import triton.language as tl
 
@@ -94,7 +92,7 @@ def _two_read_moments(scores_ptr, base, width, lane, count, ROWS: tl.constexpr, 
 
 
 # Triton's interpreter runs no inline PTX; there _widen is the plain conversion (the same value).
-_PTX_WIDEN = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
+_PTX_WIDEN = tl.constexpr(not triton.knobs.runtime.interpret)
 
 
 @triton.jit
