@@ -75,9 +75,7 @@ def test_the_library_states_the_family_geometry(library: SelectLibrary) -> None:
     assert (library.family, library.arch) == (REAL_FAMILY, "sm_90a")
     assert (library.num_layers, library.kv_heads, library.group, library.scored_layers) == (
         g.num_layers, g.kv_heads, g.group, tuple(g.scored_layers))
-    assert (library.rows, library.stats_unroll, library.block_w, library.block, library.radix_bits) == (
-        jit.ROWS, jit.STATS_UNROLL, jit.BLOCK_W, jit.BLOCK, jit.RADIX_BITS)
-    assert library.num_warps == {"statistics": jit.STATS_WARPS, "aggregate": jit.AGGREGATE_WARPS, "select": 4}
+    assert library.tunables() == jit.SELECTOR.tunables()   # every launch tunable, through the ABI's geometry
 
 
 def _raw(library: SelectLibrary) -> ctypes.CDLL:
@@ -181,7 +179,7 @@ def test_the_family_build_holds_one_cubin_per_member(tmp_path: Path, toolchains:
                                  capture_output=True, text=True, check=True).stdout
         assert [line.split(".")[-2] for line in listing.split() if line.endswith(".cubin")] == meta["targets"]
     assert compile_one(job, tmp_path / "cache", toolchains).status == "hit"
-    (other,) = [j for j in family_jobs(source, "sm_100f", {"select": {"block": 1024}}) if j.ops == ("select",)]
+    (other,) = [j for j in family_jobs(source, "sm_100f", {"select": {"block": 2048}}) if j.ops == ("select",)]
     toolchain = toolchain_for("sm_100f", toolchains.nvcc)
     assert other.artifact == job.artifact
     assert cache_key("select", *other.rendered.values(), "sm_100f", toolchain) != outcome.key

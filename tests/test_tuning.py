@@ -211,8 +211,11 @@ def test_selection_candidates_build_into_a_bundle(tmp_path: Path) -> None:
     assert main(["tune", "--family", "qwen3-8b", "--op", "select", "--build-only", "--bundle", str(bundle),
                  "--fix", fix, "--cache-dir", str(tmp_path / "cache")]) == 0
     index = read_bundle(bundle)
+    from kvgen.lower.plan import default_params
+
     routes = [(c["params"]["select_route"], c["params"]["radix_bits"]) for c in index["candidates"]]
-    assert len(routes) == 8 and routes[0] == (0, 4)   # the default (all at their defaults) first
+    default = default_params("select")
+    assert len(routes) == 8 and routes[0] == (default["select_route"], default["radix_bits"])   # the default first
     assert sorted(routes[1:]) == [(0, 1), (0, 2), (0, 4), (1, 1), (1, 2), (1, 4), (1, 8)]
     assert all(c["status"] in ("built", "hit") and c["artifact"].endswith(".so") for c in index["candidates"])
     assert index["toolchains"]["triton"] and (tmp_path / "sel.tar.xz").is_file()
