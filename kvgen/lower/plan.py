@@ -65,7 +65,8 @@ TUNABLES: dict[str, dict[str, tuple[tuple[int, ...], int]]] = {
         # decode's own __launch_bounds__ minimum (-1: min_blocks, as before it existed). Decode needs
         # fewer registers than encode: deepseek-v4-csa's decode takes 48 (5 CTAs of 256 threads,
         # achieved occupancy 56 %, results/2026-12-07-h100-s13/call1/ncu-decode-deepseek-v4-csa.csv);
-        # 6 caps it at 40 with 4 bytes spilled, where encode at 6 spills 312. Same bytes.
+        # 6 caps it at 40 with 4 bytes spilled, where encode at 6 spills 312. Same bytes. No gain on
+        # an H100 (1 GiB encode + decode 1.0668 ms at 6, 1.0564 at -1; results/2026-12-07-h100-s15).
         "decode_min_blocks": ((-1, 5, 6), -1),
         # Plain blocks one thread loads before quantizing them in encode (all loads of the batch
         # first): more hot bytes in flight per thread for more registers. Same bytes. Default 1:

@@ -9,7 +9,7 @@ its age). Triton JIT-compiles the kernels at the first call.
    the oracle's functions run on the same device (budgets 1 .. past the widest request).
 2. Qwen3-8B-shaped scores of a real round (36 scored layers, 32 query heads, B = 4, widths up to
    16384: many lanes, long sums): statistics, values and kept sets bit-identical, every mode; with
-   the shipped tunables and with the other routes (rows read once, histogram passes).
+   the shipped tunables and with the other routes (comparison passes, rows read once, histograms).
 3. Whole rounds with the generated selection (oracle and generated packer/compactor): pools, kept
    sets and lengths byte-identical to ``eviction_round`` (tests/tri_sim.py), every family of
    test_score_gpu's ROUND_CASES.
@@ -86,10 +86,12 @@ def test_selection_equals_the_oracle_on_the_kernel_scores(family: str, mode: str
         assert torch.equal(kept, T.select_keep(values, width, budget, P)), f"budget {budget}"
 
 
-# Routes beside the shipped constants: every row read once (16384 resident columns), or the rows
-# wider than 8192 read twice, and histogram passes of 8 and 4 bits.
+# Routes beside the shipped constants: the comparison passes and 8-warp statistics shipped before
+# the fifteenth session, every row read once (16384 resident columns), or the rows wider than 8192
+# read twice, and histogram passes of 8 and 4 bits.
 ROUTES = {
     "shipped": {},
+    "comparisons": {"stats_warps": 8, "select_route": 0, "radix_bits": 4, "block": 512, "select_warps": 4},
     "resident16384-histogram8": {"stats_resident": 16384, "stats_warps": 16, "select_route": 1, "radix_bits": 8,
                                  "block": 4096, "select_warps": 16},
     "resident8192-histogram4": {"stats_resident": 8192, "select_route": 1, "radix_bits": 4, "block": 1024,

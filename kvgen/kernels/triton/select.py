@@ -139,7 +139,7 @@ def _stats_kernel(scores_ptr, width_ptr, mean_ptr, std_ptr, num_rows, batch, W,
     """Program p: rows p*ROWS .. p*ROWS+ROWS-1 of the scores ``[layers * B * Hq, W]``. Rows of at
     most RESIDENT_STEPS x LANES columns are read once (``_resident_moments``); wider rows, or
     every row at RESIDENT_STEPS 0, twice (``_two_read_moments``: the second read partly hits L2
-    when few rows are in flight, hence one row of 8 warps by default)."""
+    when few rows are in flight, hence one row of 16 warps by default)."""
     row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     live = row < num_rows
     request = (row // QUERY_HEADS) % batch
