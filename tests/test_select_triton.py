@@ -37,7 +37,8 @@ from kvgen.spec.schema import load_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 TUNABLES = {"rows": 2, "stats_unroll": 2, "stats_resident": 0, "stats_warps": 4, "block_w": 64, "aggregate_warps": 2,
-            "block": 64, "radix_bits": 4, "select_route": 0, "select_warps": 4}
+            "block": 64, "radix_bits": 4, "select_route": 0, "select_warps": 4, "aggregate_route": 0,
+            "chunk_requests": 1, "queue_lag": 1, "queue_programs": 1}
 # Tunables that must give the same bits: rows read once where they fit (the wide case's 1100
 # columns fall back to two reads under 512 resident columns and are held whole under 2048), and
 # the histogram passes, with 256 digits and with fewer digits than a warp has lanes.
@@ -46,6 +47,9 @@ ROUTES = {
     "resident-histogram8": {**TUNABLES, "rows": 1, "stats_resident": 512, "radix_bits": 8, "select_route": 1,
                             "select_warps": 8},
     "resident-histogram2": {**TUNABLES, "stats_resident": 2048, "radix_bits": 2, "select_route": 1},
+    # statistics and aggregation as one queue; chunks of 2 requests: a batch of 3 ends in half a
+    # chunk; a lag of 2 chunks, more than some cases have
+    "queue": {**TUNABLES, "aggregate_route": 1, "chunk_requests": 2, "queue_lag": 2, "queue_programs": 2},
 }
 
 
@@ -126,8 +130,11 @@ for case in decide:
     g = case["geometry"]
     s = TritonSelector(g.num_layers, g.kv_heads, g.group, g.scored_layers, **tunables)
     width = long(case["width"])
-    mean, std = s.statistics(case["scores"], width)
-    values = s.aggregate(case["scores"], mean, std, width, case["mode"])
+    if s.aggregate_route:
+        mean, std, values = s.statistics_aggregate(case["scores"], width, case["mode"])
+    else:
+        mean, std = s.statistics(case["scores"], width)
+        values = s.aggregate(case["scores"], mean, std, width, case["mode"])
     sel = s.select(values, width, case["budget"], long(case["P"]))
     out[case["id"]] = (mean, std, values, sel.kept, sel.nan_rows)
 s = TritonSelector(1, 1, 1, (0,), **tunables)
@@ -307,7 +314,7 @@ def _compile_for_gpu_targets(selector: kernels.TritonSelector) -> None:
 
     specs = {spec.name: spec for spec in kernels.aot_specializations(selector)}
     assert list(specs) == ["statistics", "aggregate_union", "aggregate_per_head", "aggregate_per_layer_perhead",
-                           "select"]
+                           "queue_union", "queue_per_head", "queue_per_layer_perhead", "select"]
 
     def compiled(name: str, target: GPUTarget):  # noqa: ANN202
         spec = specs[name]
@@ -322,6 +329,10 @@ def _compile_for_gpu_targets(selector: kernels.TritonSelector) -> None:
         for mode in host.MODES:
             ptx = compiled(f"aggregate_{mode}", target).asm["ptx"]
             assert "div.rn.f32" in ptx and ".ftz" not in ptx
+            # the queue: counted with release, waited on with acquire, the other programs' results read past L1
+            ptx = compiled(f"queue_{mode}", target).asm["ptx"]
+            assert "div.rn.f64" in ptx and "div.rn.f32" in ptx and "fma.rn.f64" not in ptx and ".ftz" not in ptx
+            assert ".gpu.release" in ptx and "ld.global.gpu.acquire" in ptx and "ld.global.cg" in ptx
         assert compiled("select", target).asm["cubin"]
 
 

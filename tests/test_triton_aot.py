@@ -30,6 +30,7 @@ from kvgen.build.job import family_jobs, load_spec_source
 from kvgen.build.nvcc import find_toolchains, pip_nvcc_paths, toolchain_for
 from kvgen.build.triton_aot import RECIPES, cache_key, triton_targets
 from kvgen.kernels import INCLUDE_DIR
+from kvgen.kernels.selection import MODES
 from kvgen.kernels.triton.select import aot_specializations
 from kvgen.lower.triattention import tri_geometry
 from kvgen.runtime.library import LibraryError
@@ -90,6 +91,12 @@ def _raw(library: SelectLibrary) -> ctypes.CDLL:
     ("kvgen_select_aggregate", (0, 16, 16, 16, 16, 16, 16, 70000, 100, None), "batch 70000 above 65535"),
     ("kvgen_select_statistics", (None, 16, 16, 16, 2, 100, None), "kvgen_select_statistics: a tensor is NULL"),
     ("kvgen_select_statistics", (16, 16, 16, 16, 2, -3, None), "batch 2 and W -3 must not be negative"),
+    ("kvgen_select_statistics_aggregate", (3, 16, 16, 16, 16, 16, 16, 16, 2, 100, None),
+     "kvgen_select_statistics_aggregate: mode 3"),
+    ("kvgen_select_statistics_aggregate", (1, 16, 16, 16, 16, 16, 16, None, 2, 100, None), "a tensor is NULL"),
+    ("kvgen_select_statistics_aggregate", (0, 16, 16, 16, 16, 16, 16, 16, -2, 100, None), "batch -2 and W 100"),
+    ("kvgen_select_statistics_aggregate", (0, 16, 16, 16, 16, 16, 16, 16, 2**30, 2**30, None), "are too large"),
+    ("kvgen_select_queue_work_ints", (7, 2, 100), "kvgen_select_queue_work_ints: mode 7"),
 ])
 def test_bad_arguments_are_refused_before_the_device(library: SelectLibrary, call: str, args: tuple,
                                                      message: str) -> None:
@@ -101,7 +108,15 @@ def test_bad_arguments_are_refused_before_the_device(library: SelectLibrary, cal
 def test_empty_work_launches_nothing(library: SelectLibrary) -> None:
     lib = _raw(library)
     assert lib.kvgen_select_statistics(None, None, None, None, 0, 100, None) == 0
+    assert lib.kvgen_select_statistics_aggregate(0, None, None, None, None, None, None, None, 3, 0, None) == 0
     assert lib.kvgen_select_keep(None, None, None, None, None, 0, 1, 100, 8, None) == 0
+
+
+@pytest.mark.parametrize("mode", range(3))
+def test_the_queue_work_size_is_the_hosts(library: SelectLibrary, mode: int) -> None:
+    for batch, W in ((1, 16384), (3, 1000), (32, 16385), (0, 5)):
+        assert _raw(library).kvgen_select_queue_work_ints(mode, batch, W) == library.queue_work_ints(
+            MODES[mode], batch, W)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the load error of a machine without a GPU")

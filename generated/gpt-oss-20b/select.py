@@ -2,7 +2,7 @@
 # family:   gpt-oss-20b
 # op:       select
 # template: select.py.j2
-# plan key: 2a67605f562a9755e3044ab10620f37a8a2b8bd906c70a860cf9242c9caf5729
+# plan key: b11949f77b7181b3c1c7a7a10974d537f66780c29206d5b3c5b0b55c99b8f983
 """Normalize, aggregate and select of family gpt-oss-20b (TRIATTENTION.md §4-§5), in Triton.
 
 The family's constants bound to ``kvgen.kernels.triton.select.TritonSelector`` (the kernels live
@@ -32,13 +32,21 @@ BLOCK = 1024  # columns per selection step (tunable "block")
 RADIX_BITS = 4  # key bits found per selection pass (tunable "radix_bits")
 SELECT_ROUTE = 1  # 0: a pass compares keys with candidates, 1: histograms (tunable "select_route")
 SELECT_WARPS = 16  # warps per selection program (tunable "select_warps")
+# 0: statistics and aggregation launched apart, 1: one queue, each chunk's rows read from L2 the
+# second time (tunable "aggregate_route"); its chunk of requests, lag and programs a SM.
+AGGREGATE_ROUTE = 0
+CHUNK_REQUESTS = 1  # tunable "chunk_requests"
+QUEUE_LAG = 4  # chunks of statistics ahead of their aggregation (tunable "queue_lag")
+QUEUE_PROGRAMS = 2  # tunable "queue_programs"
 
 SELECTOR = TritonSelector(NUM_LAYERS, KV_HEADS, GROUP, SCORED_LAYERS, rows=ROWS, stats_unroll=STATS_UNROLL,
                           stats_resident=STATS_RESIDENT, stats_warps=STATS_WARPS, block_w=BLOCK_W,
                           aggregate_warps=AGGREGATE_WARPS, block=BLOCK, radix_bits=RADIX_BITS,
-                          select_route=SELECT_ROUTE, select_warps=SELECT_WARPS)
+                          select_route=SELECT_ROUTE, select_warps=SELECT_WARPS, aggregate_route=AGGREGATE_ROUTE,
+                          chunk_requests=CHUNK_REQUESTS, queue_lag=QUEUE_LAG, queue_programs=QUEUE_PROGRAMS)
 decide = SELECTOR.decide
 statistics = SELECTOR.statistics
 aggregate = SELECTOR.aggregate
+statistics_aggregate = SELECTOR.statistics_aggregate
 select = SELECTOR.select
 num_decision_rows = SELECTOR.num_decision_rows

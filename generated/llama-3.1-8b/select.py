@@ -2,7 +2,7 @@
 # family:   llama-3.1-8b
 # op:       select
 # template: select.py.j2
-# plan key: 84c7c861f6878846f419cca5735c21371423063b56ff12d85771a6f134ce1304
+# plan key: 60b6092683c1fb4366b1b814936393eb80e36c683fa337c1d6a931cd7da314dd
 """Normalize, aggregate and select of family llama-3.1-8b (TRIATTENTION.md §4-§5), in Triton.
 
 The family's constants bound to ``kvgen.kernels.triton.select.TritonSelector`` (the kernels live
@@ -34,13 +34,21 @@ BLOCK = 1024  # columns per selection step (tunable "block")
 RADIX_BITS = 4  # key bits found per selection pass (tunable "radix_bits")
 SELECT_ROUTE = 1  # 0: a pass compares keys with candidates, 1: histograms (tunable "select_route")
 SELECT_WARPS = 16  # warps per selection program (tunable "select_warps")
+# 0: statistics and aggregation launched apart, 1: one queue, each chunk's rows read from L2 the
+# second time (tunable "aggregate_route"); its chunk of requests, lag and programs a SM.
+AGGREGATE_ROUTE = 0
+CHUNK_REQUESTS = 1  # tunable "chunk_requests"
+QUEUE_LAG = 4  # chunks of statistics ahead of their aggregation (tunable "queue_lag")
+QUEUE_PROGRAMS = 2  # tunable "queue_programs"
 
 SELECTOR = TritonSelector(NUM_LAYERS, KV_HEADS, GROUP, SCORED_LAYERS, rows=ROWS, stats_unroll=STATS_UNROLL,
                           stats_resident=STATS_RESIDENT, stats_warps=STATS_WARPS, block_w=BLOCK_W,
                           aggregate_warps=AGGREGATE_WARPS, block=BLOCK, radix_bits=RADIX_BITS,
-                          select_route=SELECT_ROUTE, select_warps=SELECT_WARPS)
+                          select_route=SELECT_ROUTE, select_warps=SELECT_WARPS, aggregate_route=AGGREGATE_ROUTE,
+                          chunk_requests=CHUNK_REQUESTS, queue_lag=QUEUE_LAG, queue_programs=QUEUE_PROGRAMS)
 decide = SELECTOR.decide
 statistics = SELECTOR.statistics
 aggregate = SELECTOR.aggregate
+statistics_aggregate = SELECTOR.statistics_aggregate
 select = SELECTOR.select
 num_decision_rows = SELECTOR.num_decision_rows

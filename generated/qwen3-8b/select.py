@@ -2,7 +2,7 @@
 # family:   qwen3-8b
 # op:       select
 # template: select.py.j2
-# plan key: e8311470df763a2a806d631fc1cbab636bb36f15765aee041cbd78af32d35092
+# plan key: 8947b5f273c23002df84dda49005d396a6e1fbb26777dedcfa7e1142abbf8b7f
 """Normalize, aggregate and select of family qwen3-8b (TRIATTENTION.md §4-§5), in Triton.
 
 The family's constants bound to ``kvgen.kernels.triton.select.TritonSelector`` (the kernels live
@@ -34,13 +34,21 @@ BLOCK = 1024  # columns per selection step (tunable "block")
 RADIX_BITS = 4  # key bits found per selection pass (tunable "radix_bits")
 SELECT_ROUTE = 1  # 0: a pass compares keys with candidates, 1: histograms (tunable "select_route")
 SELECT_WARPS = 16  # warps per selection program (tunable "select_warps")
+# 0: statistics and aggregation launched apart, 1: one queue, each chunk's rows read from L2 the
+# second time (tunable "aggregate_route"); its chunk of requests, lag and programs a SM.
+AGGREGATE_ROUTE = 0
+CHUNK_REQUESTS = 1  # tunable "chunk_requests"
+QUEUE_LAG = 4  # chunks of statistics ahead of their aggregation (tunable "queue_lag")
+QUEUE_PROGRAMS = 2  # tunable "queue_programs"
 
 SELECTOR = TritonSelector(NUM_LAYERS, KV_HEADS, GROUP, SCORED_LAYERS, rows=ROWS, stats_unroll=STATS_UNROLL,
                           stats_resident=STATS_RESIDENT, stats_warps=STATS_WARPS, block_w=BLOCK_W,
                           aggregate_warps=AGGREGATE_WARPS, block=BLOCK, radix_bits=RADIX_BITS,
-                          select_route=SELECT_ROUTE, select_warps=SELECT_WARPS)
+                          select_route=SELECT_ROUTE, select_warps=SELECT_WARPS, aggregate_route=AGGREGATE_ROUTE,
+                          chunk_requests=CHUNK_REQUESTS, queue_lag=QUEUE_LAG, queue_programs=QUEUE_PROGRAMS)
 decide = SELECTOR.decide
 statistics = SELECTOR.statistics
 aggregate = SELECTOR.aggregate
+statistics_aggregate = SELECTOR.statistics_aggregate
 select = SELECTOR.select
 num_decision_rows = SELECTOR.num_decision_rows

@@ -2,7 +2,7 @@
 # family:   qwen3.5-397b-a17b
 # op:       select
 # template: select.py.j2
-# plan key: b327decac63937a4f28061c8ba6f33dae2fd06421998ef67760b3517af2d498b
+# plan key: 4e1701235d2abfb51ced5c42c5a5c9b1c0bfec5e60eb92330e7ad9279498d776
 """Normalize, aggregate and select of family qwen3.5-397b-a17b (TRIATTENTION.md §4-§5), in Triton.
 
 The family's constants bound to ``kvgen.kernels.triton.select.TritonSelector`` (the kernels live
@@ -33,13 +33,21 @@ BLOCK = 1024  # columns per selection step (tunable "block")
 RADIX_BITS = 4  # key bits found per selection pass (tunable "radix_bits")
 SELECT_ROUTE = 1  # 0: a pass compares keys with candidates, 1: histograms (tunable "select_route")
 SELECT_WARPS = 16  # warps per selection program (tunable "select_warps")
+# 0: statistics and aggregation launched apart, 1: one queue, each chunk's rows read from L2 the
+# second time (tunable "aggregate_route"); its chunk of requests, lag and programs a SM.
+AGGREGATE_ROUTE = 0
+CHUNK_REQUESTS = 1  # tunable "chunk_requests"
+QUEUE_LAG = 4  # chunks of statistics ahead of their aggregation (tunable "queue_lag")
+QUEUE_PROGRAMS = 2  # tunable "queue_programs"
 
 SELECTOR = TritonSelector(NUM_LAYERS, KV_HEADS, GROUP, SCORED_LAYERS, rows=ROWS, stats_unroll=STATS_UNROLL,
                           stats_resident=STATS_RESIDENT, stats_warps=STATS_WARPS, block_w=BLOCK_W,
                           aggregate_warps=AGGREGATE_WARPS, block=BLOCK, radix_bits=RADIX_BITS,
-                          select_route=SELECT_ROUTE, select_warps=SELECT_WARPS)
+                          select_route=SELECT_ROUTE, select_warps=SELECT_WARPS, aggregate_route=AGGREGATE_ROUTE,
+                          chunk_requests=CHUNK_REQUESTS, queue_lag=QUEUE_LAG, queue_programs=QUEUE_PROGRAMS)
 decide = SELECTOR.decide
 statistics = SELECTOR.statistics
 aggregate = SELECTOR.aggregate
+statistics_aggregate = SELECTOR.statistics_aggregate
 select = SELECTOR.select
 num_decision_rows = SELECTOR.num_decision_rows

@@ -454,7 +454,8 @@ def render_markdown(doc: dict, tuning_rows: list[dict], figures: dict[str, str],
     return "\n".join(out)
 
 
-ROUND_STAGES = ("score", "normalize_aggregate_select", "statistics", "aggregate", "select", "pack", "compact")
+ROUND_STAGES = ("score", "normalize_aggregate_select", "statistics", "aggregate", "statistics_aggregate", "select",
+                "pack", "compact")
 
 
 def round_section(results: list[dict]) -> list[str]:
@@ -464,7 +465,9 @@ def round_section(results: list[dict]) -> list[str]:
         return []
     out = ["## Eviction rounds against the bytes limit", "",
            "Every request due, budget and width as listed; stages timed alone on the same cache (median ms); "
-           "normalize / aggregate / select is the three kernels together (statistics, aggregate, select). "
+           "normalize / aggregate / select is the selection as the round runs it: statistics and aggregate "
+           "apart, or statistics / aggregate (one launch: the queue) when the family's aggregate_route is 1; "
+           "then select. "
            "Bytes limit: K read once plus the compaction moves read and written, at the copy ceiling of this "
            "run. Goal (issue 14): round ≤ 1.3 × the limit.", ""]
     header = ("family", "batch", "width", "budget", *(s.replace("_", " / ") for s in ROUND_STAGES), "whole round",

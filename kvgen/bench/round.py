@@ -3,8 +3,8 @@
 Per family (head 128: qwen3-8b; head 64: gpt-oss-20b; head 256: gemma-2-9b; partial rotary:
 qwen3.5-397b-a17b) and batch (1 and 32): ``width`` decode tokens after a 1024-token prompt, pages
 scattered, every request due (budget 2048 or the spec's when larger, union unless ``mode``), the family's generated kernels
-(``kvgen.measure.workloads.round``). Stages: score, normalize/aggregate/select (and its three
-kernels: statistics, aggregate, select), pack, compact, and the whole round
+(``kvgen.measure.workloads.round``). Stages: score, normalize/aggregate/select (and its
+kernels: statistics, aggregate, both as one launch, select), pack, compact, and the whole round
 (``TriAttentionManager.run_round``: one input copy, one synchronization). Each is timed alone on
 the same cache (CUDA events, median of 5 after a warm-up; the round compacts in place every
 time, which moves the same bytes).

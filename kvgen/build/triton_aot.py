@@ -71,7 +71,8 @@ class Recipe:
 
 RECIPES: dict[str, Recipe] = {
     "select": Recipe("kvgen.kernels.triton.select", "SELECTOR", "selection.py", "select_abi.cpp", "kvgen_select.h",
-                     ("statistics", "aggregate_union", "aggregate_per_head", "aggregate_per_layer_perhead", "select")),
+                     ("statistics", "aggregate_union", "aggregate_per_head", "aggregate_per_layer_perhead", "queue_union",
+                      "queue_per_head", "queue_per_layer_perhead", "select")),
     "pack": Recipe("kvgen.kernels.triton.pack", "PACKER", "packing.py", "pack_abi.cpp", "kvgen_pack.h",
                    ("offsets", "moves")),
 }

@@ -57,19 +57,29 @@ class SelectionHost:
     ``stats_resident`` columns a statistics program holds to read a row once (0: twice),
     ``block_w`` columns per aggregation program, ``block`` columns per selection step,
     ``radix_bits`` bits of the budget-th key found per pass, ``select_route`` how a pass counts
-    (0 comparisons, 1 histogram), and the warps per program of each kernel)."""
+    (0 comparisons, 1 histogram), the warps per program of each kernel, and ``aggregate_route``:
+    0 launches the statistics and the aggregation apart, 1 as one queue (``_queue_kernel``) of
+    ``chunk_requests`` requests a chunk, aggregated ``queue_lag`` chunks after their statistics, on
+    ``queue_programs`` programs a SM at the statistics' warps)."""
 
     def __init__(self, num_layers: int, kv_heads: int, group: int, scored_layers: Sequence[int], *,
                  rows: int, stats_unroll: int, stats_resident: int, stats_warps: int, block_w: int,
-                 aggregate_warps: int, block: int, radix_bits: int, select_route: int, select_warps: int):
+                 aggregate_warps: int, block: int, radix_bits: int, select_route: int, select_warps: int,
+                 aggregate_route: int, chunk_requests: int, queue_lag: int, queue_programs: int):
         if stats_resident % REDUCTION_LANES:
             raise ValueError(f"stats_resident {stats_resident}: must be a multiple of {REDUCTION_LANES}")
+        if aggregate_route not in (0, 1) or min(chunk_requests, queue_lag, queue_programs) < 1:
+            raise ValueError(f"aggregate_route {aggregate_route} (0 or 1), chunk_requests {chunk_requests}, queue_lag "
+                             f"{queue_lag} and queue_programs {queue_programs} (at least 1)")
         self.num_layers, self.kv_heads, self.group = num_layers, kv_heads, group
         self.query_heads = kv_heads * group
         self.scored_layers = tuple(scored_layers)
         self.rows, self.stats_unroll, self.stats_resident = rows, stats_unroll, stats_resident
         self.block_w, self.block, self.radix_bits, self.select_route = block_w, block, radix_bits, select_route
-        self.num_warps = {"statistics": stats_warps, "aggregate": aggregate_warps, "select": select_warps}
+        self.num_warps = {"statistics": stats_warps, "aggregate": aggregate_warps, "select": select_warps,
+                          "queue": stats_warps}
+        self.aggregate_route, self.chunk_requests, self.queue_lag = aggregate_route, chunk_requests, queue_lag
+        self.queue_programs = queue_programs
         self._layers: dict[torch.device, torch.Tensor] = {}
 
     def tunables(self) -> dict[str, int]:
@@ -77,7 +87,9 @@ class SelectionHost:
         return {"rows": self.rows, "stats_unroll": self.stats_unroll, "stats_resident": self.stats_resident,
                 "stats_warps": self.num_warps["statistics"], "block_w": self.block_w,
                 "aggregate_warps": self.num_warps["aggregate"], "block": self.block, "radix_bits": self.radix_bits,
-                "select_route": self.select_route, "select_warps": self.num_warps["select"]}
+                "select_route": self.select_route, "select_warps": self.num_warps["select"],
+                "aggregate_route": self.aggregate_route, "chunk_requests": self.chunk_requests,
+                "queue_lag": self.queue_lag, "queue_programs": self.queue_programs}
 
     def num_decision_rows(self, mode: str) -> int:
         return (1, self.kv_heads, self.num_layers * self.kv_heads)[mode_index(mode)]
@@ -104,6 +116,18 @@ class SelectionHost:
         heads = self.aggregate_heads(mode)
         return {"MODE": mode_index(mode), "QUERY_HEADS": self.query_heads, "KV_HEADS": self.kv_heads,
                 "HEADS": heads, "HEADS_P2": next_power_of_2(heads), "BLOCK_W": self.block_w}
+
+    def queue_constants(self, mode: str) -> dict[str, int | float]:
+        """The queue kernel's: the aggregation's and the statistics' constants, the chunk and the lag."""
+        return {**self.aggregate_constants(mode), **self.stats_constants(), "CHUNK": self.chunk_requests,
+                "LAG": self.queue_lag}
+
+    def queue_work_ints(self, mode: str, batch: int, W: int) -> int:
+        """int32 counters the queue kernel needs zeroed: its ticket, one per chunk (statistics
+        done), one per request, group and column tile (layers folded)."""
+        groups = 1 if mode == "union" else self.kv_heads
+        chunks = len(self.scored_layers) * -(-batch // self.chunk_requests)
+        return 1 + chunks + batch * groups * -(-W // self.block_w)
 
     def select_constants(self) -> dict[str, int]:
         return {"BLOCK": self.block, "RADIX_BITS": self.radix_bits, "ROUTE": self.select_route}
@@ -177,11 +201,33 @@ class SelectionHost:
             self._launch_select(values, width, P, kept, nan_rows, rows, W, budget)
         return Selection(kept, nan_rows)
 
+    def statistics_aggregate(self, scores: torch.Tensor, width: torch.Tensor,
+                             mode: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(mean, std, values)`` of ``statistics`` and ``aggregate``, bit for bit, from one launch
+        of the queue kernel (each chunk of rows read a second time from L2, not DRAM)."""
+        rows = self.num_decision_rows(mode)
+        self._check_scores(scores)
+        layers, batch, heads, W = scores.shape
+        self._check_rows("width", width, batch, scores.device)
+        mean = torch.empty((layers, batch, heads), dtype=torch.float32, device=scores.device)
+        std = torch.empty_like(mean)
+        sliding = mode == "per_layer_perhead" and len(self.scored_layers) < self.num_layers
+        out = (torch.zeros if sliding else torch.empty)((batch, rows, W), dtype=torch.float32, device=scores.device)
+        if out.numel() and mean.numel():
+            work = torch.zeros(self.queue_work_ints(mode, batch, W), dtype=torch.int32, device=scores.device)
+            self._launch_queue(mode, scores, width, mean, std, self.layer_table(scores.device), out, work, batch, W)
+        return mean, std, out
+
     def decide(self, scores: torch.Tensor, width: torch.Tensor, P: torch.Tensor, budget: int,
                mode: str) -> Selection:
-        """Kept positions of ``scores`` ``[scored, B, Hq, W]``: statistics, aggregate, select."""
-        mean, std = self.statistics(scores, width)
-        return self.select(self.aggregate(scores, mean, std, width, mode), width, budget, P)
+        """Kept positions of ``scores`` ``[scored, B, Hq, W]``: statistics, aggregate (apart, or one
+        queue: ``aggregate_route``), select."""
+        if self.aggregate_route:
+            values = self.statistics_aggregate(scores, width, mode)[2]
+        else:
+            mean, std = self.statistics(scores, width)
+            values = self.aggregate(scores, mean, std, width, mode)
+        return self.select(values, width, budget, P)
 
     # ---- the launches (checked, allocated, non-empty arguments)
 
@@ -190,6 +236,10 @@ class SelectionHost:
 
     def _launch_aggregate(self, mode: str, scores, mean, std, width, layers, out, batch: int,  # noqa: ANN001
                           W: int) -> None:
+        raise NotImplementedError
+
+    def _launch_queue(self, mode: str, scores, width, mean, std, layers, out, work, batch: int,  # noqa: ANN001
+                      W: int) -> None:
         raise NotImplementedError
 
     def _launch_select(self, values, width, P, kept, nan_rows, rows: int, W: int,  # noqa: ANN001

@@ -191,6 +191,15 @@ TUNABLES: dict[str, dict[str, tuple[tuple[int, ...], int]]] = {
         # 512, 4 warps before; results/2026-12-07-h100-s15).
         "select_route": ((0, 1), 1),
         "select_warps": ((4, 8, 16), 16),
+        # 0: the statistics and the aggregation are two launches, and the aggregation reads every
+        # score from DRAM again; 1: one launch, a queue of chunks (one scored layer of
+        # chunk_requests requests): a chunk's aggregation items follow its statistics queue_lag
+        # chunks later, so its rows are read again from L2. The queue runs queue_programs programs a SM
+        # at stats_warps warps, block_w columns an aggregation item. Same bits either way.
+        "aggregate_route": ((0, 1), 0),
+        "chunk_requests": ((1, 2, 4, 8), 1),
+        "queue_lag": ((1, 2, 4, 8), 4),    # chunks of statistics queued ahead of their aggregation
+        "queue_programs": ((1, 2, 4), 2),
     },
 }
 
@@ -355,11 +364,13 @@ def compact_geometry(spec: FamilySpec) -> dict[str, Any]:
 
 def fold_select_params(params: Mapping[str, int]) -> dict[str, int]:
     """The comparison route (select_route 0) takes at most 4 radix bits: 8 would compare every key
-    with 256 candidates, a tile no register file holds."""
+    with 256 candidates, a tile no register file holds. A round runs one aggregation route, so the
+    other route's launch parameters are held at their defaults (one candidate, not many)."""
     out = dict(params)
     if out["select_route"] == 0 and out["radix_bits"] > 4:
         out["radix_bits"] = 4
-    return out
+    unused = ("chunk_requests", "queue_lag", "queue_programs") if out["aggregate_route"] == 0 else ("aggregate_warps",)
+    return {**out, **{name: TUNABLES["select"][name][1] for name in unused}}
 
 
 def fold_compact_params(spec: FamilySpec, params: Mapping[str, int]) -> dict[str, int]:

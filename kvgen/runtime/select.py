@@ -26,7 +26,7 @@ from kvgen.kernels.selection import SelectionHost, mode_index
 from kvgen.runtime.generated_module import import_generated_module, load_generated_module
 from kvgen.runtime.library import TritonAotLibrary
 
-ABI_VERSION = 3
+ABI_VERSION = 4
 
 REQUIRED = ("FAMILY", "NUM_LAYERS", "KV_HEADS", "GROUP", "SCORED_LAYERS", "decide", "num_decision_rows")
 
@@ -48,7 +48,8 @@ def load_select_module(path: str | Path) -> ModuleType:
 class SelectGeometry(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int32) for name in (
         "abi_version", "num_layers", "kv_heads", "group", "num_scored", "rows", "block_w", "block", "radix_bits",
-        "stats_unroll", "stats_warps", "aggregate_warps", "stats_resident", "select_route", "select_warps")]
+        "stats_unroll", "stats_warps", "aggregate_warps", "stats_resident", "select_route", "select_warps",
+        "aggregate_route", "chunk_requests", "queue_lag", "queue_programs")]
 
 
 _c = ctypes
@@ -62,6 +63,9 @@ _SIGNATURES = {
     "kvgen_select_scored_layers": (_c.POINTER(_c.c_int32), []),
     "kvgen_select_statistics": (_c.c_int, [_P, _P, _P, _P, _c.c_int32, _c.c_int32, _P]),
     "kvgen_select_aggregate": (_c.c_int, [_c.c_int32, _P, _P, _P, _P, _P, _P, _c.c_int32, _c.c_int32, _P]),
+    "kvgen_select_queue_work_ints": (_c.c_int64, [_c.c_int32, _c.c_int32, _c.c_int32]),
+    "kvgen_select_statistics_aggregate": (_c.c_int, [_c.c_int32, _P, _P, _P, _P, _P, _P, _P, _c.c_int32, _c.c_int32,
+                                                     _P]),
     "kvgen_select_keep": (_c.c_int, [_P, _P, _P, _P, _P, _c.c_int32, _c.c_int32, _c.c_int32, _c.c_int32, _P]),
 }
 
@@ -84,7 +88,9 @@ class SelectLibrary(TritonAotLibrary, SelectionHost):
         super().__init__(g.num_layers, g.kv_heads, g.group, [layers[i] for i in range(g.num_scored)], rows=g.rows,
                          stats_unroll=g.stats_unroll, stats_resident=g.stats_resident, stats_warps=g.stats_warps,
                          block_w=g.block_w, aggregate_warps=g.aggregate_warps, block=g.block,
-                         radix_bits=g.radix_bits, select_route=g.select_route, select_warps=g.select_warps)
+                         radix_bits=g.radix_bits, select_route=g.select_route, select_warps=g.select_warps,
+                         aggregate_route=g.aggregate_route, chunk_requests=g.chunk_requests,
+                         queue_lag=g.queue_lag, queue_programs=g.queue_programs)
 
     def _launch_statistics(self, scores, width, mean, std, batch, W):  # noqa: ANN001, ANN202
         self._call("statistics", scores.data_ptr(), width.data_ptr(), mean.data_ptr(), std.data_ptr(),
@@ -93,6 +99,10 @@ class SelectLibrary(TritonAotLibrary, SelectionHost):
     def _launch_aggregate(self, mode, scores, mean, std, width, layers, out, batch, W):  # noqa: ANN001, ANN202
         self._call("aggregate", mode_index(mode), scores.data_ptr(), mean.data_ptr(), std.data_ptr(),
                    width.data_ptr(), layers.data_ptr(), out.data_ptr(), batch, W, _stream(scores))
+
+    def _launch_queue(self, mode, scores, width, mean, std, layers, out, work, batch, W):  # noqa: ANN001, ANN202
+        self._call("statistics_aggregate", mode_index(mode), scores.data_ptr(), width.data_ptr(), layers.data_ptr(),
+                   mean.data_ptr(), std.data_ptr(), out.data_ptr(), work.data_ptr(), batch, W, _stream(scores))
 
     def _launch_select(self, values, width, P, kept, nan_rows, rows, W, budget):  # noqa: ANN001, ANN202
         self._call("keep", values.data_ptr(), width.data_ptr(), P.data_ptr(), kept.data_ptr(),

@@ -9,7 +9,8 @@ its age). Triton JIT-compiles the kernels at the first call.
    the oracle's functions run on the same device (budgets 1 .. past the widest request).
 2. Qwen3-8B-shaped scores of a real round (36 scored layers, 32 query heads, B = 4, widths up to
    16384: many lanes, long sums): statistics, values and kept sets bit-identical, every mode; with
-   the shipped tunables and with the other routes (comparison passes, rows read once, histograms).
+   the shipped tunables and with the other routes (comparison passes, rows read once, histograms,
+   statistics and aggregation as one queue).
 3. Whole rounds with the generated selection (oracle and generated packer/compactor): pools, kept
    sets and lengths byte-identical to ``eviction_round`` (tests/tri_sim.py), every family of
    test_score_gpu's ROUND_CASES.
@@ -17,7 +18,7 @@ its age). Triton JIT-compiles the kernels at the first call.
 5. The registry's AOT libraries (``lib<symbol>_select.so``: the same kernels compiled at build
    time, launched through the C ABI, no Triton): every scorable family and mode on full-geometry
    scores with ties and widths that are not a multiple of any tile, bit-identical to the oracle and
-   to the JIT kernels; whole rounds with them byte-identical to ``eviction_round``; a width past W
+   to the JIT kernels (both aggregation routes); whole rounds with them byte-identical to ``eviction_round``; a width past W
    on the device reads nothing outside the row (the values past it are NaN: none is counted); and
    a process in which Triton cannot be imported selects with them.
 """
@@ -96,6 +97,10 @@ ROUTES = {
                                  "block": 4096, "select_warps": 16},
     "resident8192-histogram4": {"stats_resident": 8192, "select_route": 1, "radix_bits": 4, "block": 1024,
                                 "select_warps": 8},
+    # the queue (statistics and aggregation in one launch, many programs waiting on each other)
+    "queue-chunk1": {"aggregate_route": 1, "chunk_requests": 1, "queue_lag": 8, "queue_programs": 4, "block_w": 64},
+    "queue-chunk4-resident": {"aggregate_route": 1, "chunk_requests": 4, "queue_lag": 1, "queue_programs": 1,
+                              "block_w": 256, "stats_resident": 16384, "stats_warps": 8},
 }
 
 
@@ -121,6 +126,8 @@ def test_round_sized_scores_are_bit_identical(mode: str, route: str) -> None:
     assert torch.equal(mean, ref_mean.float()[..., 0]) and torch.equal(std, ref_std[..., 0])
     values = _oracle(scores, width, mode, g)
     assert torch.equal(module.aggregate(scores, mean, std, width, mode), values)
+    together = module.statistics_aggregate(scores, width, mode)
+    assert all(torch.equal(a, b) for a, b in zip(together, (mean, std, values)))
     P = _long([1024] * len(widths))
     for budget in (1, 2048, 9001):
         assert torch.equal(module.decide(scores, width, P, budget, mode).check(), T.select_keep(values, width, budget, P))
@@ -152,7 +159,8 @@ def test_a_nan_score_stops_the_round_before_anything_moves() -> None:
     g = tri_geometry(load_spec(SPECS_DIR / "qwen3-8b.yaml"))
     selector = TritonSelector(g.num_layers, g.kv_heads, g.group, g.scored_layers, rows=2, stats_unroll=1,
                               stats_resident=0, stats_warps=4, block_w=128, aggregate_warps=4, block=512, radix_bits=4,
-                              select_route=0, select_warps=4)
+                              select_route=0, select_warps=4, aggregate_route=0, chunk_requests=1, queue_lag=1,
+                              queue_programs=1)
     scores = torch.randn(len(g.scored_layers), 2, g.query_heads, 300, device="cuda")
     scores[3, 1, 5, 17] = float("nan")
     width = _long([300, 200])
@@ -182,6 +190,9 @@ def test_the_aot_library_equals_the_oracle_and_the_jit_kernels(family: str, mode
     mean, std = library.statistics(scores, width)
     assert all(torch.equal(a, b) for a, b in zip((mean, std), jit.statistics(scores, width)))
     assert torch.equal(library.aggregate(scores, mean, std, width, mode), values)
+    assert all(torch.equal(a, b) for a, b in zip(library.statistics_aggregate(scores, width, mode), (mean, std, values)))
+    assert library.queue_work_ints(mode, len(widths), W) == library._lib.kvgen_select_queue_work_ints(
+        T.MODES.index(mode), len(widths), W)
     for budget in (1, 333, 1300):
         kept = library.decide(scores, width, P, budget, mode).check()
         assert torch.equal(kept, T.select_keep(values, width, budget, P)), f"budget {budget}"
@@ -201,6 +212,8 @@ def test_the_aot_library_reads_nothing_past_a_row() -> None:
     scores.copy_(padded[..., :W])
     honest, liar = _long([W, W]), _long([W, 10 * W])
     assert all(torch.equal(a, b) for a, b in zip(library.statistics(scores, liar), library.statistics(scores, honest)))
+    assert all(torch.equal(a, b) for a, b in zip(library.statistics_aggregate(scores, liar, "per_head"),
+                                                  library.statistics_aggregate(scores, honest, "per_head")))
     assert torch.equal(library.decide(scores, liar, _long([0, 0]), 8, "union").check(),
                        library.decide(scores, honest, _long([0, 0]), 8, "union").check())
 

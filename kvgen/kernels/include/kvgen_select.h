@@ -26,7 +26,9 @@ extern "C" {
 #endif
 
 // 3: kvgen_select_geometry gained stats_resident, select_route and select_warps.
-#define KVGEN_SELECT_ABI_VERSION 3
+// 4: kvgen_select_statistics_aggregate (and its work size); the geometry gained aggregate_route,
+//    chunk_requests, queue_lag and queue_programs.
+#define KVGEN_SELECT_ABI_VERSION 4
 
 // Error codes (besides CUresult values of a failed launch, returned as is).
 #define KVGEN_SELECT_EINVAL (-1)   // an argument is out of range; the message names it
@@ -54,6 +56,10 @@ typedef struct {
   int32_t stats_resident;   // columns a statistics program holds to read a row once, 0: twice (tunable)
   int32_t select_route;     // 0: a selection pass compares keys with candidates, 1: histograms (tunable)
   int32_t select_warps;     // warps per selection program (tunable)
+  int32_t aggregate_route;  // 0: statistics then aggregate; 1: kvgen_select_statistics_aggregate (tunable)
+  int32_t chunk_requests;   // requests of one scored layer per chunk of that queue (tunable)
+  int32_t queue_lag;        // chunks of statistics queued ahead of their aggregation (tunable)
+  int32_t queue_programs;   // that queue's programs per multiprocessor (tunable)
 } kvgen_select_geometry;
 
 int kvgen_select_abi_version(void);
@@ -77,6 +83,17 @@ int kvgen_select_statistics(const float* scores, const int64_t* width, float* me
 int kvgen_select_aggregate(int32_t mode, const float* scores, const float* mean, const float* std,
                            const int64_t* width, const int32_t* scored_layers, float* out, int32_t batch,
                            int32_t W, void* stream);
+
+// Both of the above in one launch, the same results bit for bit (mean, std and out as above):
+// a queue of chunks (one scored layer of chunk_requests requests) whose aggregation reads the
+// rows again while the statistics left them in L2. The route the library was tuned for is the
+// geometry's aggregate_route. work: int32 [kvgen_select_queue_work_ints(mode, batch, W)] device
+// counters, zeroed before every call. Launches multiprocessors x queue_programs programs of the
+// current device.
+int64_t kvgen_select_queue_work_ints(int32_t mode, int32_t batch, int32_t W);   // -1: bad mode or size
+int kvgen_select_statistics_aggregate(int32_t mode, const float* scores, const int64_t* width,
+                                      const int32_t* scored_layers, float* mean, float* std, float* out,
+                                      int32_t* work, int32_t batch, int32_t W, void* stream);
 
 // kept [B, R, budget] int64: the stable top-`budget` of each row of values [B, R, W] float32
 // among its width[b] valid columns, as absolute positions P[b] + column, ascending, -1 past the

@@ -4,7 +4,7 @@
 // kvgen.build.triton_aot writes aot_family.h for each library: KVGEN_AOT_FAMILY, KVGEN_AOT_ARCH,
 // the family's constants and kImages, one KernelImage per kernel in the shim's order.
 //
-// The CUDA driver is opened with dlopen and five of its entry points are called: the library
+// The CUDA driver is opened with dlopen and seven of its entry points are called: the library
 // links no CUDA library (no static cudart: it stays the size of its images), and loading it on a
 // machine without a driver still works (the first launch then says why it cannot run).
 #pragma once
@@ -52,6 +52,8 @@ struct Driver {
   CUresult (*library_get_kernel)(CUkernel*, CUlibrary, const char*) = nullptr;
   CUresult (*launch_kernel)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, CUstream,
                             void**, void**) = nullptr;
+  CUresult (*ctx_get_device)(CUdevice*) = nullptr;
+  CUresult (*device_get_attribute)(int*, CUdevice_attribute, CUdevice) = nullptr;
   std::string error;   // why the driver is unusable; empty when it is
 
   Driver() {
@@ -62,7 +64,9 @@ struct Driver {
     }
     bool found = bind(handle, "cuInit", init) && bind(handle, "cuGetErrorString", error_string) &&
                  bind(handle, "cuLibraryLoadData", library_load_data) &&
-                 bind(handle, "cuLibraryGetKernel", library_get_kernel) && bind(handle, "cuLaunchKernel", launch_kernel);
+                 bind(handle, "cuLibraryGetKernel", library_get_kernel) && bind(handle, "cuLaunchKernel", launch_kernel) &&
+                 bind(handle, "cuCtxGetDevice", ctx_get_device) &&
+                 bind(handle, "cuDeviceGetAttribute", device_get_attribute);
     if (!found) error = "the CUDA driver is older than 12.0 (no cuLibraryLoadData)";
   }
 
@@ -116,6 +120,16 @@ class KernelTable {
                                        images_[k].threads, 1, 1, images_[k].shared_bytes, static_cast<CUstream>(stream),
                                        args, nullptr);
     if (e != CUDA_SUCCESS) return fail(static_cast<int>(e), std::string(images_[k].name) + ": " + driver_.describe(e));
+    return 0;
+  }
+
+  // The multiprocessors of the current context's device (a persistent grid's size).
+  int sm_count(int* out) const {
+    if (status_ != 0) return fail(status_, error_);
+    CUdevice device;
+    CUresult e = driver_.ctx_get_device(&device);
+    if (e == CUDA_SUCCESS) e = driver_.device_get_attribute(out, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, device);
+    if (e != CUDA_SUCCESS) return fail(static_cast<int>(e), "the current device's multiprocessors: " + driver_.describe(e));
     return 0;
   }
 

@@ -38,6 +38,7 @@ Two ways to run them, same kernels, same constants (``SelectionHost.*_constants`
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -132,17 +133,13 @@ def _resident_moments(scores_ptr, base, width, lane, count, ROWS: tl.constexpr, 
 
 
 @triton.jit
-def _stats_kernel(scores_ptr, width_ptr, mean_ptr, std_ptr, num_rows, batch, W,
-                  QUERY_HEADS: tl.constexpr, ROWS: tl.constexpr, LANES: tl.constexpr,
-                  LOG2_LANES: tl.constexpr, UNROLL: tl.constexpr, RESIDENT_STEPS: tl.constexpr,
-                  STD_FLOOR: tl.constexpr):
-    """Program p: rows p*ROWS .. p*ROWS+ROWS-1 of the scores ``[layers * B * Hq, W]``. Rows of at
-    most RESIDENT_STEPS x LANES columns are read once (``_resident_moments``); wider rows, or
-    every row at RESIDENT_STEPS 0, twice (``_two_read_moments``: the second read partly hits L2
-    when few rows are in flight, hence one row of 16 warps by default)."""
-    row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    live = row < num_rows
-    request = (row // QUERY_HEADS) % batch
+def _row_statistics(scores_ptr, width_ptr, mean_ptr, std_ptr, row, live, request, W, ROWS: tl.constexpr,
+                    LANES: tl.constexpr, LOG2_LANES: tl.constexpr, UNROLL: tl.constexpr,
+                    RESIDENT_STEPS: tl.constexpr, STD_FLOOR: tl.constexpr):
+    """Writes ``mean[row]`` and ``std[row]`` of the ``ROWS`` rows ``row`` (``live``: those that
+    exist) of ``request``. Rows of at most RESIDENT_STEPS x LANES columns are read once
+    (``_resident_moments``); wider rows, or every row at RESIDENT_STEPS 0, twice
+    (``_two_read_moments``: the second read partly hits L2 when few rows are in flight)."""
     # A width past W counts as W: whatever the device holds, no load leaves the row.
     width = tl.minimum(tl.load(width_ptr + request, mask=live, other=0), W)
     base = row.to(tl.int64)[:, None] * W
@@ -162,6 +159,19 @@ def _stats_kernel(scores_ptr, width_ptr, mean_ptr, std_ptr, num_rows, batch, W,
     tl.store(std_ptr + row, std, mask=live)
 
 
+@triton.jit
+def _stats_kernel(scores_ptr, width_ptr, mean_ptr, std_ptr, num_rows, batch, W,
+                  QUERY_HEADS: tl.constexpr, ROWS: tl.constexpr, LANES: tl.constexpr,
+                  LOG2_LANES: tl.constexpr, UNROLL: tl.constexpr, RESIDENT_STEPS: tl.constexpr,
+                  STD_FLOOR: tl.constexpr):
+    """Program p: rows p*ROWS .. p*ROWS+ROWS-1 of the scores ``[layers * B * Hq, W]`` (one row of
+    16 warps by default: few rows in flight, so a row's second read partly hits L2)."""
+    row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    live = row < num_rows
+    _row_statistics(scores_ptr, width_ptr, mean_ptr, std_ptr, row, live, (row // QUERY_HEADS) % batch, W, ROWS,
+                    LANES, LOG2_LANES, UNROLL, RESIDENT_STEPS, STD_FLOOR)
+
+
 # ----------------------------------------------------------------------------------------------
 # 2. Aggregation
 # ----------------------------------------------------------------------------------------------
@@ -170,6 +180,20 @@ def _stats_kernel(scores_ptr, width_ptr, mean_ptr, std_ptr, num_rows, batch, W,
 def _max_nan(a, b):
     """torch's max: NaN wins (tl.maximum would return the other operand)."""
     return tl.where((a > b) | (a != a), a, b)
+
+
+@triton.jit
+def _group_max(scores_ptr, mean_ptr, std_ptr, row, column, valid, live_head, W):
+    """``[BLOCK_W]``: the max over the heads of rows ``row`` (``live_head``: those that exist) of their
+    z-scores ``(x - mean) / std`` at ``column``, 0 at invalid columns. mean and std are read past L1:
+    in the queue kernel other programs of the same launch wrote them."""
+    mean = tl.load(mean_ptr + row, mask=live_head, other=0.0, cache_modifier=".cg")
+    std = tl.load(std_ptr + row, mask=live_head, other=1.0, cache_modifier=".cg")
+    x = tl.load(scores_ptr + row.to(tl.int64)[:, None] * W + column[None, :],
+                mask=live_head[:, None] & valid[None, :], other=0.0)
+    z = tl.where(valid[None, :], tl.div_rn(x - mean[:, None], std[:, None]), 0.0)
+    z = tl.where(live_head[:, None], z, float("-inf"))
+    return tl.reduce(z, 0, _max_nan)
 
 
 @triton.jit
@@ -196,14 +220,8 @@ def _aggregate_kernel(scores_ptr, mean_ptr, std_ptr, width_ptr, layers_ptr, out_
         acc = tl.full((BLOCK_W,), float("-inf"), dtype=tl.float32)
     out_request = out_ptr + request.to(tl.int64) * out_rows * W
     for i in range(num_scored):
-        row = (i * batch + request) * QUERY_HEADS + head
-        mean = tl.load(mean_ptr + row, mask=live_head, other=0.0)
-        std = tl.load(std_ptr + row, mask=live_head, other=1.0)
-        x = tl.load(scores_ptr + row.to(tl.int64)[:, None] * W + column[None, :],
-                    mask=live_head[:, None] & valid[None, :], other=0.0)
-        z = tl.where(valid[None, :], tl.div_rn(x - mean[:, None], std[:, None]), 0.0)
-        z = tl.where(live_head[:, None], z, float("-inf"))
-        group_max = tl.reduce(z, 0, _max_nan)
+        group_max = _group_max(scores_ptr, mean_ptr, std_ptr, (i * batch + request) * QUERY_HEADS + head, column,
+                               valid, live_head, W)
         if MODE == 0:
             acc = _max_nan(acc, group_max)
         elif MODE == 1:
@@ -216,6 +234,126 @@ def _aggregate_kernel(scores_ptr, mean_ptr, std_ptr, width_ptr, layers_ptr, out_
     elif MODE == 1:
         count = tl.zeros((BLOCK_W,), dtype=tl.float32) + num_scored
         tl.store(out_request + kv_head * W + column, tl.div_rn(acc, count), mask=in_row)
+
+
+# ----------------------------------------------------------------------------------------------
+# 2b. Statistics and aggregation in one launch, each chunk of rows read from L2 the second time
+# ----------------------------------------------------------------------------------------------
+
+@triton.jit
+def _wait_at_least(counter_ptr, target):
+    """Spins until ``*counter_ptr >= target`` (acquire: what the releasing programs wrote before
+    counting is visible after it)."""
+    seen = tl.atomic_add(counter_ptr, 0, sem="acquire")
+    while seen < target:
+        seen = tl.atomic_add(counter_ptr, 0, sem="acquire")
+
+
+@triton.jit
+def _count_done(counter_ptr):
+    """``*counter_ptr += 1`` once every thread of the program has issued its stores (release)."""
+    tl.debug_barrier()
+    tl.atomic_add(counter_ptr, 1, sem="release")
+
+
+@triton.jit
+def _queue_item(ticket, chunks, agg_items, STATS_ITEMS: tl.constexpr, LAG: tl.constexpr):
+    """Ticket -> (is_stats, chunk, item), in the order S0 .. S(LAG-1), then chunk j's segment for
+    each j: the statistics S(j + LAG) while there are some, and the aggregation A(j)."""
+    ahead = tl.minimum(chunks, LAG)                   # chunks whose statistics open the queue
+    opening = ticket < ahead * STATS_ITEMS
+    segments = chunks - ahead                         # segments with statistics in them
+    segment_items = STATS_ITEMS + agg_items
+    after = tl.maximum(ticket - ahead * STATS_ITEMS, 0)
+    with_stats = after < segments * segment_items
+    past = after - segments * segment_items           # into the segments of aggregation alone
+    j = tl.where(with_stats, after // segment_items, segments + past // agg_items)
+    offset = tl.where(with_stats, after - j * segment_items, past - (j - segments) * agg_items)
+    stats_here = tl.where(with_stats, STATS_ITEMS, 0)
+    is_stats = opening | (offset < stats_here)
+    chunk = tl.where(opening, ticket // STATS_ITEMS, tl.where(is_stats, j + ahead, j))
+    item = tl.where(opening, ticket % STATS_ITEMS, tl.where(is_stats, offset, offset - stats_here))
+    return is_stats, chunk, item
+
+
+@triton.jit
+def _queue_kernel(scores_ptr, width_ptr, mean_ptr, std_ptr, layers_ptr, out_ptr, work_ptr, batch, W, num_scored,
+                  out_rows, MODE: tl.constexpr, QUERY_HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
+                  HEADS: tl.constexpr, HEADS_P2: tl.constexpr, BLOCK_W: tl.constexpr, ROWS: tl.constexpr,
+                  LANES: tl.constexpr, LOG2_LANES: tl.constexpr, UNROLL: tl.constexpr,
+                  RESIDENT_STEPS: tl.constexpr, STD_FLOOR: tl.constexpr, CHUNK: tl.constexpr,
+                  LAG: tl.constexpr):
+    """``_stats_kernel`` then ``_aggregate_kernel`` (same results, bit for bit) as one queue of work
+    items, so that the aggregation reads each row from L2 soon after the statistics read it from
+    DRAM, instead of a second pass over every score.
+
+    A chunk is one scored layer of CHUNK requests (its rows are contiguous); chunks go layer by
+    layer. Its items: the statistics of ROWS rows, and the aggregation of one column tile of one
+    request (and KV group). Programs take tickets from ``work[0]`` in ``_queue_item``'s order: a
+    chunk's aggregation is queued LAG chunks of statistics after its own (enough programs in
+    between that its statistics are done, few enough rows that they are still in L2), and waits
+    until ``work[1 + chunk]`` counts all of them. Union and per_head fold a tile's
+    layers in order as the aggregation kernel does, in ``out`` itself: a layer's item waits until
+    its tile's counter ``work[1 + chunks + (request * groups + group) * tiles + tile]`` has counted
+    the layers before it. Every wait is on items of earlier tickets, which programs already running
+    hold: no wait can deadlock, whatever the grid (the interpreter's one program never waits).
+    ``work`` must be zero at launch (``queue_work_ints``)."""
+    GROUPS: tl.constexpr = 1 if MODE == 0 else KV_HEADS
+    STATS_ITEMS: tl.constexpr = (CHUNK * QUERY_HEADS + ROWS - 1) // ROWS
+    tiles = tl.cdiv(W, BLOCK_W)
+    agg_items = CHUNK * GROUPS * tiles
+    request_groups = tl.cdiv(batch, CHUNK)
+    chunks = num_scored * request_groups
+    done_ptr = work_ptr + 1
+    order_ptr = done_ptr + chunks
+    h = tl.arange(0, HEADS_P2)
+    live_head = h < HEADS
+    ticket = tl.atomic_add(work_ptr, 1)
+    while ticket < chunks * (STATS_ITEMS + agg_items):
+        is_stats, chunk, item = _queue_item(ticket, chunks, agg_items, STATS_ITEMS, LAG)
+        layer = chunk // request_groups
+        first = (chunk - layer * request_groups) * CHUNK
+        if is_stats:
+            local = item * ROWS + tl.arange(0, ROWS)
+            row_request = first + local // QUERY_HEADS
+            live = (local < CHUNK * QUERY_HEADS) & (row_request < batch)
+            _row_statistics(scores_ptr, width_ptr, mean_ptr, std_ptr, (layer * batch + first) * QUERY_HEADS + local,
+                            live, row_request, W, ROWS, LANES, LOG2_LANES, UNROLL, RESIDENT_STEPS, STD_FLOOR)
+            _count_done(done_ptr + chunk)
+        else:
+            tile = item % tiles
+            group = (item // tiles) % GROUPS
+            request = first + item // (tiles * GROUPS)
+            if request < batch:
+                column = tile * BLOCK_W + tl.arange(0, BLOCK_W)
+                width = tl.minimum(tl.load(width_ptr + request), W)
+                valid = column < width
+                in_row = column < W
+                _wait_at_least(done_ptr + chunk, STATS_ITEMS)
+                group_max = _group_max(scores_ptr, mean_ptr, std_ptr,
+                                       (layer * batch + request) * QUERY_HEADS + group * HEADS + h, column, valid,
+                                       live_head, W)
+                out_request = out_ptr + request.to(tl.int64) * out_rows * W
+                if MODE == 2:
+                    tl.store(out_request + (tl.load(layers_ptr + layer) * KV_HEADS + group) * W + column, group_max,
+                             mask=in_row)
+                else:
+                    order = order_ptr + (request * GROUPS + group) * tiles + tile
+                    _wait_at_least(order, layer)
+                    out_tile = out_request + group * W + column
+                    folded = group_max
+                    if layer > 0:   # the layers before, as the aggregation kernel folds them
+                        before = tl.load(out_tile, mask=in_row, other=0.0, cache_modifier=".cg")
+                        if MODE == 0:
+                            folded = _max_nan(before, group_max)
+                        else:
+                            folded = before + group_max
+                    if MODE == 1:
+                        if layer == num_scored - 1:
+                            folded = tl.div_rn(folded, tl.zeros((BLOCK_W,), dtype=tl.float32) + num_scored)
+                    tl.store(out_tile, folded, mask=in_row)
+                    _count_done(order)
+        ticket = tl.atomic_add(work_ptr, 1)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -335,10 +473,14 @@ SIGNATURES: dict[str, dict[str, str]] = {
     "aggregate": {"scores_ptr": "*fp32", "mean_ptr": "*fp32", "std_ptr": "*fp32", "width_ptr": "*i64",
                   "layers_ptr": "*i32", "out_ptr": "*fp32", "batch": "i32", "W": "i32", "num_scored": "i32",
                   "out_rows": "i32"},
+    "queue": {"scores_ptr": "*fp32", "width_ptr": "*i64", "mean_ptr": "*fp32", "std_ptr": "*fp32",
+              "layers_ptr": "*i32", "out_ptr": "*fp32", "work_ptr": "*i32", "batch": "i32", "W": "i32",
+              "num_scored": "i32", "out_rows": "i32"},
     "select": {"values_ptr": "*fp32", "width_ptr": "*i64", "P_ptr": "*i64", "kept_ptr": "*i64", "nan_ptr": "*i32",
                "rows_per_request": "i32", "W": "i32", "budget": "i32"},
 }
-KERNELS = {"statistics": _stats_kernel, "aggregate": _aggregate_kernel, "select": _select_kernel}
+KERNELS = {"statistics": _stats_kernel, "aggregate": _aggregate_kernel, "queue": _queue_kernel,
+           "select": _select_kernel}
 # Triton's defaults but the fusion and the warps (the host's tunables), stated so the JIT launches
 # and the AOT build compile alike.
 OPTIONS = {"num_stages": 3, "enable_fp_fusion": False}
@@ -354,6 +496,9 @@ def aot_specializations(host: SelectionHost) -> list[Specialization]:
                             options(host, "statistics"))]
     specs += [Specialization(f"aggregate_{mode}", _aggregate_kernel, SIGNATURES["aggregate"],
                              host.aggregate_constants(mode), options(host, "aggregate")) for mode in MODES]
+    # both routes are in every library: the bench times each stage apart, decide takes the tuned one
+    specs += [Specialization(f"queue_{mode}", _queue_kernel, SIGNATURES["queue"], host.queue_constants(mode),
+                             options(host, "queue")) for mode in MODES]
     specs.append(Specialization("select", _select_kernel, SIGNATURES["select"], host.select_constants(),
                                 options(host, "select")))
     return specs
@@ -366,6 +511,8 @@ def aot_header_constants(host: SelectionHost) -> dict[str, int | list[int]]:
             "kRadixBits": host.radix_bits, "kStatsUnroll": host.stats_unroll, "kStatsWarps": host.num_warps["statistics"],
             "kAggregateWarps": host.num_warps["aggregate"], "kStatsResident": host.stats_resident,
             "kSelectRoute": host.select_route, "kSelectWarps": host.num_warps["select"],
+            "kAggregateRoute": host.aggregate_route, "kChunkRequests": host.chunk_requests,
+            "kQueueLag": host.queue_lag, "kQueuePrograms": host.queue_programs,
             "kScoredLayers": list(host.scored_layers)}
 
 
@@ -381,6 +528,13 @@ class TritonSelector(SelectionHost):
         grid = (triton.cdiv(W, self.block_w), batch, 1 if mode == "union" else self.kv_heads)
         _aggregate_kernel[grid](scores, mean, std, width, layers, out, batch, W, len(self.scored_layers),
                                 out.shape[1], **self.aggregate_constants(mode), **options(self, "aggregate"))
+
+    def _launch_queue(self, mode, scores, width, mean, std, layers, out, work, batch, W):  # noqa: ANN001, ANN202
+        # the interpreter's programs run one after the other: the first takes every ticket
+        sms = torch.cuda.get_device_properties(scores.device).multi_processor_count if scores.is_cuda else 1
+        _queue_kernel[(sms * self.queue_programs,)](scores, width, mean, std, layers, out, work, batch, W,
+                                                    len(self.scored_layers), out.shape[1],
+                                                    **self.queue_constants(mode), **options(self, "queue"))
 
     def _launch_select(self, values, width, P, kept, nan_rows, rows, W, budget):  # noqa: ANN001, ANN202
         _select_kernel[(kept.shape[0] * rows,)](values, width, P, kept, nan_rows, rows, W, budget,

@@ -115,11 +115,13 @@ class RoundCase:
             "round": lambda: m.run_round(table, P, S, L, tail),
         }
         module = getattr(m.selector, "module", None)
-        if module is not None:   # the generated selection's three kernels, one by one
+        if module is not None:   # the generated selection's kernels, one by one
             width = rows[1]
             mean, std = module.statistics(scores, width)
             values = module.aggregate(scores, mean, std, width, m.mode)
             stages["statistics"] = lambda: module.statistics(scores, width)
             stages["aggregate"] = lambda: module.aggregate(scores, mean, std, width, m.mode)
+            # both in one launch (aggregate_route 1), whichever route the round takes
+            stages["statistics_aggregate"] = lambda: module.statistics_aggregate(scores, width, m.mode)
             stages["select"] = lambda: module.select(values, width, m.budget, rows[0])
         return stages
