@@ -152,16 +152,30 @@ class SelectionHost:
             raise ValueError(f"{name}: expected int64 [{batch}] on {device}, got {tensor.dtype} "
                              f"{list(tensor.shape)} on {tensor.device}")
 
+    # ---- outputs (after the checks)
+
+    def _statistics_outputs(self, scores: torch.Tensor, width: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Checked ``scores`` and ``width``; empty float32 ``(mean, std)`` ``[scored, B, Hq]``."""
+        self._check_scores(scores)
+        layers, batch, heads, _ = scores.shape
+        self._check_rows("width", width, batch, scores.device)
+        mean = torch.empty((layers, batch, heads), dtype=torch.float32, device=scores.device)
+        return mean, torch.empty_like(mean)
+
+    def _values_output(self, mode: str, batch: int, W: int, device: torch.device) -> torch.Tensor:
+        """float32 ``[B, R, W]`` decision values; zeros where per_layer_perhead has sliding layers
+        (their rows are never written)."""
+        sliding = mode == "per_layer_perhead" and len(self.scored_layers) < self.num_layers
+        alloc = torch.zeros if sliding else torch.empty
+        return alloc((batch, self.num_decision_rows(mode), W), dtype=torch.float32, device=device)
+
     # ---- the three stages
 
     def statistics(self, scores: torch.Tensor, width: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 ``(mean, std)`` ``[scored, B, Hq]`` of ``zscore`` (std floored) over each row's
         ``width[b]`` leading columns (``width`` int64 ``[B]``, each <= W; a larger one counts as W)."""
-        self._check_scores(scores)
-        layers, batch, heads, W = scores.shape
-        self._check_rows("width", width, batch, scores.device)
-        mean = torch.empty((layers, batch, heads), dtype=torch.float32, device=scores.device)
-        std = torch.empty_like(mean)
+        mean, std = self._statistics_outputs(scores, width)
+        _, batch, _, W = scores.shape
         if mean.numel():
             self._launch_statistics(scores, width, mean, std, batch, W)
         return mean, std
@@ -169,7 +183,6 @@ class SelectionHost:
     def aggregate(self, scores: torch.Tensor, mean: torch.Tensor, std: torch.Tensor, width: torch.Tensor,
                   mode: str) -> torch.Tensor:
         """Decision values ``[B, R, W]`` float32: ``aggregate`` of the z-scores of ``scores``."""
-        rows = self.num_decision_rows(mode)
         self._check_scores(scores)
         layers, batch, heads, W = scores.shape
         self._check_rows("width", width, batch, scores.device)
@@ -178,9 +191,7 @@ class SelectionHost:
                     or tensor.device != scores.device or not tensor.is_contiguous()):
                 raise ValueError(f"{name}: expected contiguous float32 [{layers}, {batch}, {heads}] on "
                                  f"{scores.device}, got {tensor.dtype} {list(tensor.shape)} on {tensor.device}")
-        sliding = mode == "per_layer_perhead" and len(self.scored_layers) < self.num_layers
-        alloc = torch.zeros if sliding else torch.empty   # rows of sliding layers are zeros
-        out = alloc((batch, rows, W), dtype=torch.float32, device=scores.device)
+        out = self._values_output(mode, batch, W, scores.device)
         if out.numel():
             self._launch_aggregate(mode, scores, mean, std, width, self.layer_table(scores.device), out, batch, W)
         return out
@@ -205,14 +216,9 @@ class SelectionHost:
                              mode: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(mean, std, values)`` of ``statistics`` and ``aggregate``, bit for bit, from one launch
         of the queue kernel (each chunk of rows read a second time from L2, not DRAM)."""
-        rows = self.num_decision_rows(mode)
-        self._check_scores(scores)
-        layers, batch, heads, W = scores.shape
-        self._check_rows("width", width, batch, scores.device)
-        mean = torch.empty((layers, batch, heads), dtype=torch.float32, device=scores.device)
-        std = torch.empty_like(mean)
-        sliding = mode == "per_layer_perhead" and len(self.scored_layers) < self.num_layers
-        out = (torch.zeros if sliding else torch.empty)((batch, rows, W), dtype=torch.float32, device=scores.device)
+        mean, std = self._statistics_outputs(scores, width)
+        _, batch, _, W = scores.shape
+        out = self._values_output(mode, batch, W, scores.device)
         if out.numel() and mean.numel():
             work = torch.zeros(self.queue_work_ints(mode, batch, W), dtype=torch.int32, device=scores.device)
             self._launch_queue(mode, scores, width, mean, std, self.layer_table(scores.device), out, work, batch, W)
