@@ -92,6 +92,9 @@ def test_report_with_tuned_vs_default_and_tuning_records(tmp_path):
                         for k in ("encode_device", "decode_device", "encode_pinned", "decode_pinned")}
     for r in bench["compact"]["results"]:
         r["default"] = {"compact": {**r["compact"], "median_ms": 0.5 * r["compact"]["median_ms"]}}
+    decode = bench["codec"]["results"][0]["decode_device"]        # the mix ceiling of a newer record
+    bench["codec"]["results"][0]["mix"] = {"decode_device": {"gbps": 2700.0, "of_copy": 0.9, "median_ms": 0.5}}
+    decode.update(fraction_of_ceiling=0.81, fraction_of_mix=0.9)
     for s in bench["score"]["score"]:
         tuned = {**s["variants"][0], "role": "tuned"}
         s["variants"] = [tuned, {**tuned, "role": "default", "params": {**tuned["params"], "lanes": 1},
@@ -138,6 +141,7 @@ def test_report_with_tuned_vs_default_and_tuning_records(tmp_path):
     assert "| sm_90a | qwen3-8b | codec | threads=512 | threads=256 | small | — | 0.020 ms |" in md
     assert "| sm_90a | qwen3-8b | score | lanes=2 | — | — |" in md
     assert "broken.json | unreadable |" in md
+    assert "| codec decode ← device | qwen3-8b | 2700 | 0.90 | 0.81 | 0.90 |" in md
     assert f"]({FIGURES['tuned']})" in md
     for name in FIGURES.values():
         assert_png(tmp_path / name)

@@ -8,12 +8,14 @@ import pytest
 import torch
 
 from kvgen.artifacts.manifest import RegistryError
-from kvgen.measure import timing
+from kvgen.measure import mix, timing
 from kvgen.measure.libraries import registry_artifact
+from kvgen.measure.mix import mix_reference
 from kvgen.measure.workloads import Failure, launch, workload_class
 from kvgen.measure.workloads.compact import oracle_compaction_matches
 from kvgen.reference.triattention import Moves, compact_paged, pack_moves, page_shape
 
+from .interpreter import interpret
 from .move_cases import geometry
 from .test_runtime_registry import fake_registry
 
@@ -121,3 +123,34 @@ def test_compaction_check_accepts_the_oracle_and_rejects_a_wrong_compactor():
         k[0].view(torch.uint8).view(-1)[0] ^= 1
 
     assert not oracle_compaction_matches(off_by_one, k, v, table, moves, g)
+
+
+MIX_WORKER = r"""
+import torch
+from kvgen.measure.mix import mix, mix_reference
+torch.manual_seed(0)
+for s_words, d_words in [(5, 18), (18, 5), (7, 7), (300, 1100), (1100, 300), (3, 2500), (2500, 3)]:
+    src = torch.randint(-2**31, 2**31 - 1, (3, s_words), dtype=torch.int32)
+    out = mix(src, torch.full((3, d_words), 7, dtype=torch.int32))
+    assert torch.equal(out, mix_reference(src, d_words)), (s_words, d_words)
+print("checked")
+"""
+
+
+def test_mix_reference_states_the_repeat_and_the_fold():
+    """Bit for bit: the decode mix repeats the narrower source, the encode mix XOR-folds the wider."""
+    src = torch.tensor([[1, 2, 4, 8, 16]], dtype=torch.int32)
+    assert mix_reference(src[:, :2], 5).tolist() == [[1, 2, 1, 2, 1]]
+    assert mix_reference(src, 2).tolist() == [[1 ^ 4 ^ 16, 2 ^ 8]]
+    assert mix_reference(src, 5).tolist() == src.tolist()
+
+
+def test_mix_kernel_equals_its_reference_under_the_interpreter():
+    """The mix-ceiling kernel (``kvgen bench``'s codec runs divide by its time) writes exactly
+    ``mix_reference``'s words, over row widths that expand, fold and neither, blocks left partial."""
+    assert interpret(MIX_WORKER, timeout=300).stdout.split()[-1] == "checked"
+
+
+def test_mix_ceiling_refuses_rows_of_partial_words():
+    with pytest.raises(ValueError, match="src_row_bytes must be a positive multiple of 4"):
+        mix.ceiling(4, 6, 16, 3000.0)

@@ -16,9 +16,6 @@ batches are smaller and it is rendered with block 512.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -29,6 +26,7 @@ from kvgen.reference.triattention import MODES, num_decision_rows, pack_moves
 from kvgen.render.source import render
 from kvgen.runtime.pack import MovePacker, PackModuleError, import_pack_module, load_pack_module
 from kvgen.spec.schema import load_spec
+from tests.interpreter import interpret
 from tests.move_cases import geometry, random_batch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -121,10 +119,7 @@ def interpreted(rendered: dict[str, Path], tmp_path_factory) -> dict:
     work = tmp_path_factory.mktemp("pack_worker")
     torch.save(CASES, work / "cases.pt")
     torch.save({family: str(path) for family, path in rendered.items()}, work / "paths.pt")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-c", WORKER, str(work / "cases.pt"), str(work / "paths.pt"),
-                           str(work / "out.pt")], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    interpret(WORKER, str(work / "cases.pt"), str(work / "paths.pt"), str(work / "out.pt"), timeout=300)
     return torch.load(work / "out.pt", weights_only=False)
 
 

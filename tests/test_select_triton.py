@@ -18,9 +18,6 @@ an invalid one (no error).
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -34,6 +31,8 @@ from kvgen.reference.triattention import TriGeometry
 from kvgen.render.source import render
 from kvgen.runtime.select import SelectModuleError, Selector, check_round, import_select_module
 from kvgen.spec.schema import load_spec
+
+from .interpreter import interpret
 
 ROOT = Path(__file__).resolve().parents[1]
 TUNABLES = {"rows": 2, "stats_unroll": 2, "stats_resident": 0, "stats_warps": 4, "block_w": 64, "aggregate_warps": 2,
@@ -153,11 +152,7 @@ torch.save(out, sys.argv[2])
 def interpreted(request: pytest.FixtureRequest, tmp_path_factory) -> dict:
     work = tmp_path_factory.mktemp("select_worker")
     torch.save((DECIDE, SELECT, ROUTES[request.param]), work / "cases.pt")
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-c", WORKER, str(work / "cases.pt"), str(work / "out.pt")], env=env,
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    interpret(WORKER, str(work / "cases.pt"), str(work / "out.pt"))
     return torch.load(work / "out.pt", weights_only=False)
 
 
@@ -193,11 +188,7 @@ print("rounds", len(run_against_oracle(manager, sim, 130 + 3 * 16 + 10, calibrat
 def test_manager_rounds_with_the_generated_selection(tmp_path: Path, mode: str) -> None:
     """The manager's whole round (oracle scorer, packer and compactor on the CPU; the generated
     selection under the interpreter) byte-identical to ``eviction_round``: pools, kept, lengths."""
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-c", ROUND_WORKER, str(ROOT), str(tmp_path), mode], env=env,
-                          capture_output=True, text=True, timeout=900, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc = interpret(ROUND_WORKER, str(ROOT), str(tmp_path), mode, cwd=ROOT)
     assert int(proc.stdout.split()[-1]) >= 3
 
 

@@ -4,6 +4,8 @@ Per family (lifecycle 0, >= 1 GiB of hot pages with an outlier channel, from the
 ``kvgen.measure.workloads``; page sources scattered; library from the registry through the runtime lookup):
   device encode/decode: (hot + cold bytes) / time / device copy bandwidth   (goal >= 0.85)
   pinned encode/decode: cold bytes / time / pinned bandwidth of that way     (goal >= 0.90)
+  mix: each device run's own bytes (cold in, hot out; the reverse) through a kernel without
+       arithmetic (``kvgen.measure.mix``): the DRAM's rate for that mix, and the run's fraction of it
   offload speed-up: hot bytes / measured pinned d2h bandwidth, over the time of encode-to-pinned
   peers: the oracle's encode in eager PyTorch and under torch.compile, same pages, on the GPU.
 
@@ -28,6 +30,7 @@ from kvgen import paths
 from kvgen.artifacts.manifest import RegistryError
 from kvgen.lower.layout import family_layout
 from kvgen.measure.environment import environment, write_result
+from kvgen.measure import mix
 from kvgen.measure.libraries import registry_artifact
 from kvgen.measure.timing import measure_ceilings, require_cuda, time_ms
 from kvgen.measure.workloads.codec import CodecWorkload
@@ -76,6 +79,7 @@ def bench_family(family: str, hot_gib: float, ceilings: dict, registry: Path, ar
         "decode_pinned": (lambda: codec.decode(cold_pin, dec_pairs), cold_bytes, h2d),
     }
     result.update(time_runs(runs))
+    result["mix"] = mix_ceilings(pages, lc.hot_page_bytes, lc.cold_page_bytes, copy_bw, result)
     if default_registry is not None:
         try:
             default = ColdPageCodec(library_for(family, default_registry, arch), layout, pools)
@@ -121,6 +125,17 @@ def time_runs(runs: dict) -> dict:
         out[name] = {"median_ms": t["median_ms"], "p20_ms": t["p20_ms"], "p80_ms": t["p80_ms"],
                      "gbps": gbps, "fraction_of_ceiling": gbps / ceiling}
     return out
+
+
+def mix_ceilings(pages: int, hot_page_bytes: int, cold_page_bytes: int, copy_gbps: float, result: dict) -> dict:
+    """The device runs' own traffic mixes without arithmetic (``kvgen.measure.mix``): decode reads
+    the cold records and writes the hot pages, encode the reverse. Each device run gains
+    ``fraction_of_mix``, its mix's time over its own."""
+    mixes = {"decode_device": mix.ceiling(pages, cold_page_bytes, hot_page_bytes, copy_gbps),
+             "encode_device": mix.ceiling(pages, hot_page_bytes, cold_page_bytes, copy_gbps)}
+    for run, m in mixes.items():
+        result[run]["fraction_of_mix"] = m["median_ms"] / result[run]["median_ms"]
+    return mixes
 
 
 def bench_peers(layout, pools, lc, src) -> dict:

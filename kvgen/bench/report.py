@@ -6,7 +6,7 @@ Plots (matplotlib, written beside the Markdown):
   ``peers.png``                kvgen against its peers: the oracle in eager PyTorch, under
                                ``torch.compile``, and a plain copy of the same bytes (log-scale time);
   ``tuned_vs_default.png``     speed-up of the tuned registry over the default one, when the run had one.
-Tables: the machine, the ceilings, the same three views, the tuned configurations found in a tuning
+Tables: the machine, the ceilings, the same three views, the codec's traffic mixes (``mix_rows``), the tuned configurations found in a tuning
 directory (``tuning/<arch>/<family>.json``), the eviction round's stages, and any errors.
 
 ``merge_recorded(DIR)`` turns the per-benchmark files of an older run (``bench_codec.json``,
@@ -339,6 +339,17 @@ def _ceilings(doc: dict) -> list[str]:
     return _table(header, [row(f"the {n} run ({doc['benchmarks'][n].get('source', n)})", per[n]) for n in names])
 
 
+def mix_rows(doc: dict) -> list[dict]:
+    """One row per codec device run that has its mix ceiling (records from the seventeenth session on)."""
+    rows = []
+    for r in doc["benchmarks"].get("codec", {}).get("results", []):
+        for run, m in (r.get("mix") or {}).items():
+            rows.append({"run": CODEC_LABELS[run][0], "family": r["family"], "gbps": m["gbps"],
+                         "mix_of_copy": m["of_copy"], "of_copy": r[run]["fraction_of_ceiling"],
+                         "of_mix": r[run]["fraction_of_mix"]})
+    return rows
+
+
 def render_markdown(doc: dict, tuning_rows: list[dict], figures: dict[str, str], tuning_dir: Path | None) -> str:
     env = _environment_summary(doc)
     merged = doc.get("merged_from")
@@ -371,6 +382,16 @@ def render_markdown(doc: dict, tuning_rows: list[dict], figures: dict[str, str],
                   ((r["kernel"], r["family"], r["size"], _ms(r["ms"]), _num(r["gbps"], "{:.0f}"), r["ceiling"],
                     f"**{_num(r['fraction'])}**" if r["fraction"] is not None and r["fraction"] >= r["goal"]
                     else _num(r["fraction"]), f"≥ {r['goal']:.2f}") for r in rows)) + [""]
+
+    mixes = mix_rows(doc)
+    if mixes:
+        out += ["## The codec's own traffic mixes", "",
+                "The same bytes as each device run (decode: cold records in, hot pages out; encode the reverse) "
+                "through a kernel without arithmetic (`kvgen.measure.mix`): what the DRAM sustains for that "
+                "read/write mix, as a fraction of the balanced copy, and the codec's time against it.", ""]
+        out += _table(("run", "family", "mix GB/s", "mix of copy", "codec of copy", "codec of its mix"),
+                      ((r["run"], r["family"], _num(r["gbps"], "{:.0f}"), _num(r["mix_of_copy"]),
+                        _num(r["of_copy"]), _num(r["of_mix"])) for r in mixes)) + [""]
 
     peers = peer_rows(doc)
     out += ["## Against the peers", "",
