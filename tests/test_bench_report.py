@@ -92,6 +92,7 @@ def test_report_with_tuned_vs_default_and_tuning_records(tmp_path):
                         for k in ("encode_device", "decode_device", "encode_pinned", "decode_pinned")}
     for r in bench["compact"]["results"]:
         r["default"] = {"compact": {**r["compact"], "median_ms": 0.5 * r["compact"]["median_ms"]}}
+    bench["compact"]["results"][0]["same_size_copy"] = {"bytes": 3.04e8, "of_copy": 0.95, "compact_of_it": 0.93}
     decode = bench["codec"]["results"][0]["decode_device"]        # the mix ceiling of a newer record
     bench["codec"]["results"][0]["mix"] = {"decode_device": {"gbps": 2700.0, "of_copy": 0.9, "median_ms": 0.5}}
     decode.update(fraction_of_ceiling=0.81, fraction_of_mix=0.9)
@@ -142,6 +143,7 @@ def test_report_with_tuned_vs_default_and_tuning_records(tmp_path):
     assert "| sm_90a | qwen3-8b | score | lanes=2 | — | — |" in md
     assert "broken.json | unreadable |" in md
     assert "| codec decode ← device | qwen3-8b | 2700 | 0.90 | 0.81 | 0.90 |" in md
+    assert "| 1 | 0.30 GB | 0.95 | " in md
     assert f"]({FIGURES['tuned']})" in md
     for name in FIGURES.values():
         assert_png(tmp_path / name)

@@ -17,6 +17,8 @@ replay does), and the result says how many layers have pools of their own (layer
 Until the twelfth session those layers got fill moves (-1) instead: their CTAs still walked every
 move row while adding no bytes, which cost batch 256 0.69 of copy on an H100 (22 of 36 layers fill)
 where the same kernel reached 0.94 at batch 32 (results/2026-12-07-h100-s12/call3).
+A batch that moves fewer bytes than the ceiling's copy (batch 1: ~0.3 GB each way) also times a
+``copy_`` of its own size (``same_size_copy``): the part of its fraction that size alone costs.
 
 Packer: the generated Triton packer (the registry's ``pack`` artifact, with capacity: no host sync) as a
 CUDA graph replay and as an eager call, against the oracle's pack_moves on the GPU (torch ops in
@@ -53,6 +55,7 @@ from kvgen.artifacts.manifest import RegistryError
 from kvgen.measure.environment import environment, write_result
 from kvgen.measure.libraries import registry_artifact, registry_dispatch
 from kvgen.measure.timing import (
+    COPY_CEILING_BYTES,
     capture,
     l2_bytes,
     measure_ceilings,
@@ -220,6 +223,8 @@ def bench_compaction(libraries: Libraries, packer: MovePacker, geo: TriGeometry,
               "moved_bytes": moved_bytes, "rotation_sets": sets, "verified_against_oracle": verified,
               "packer_verified_against_oracle": packer_verified,
               "compact": {**summary(t), "gbps": gbps, "fraction_of_copy": gbps / copy_gbps}}
+    if moved_bytes // 2 < COPY_CEILING_BYTES:    # batch 1 (~0.3 GB each way)
+        result["same_size_copy"] = same_size_copy(moved_bytes, copy_gbps, t["median_ms"])
     if default_library is not None:
         try:
             result["default"] = bench_default(default_library, graphs, table, (src, dst, offsets), geo, batch,
@@ -228,6 +233,18 @@ def bench_compaction(libraries: Libraries, packer: MovePacker, geo: TriGeometry,
             result["default"] = {"library": str(default_library.path), "error": f"{type(exc).__name__}: {exc}"}
     del graphs
     return result, b, capacity
+
+
+def same_size_copy(moved_bytes: int, copy_gbps: float, compact_ms: float) -> dict:
+    """A ``copy_`` of the moved bytes in one piece, captured and replayed as the compaction is: where
+    a batch moves less than the ceiling's copy, what launch, ramp and last wave alone cost at that
+    size (``of_copy``), and the compaction's time against it (``compact_of_it``)."""
+    src = torch.empty(moved_bytes // 2, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    t = time_calls([capture(lambda: dst.copy_(src)).replay], reps=REPS)
+    gbps = moved_bytes / t["median_ms"] / 1e6
+    return {"bytes": moved_bytes // 2, **summary(t), "gbps_read_plus_write": gbps, "of_copy": gbps / copy_gbps,
+            "compact_of_it": t["median_ms"] / compact_ms}
 
 
 def bench_default(library: CompactLibrary, graphs: list, table, moves: tuple, geo: TriGeometry, batch: int,

@@ -6,7 +6,8 @@ Plots (matplotlib, written beside the Markdown):
   ``peers.png``                kvgen against its peers: the oracle in eager PyTorch, under
                                ``torch.compile``, and a plain copy of the same bytes (log-scale time);
   ``tuned_vs_default.png``     speed-up of the tuned registry over the default one, when the run had one.
-Tables: the machine, the ceilings, the same three views, the codec's traffic mixes (``mix_rows``), the tuned configurations found in a tuning
+Tables: the machine, the ceilings, the same three views, the codec's traffic mixes (``mix_rows``),
+compaction batches against a copy of their own size, the tuned configurations found in a tuning
 directory (``tuning/<arch>/<family>.json``), the eviction round's stages, and any errors.
 
 ``merge_recorded(DIR)`` turns the per-benchmark files of an older run (``bench_codec.json``,
@@ -392,6 +393,17 @@ def render_markdown(doc: dict, tuning_rows: list[dict], figures: dict[str, str],
         out += _table(("run", "family", "mix GB/s", "mix of copy", "codec of copy", "codec of its mix"),
                       ((r["run"], r["family"], _num(r["gbps"], "{:.0f}"), _num(r["mix_of_copy"]),
                         _num(r["of_copy"]), _num(r["of_mix"])) for r in mixes)) + [""]
+
+    small = [r for r in doc["benchmarks"].get("compact", {}).get("results", []) if "same_size_copy" in r]
+    if small:
+        out += ["## Compaction batches smaller than the ceiling's copy", "",
+                "A `copy_` of the batch's moved bytes in one piece, captured and replayed as the compaction is: "
+                "what launch, ramp and last wave alone cost at that size.", ""]
+        out += _table(("batch", "bytes each way", "same-size copy of copy", "compaction of copy",
+                       "compaction of the same-size copy"),
+                      ((r["batch"], _num(r["same_size_copy"]["bytes"] / 1e9, "{:.2f} GB"),
+                        _num(r["same_size_copy"]["of_copy"]), _num(r["compact"]["fraction_of_copy"]),
+                        _num(r["same_size_copy"]["compact_of_it"])) for r in small)) + [""]
 
     peers = peer_rows(doc)
     out += ["## Against the peers", "",

@@ -172,7 +172,10 @@ def rotation_sets(touched_bytes: int, set_bytes: int | None = None) -> int:
 # ---------------------------------------------------------------- ceilings
 
 
-def copy_ceiling(nbytes: int = 2 << 30) -> dict[str, float]:
+COPY_CEILING_BYTES = 2 << 30   # the device copy ceiling's size, each way
+
+
+def copy_ceiling(nbytes: int = COPY_CEILING_BYTES) -> dict[str, float]:
     """Device-to-device copy bandwidth, bytes read + written per second (GB/s)."""
     a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     b = torch.empty_like(a)
