@@ -7,8 +7,8 @@ fast as a balanced one. ``ceiling`` times the cheapest kernel with the codec's e
 ``src_row_bytes`` in and ``dst_row_bytes`` out, so a codec kernel's time can be read against what
 its bytes alone cost:
 
-- expanding (``dst`` wider): destination word ``j`` is source word ``j mod S`` (the repeats hit
-  L1/L2; DRAM reads each source word once);
+- expanding (``dst`` wider): destination word ``j`` is source word ``j mod S`` (a program loads a
+  block of the source once and stores it at every repeat);
 - folding (``src`` wider): destination word ``j`` is the XOR of every source word ``i = j mod D``
   (each source word read once).
 
@@ -25,21 +25,32 @@ import torch
 from kvgen.measure.timing import summary, time_ms
 
 WORD = 4                 # bytes a lane moves: int32
-BLOCK = 1024             # destination words a program writes (4 warps, 8 words a thread)
+BLOCK = 1024             # words a program loads (expand) or writes (fold): 4 warps, 8 words a thread
 
 
 @triton.jit
-def _mix_kernel(src, dst, SRC_WORDS: tl.constexpr, DST_WORDS: tl.constexpr, FOLDS: tl.constexpr,
-                BLOCK: tl.constexpr):
+def _expand_kernel(src, dst, SRC_WORDS: tl.constexpr, DST_WORDS: tl.constexpr, REPEATS: tl.constexpr,
+                   BLOCK: tl.constexpr):
+    # one vector load of the source block, stored at every repeat of it: both sides stay contiguous
+    row = tl.program_id(0).to(tl.int64)
+    k = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    live = k < SRC_WORDS
+    x = tl.load(src + row * SRC_WORDS + k, mask=live)
+    for r in tl.static_range(REPEATS):
+        j = r * SRC_WORDS + k
+        tl.store(dst + row * DST_WORDS + j, x, mask=live & (j < DST_WORDS))
+
+
+@triton.jit
+def _fold_kernel(src, dst, SRC_WORDS: tl.constexpr, DST_WORDS: tl.constexpr, FOLDS: tl.constexpr,
+                 BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     live = j < DST_WORDS
     acc = tl.zeros([BLOCK], dtype=tl.int32)
     for k in tl.static_range(FOLDS):
         i = j + k * DST_WORDS
-        # fold k reads the source words of residue j; the first one is every destination word's
-        take = live if k == 0 else live & (i < SRC_WORDS)
-        acc ^= tl.load(src + row * SRC_WORDS + i % SRC_WORDS, mask=take, other=0)
+        acc ^= tl.load(src + row * SRC_WORDS + i, mask=live & (i < SRC_WORDS), other=0)
     tl.store(dst + row * DST_WORDS + j, acc, mask=live)
 
 
@@ -56,8 +67,12 @@ def mix(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"mix: src {tuple(src.shape)} {src.dtype} and dst {tuple(dst.shape)} {dst.dtype} "
                          "must be int32 with equal rows")
     d_words = dst.shape[1]
-    grid = (rows, triton.cdiv(d_words, BLOCK))
-    _mix_kernel[grid](src, dst, s_words, d_words, triton.cdiv(s_words, d_words), BLOCK, num_warps=4)
+    if d_words > s_words:
+        _expand_kernel[(rows, triton.cdiv(s_words, BLOCK))](src, dst, s_words, d_words, triton.cdiv(d_words, s_words),
+                                                            BLOCK, num_warps=4)
+    else:
+        _fold_kernel[(rows, triton.cdiv(d_words, BLOCK))](src, dst, s_words, d_words, triton.cdiv(s_words, d_words),
+                                                          BLOCK, num_warps=4)
     return dst
 
 
