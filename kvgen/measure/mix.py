@@ -25,33 +25,30 @@ import torch
 from kvgen.measure.timing import summary, time_ms
 
 WORD = 4                 # bytes a lane moves: int32
-BLOCK = 1024             # words a program loads (expand) or writes (fold): 4 warps, 8 words a thread
+BLOCK = 1024             # words of the narrower side a program covers: 4 warps, 8 words a thread
 
 
 @triton.jit
-def _expand_kernel(src, dst, SRC_WORDS: tl.constexpr, DST_WORDS: tl.constexpr, REPEATS: tl.constexpr,
-                   BLOCK: tl.constexpr):
-    # one vector load of the source block, stored at every repeat of it: both sides stay contiguous
+def _mix_kernel(src, dst, SRC_WORDS: tl.constexpr, DST_WORDS: tl.constexpr, PASSES: tl.constexpr,
+                BLOCK: tl.constexpr):
+    """Program (row, block of the narrower side). Expanding: one vector load of the source block,
+    stored at each of its PASSES repeats. Folding: PASSES source slices XORed into the destination
+    block. Both sides stay contiguous, so every access is a vector one."""
     row = tl.program_id(0).to(tl.int64)
     k = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    live = k < SRC_WORDS
-    x = tl.load(src + row * SRC_WORDS + k, mask=live)
-    for r in tl.static_range(REPEATS):
-        j = r * SRC_WORDS + k
-        tl.store(dst + row * DST_WORDS + j, x, mask=live & (j < DST_WORDS))
-
-
-@triton.jit
-def _fold_kernel(src, dst, SRC_WORDS: tl.constexpr, DST_WORDS: tl.constexpr, FOLDS: tl.constexpr,
-                 BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    live = j < DST_WORDS
-    acc = tl.zeros([BLOCK], dtype=tl.int32)
-    for k in tl.static_range(FOLDS):
-        i = j + k * DST_WORDS
-        acc ^= tl.load(src + row * SRC_WORDS + i, mask=live & (i < SRC_WORDS), other=0)
-    tl.store(dst + row * DST_WORDS + j, acc, mask=live)
+    if DST_WORDS > SRC_WORDS:
+        live = k < SRC_WORDS
+        x = tl.load(src + row * SRC_WORDS + k, mask=live)
+        for r in tl.static_range(PASSES):
+            j = r * SRC_WORDS + k
+            tl.store(dst + row * DST_WORDS + j, x, mask=live & (j < DST_WORDS))
+    else:
+        live = k < DST_WORDS
+        acc = tl.zeros([BLOCK], dtype=tl.int32)
+        for r in tl.static_range(PASSES):
+            i = r * DST_WORDS + k
+            acc ^= tl.load(src + row * SRC_WORDS + i, mask=live & (i < SRC_WORDS), other=0)
+        tl.store(dst + row * DST_WORDS + k, acc, mask=live)
 
 
 def _words(row_bytes: int, name: str) -> int:
@@ -67,12 +64,9 @@ def mix(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"mix: src {tuple(src.shape)} {src.dtype} and dst {tuple(dst.shape)} {dst.dtype} "
                          "must be int32 with equal rows")
     d_words = dst.shape[1]
-    if d_words > s_words:
-        _expand_kernel[(rows, triton.cdiv(s_words, BLOCK))](src, dst, s_words, d_words, triton.cdiv(d_words, s_words),
-                                                            BLOCK, num_warps=4)
-    else:
-        _fold_kernel[(rows, triton.cdiv(d_words, BLOCK))](src, dst, s_words, d_words, triton.cdiv(s_words, d_words),
-                                                          BLOCK, num_warps=4)
+    narrow, wide = min(s_words, d_words), max(s_words, d_words)
+    _mix_kernel[(rows, triton.cdiv(narrow, BLOCK))](src, dst, s_words, d_words, triton.cdiv(wide, narrow), BLOCK,
+                                                    num_warps=4)
     return dst
 
 
