@@ -6,7 +6,8 @@ from __future__ import annotations
 from kvgen.bench.report import round_section
 from kvgen.bench.score import k_bytes_read, score_family
 from kvgen.bench.suite import BENCHMARKS, RUNNERS
-from kvgen.measure.workloads.round import bytes_limit, cache_bytes
+from kvgen.measure.workloads.round import bytes_limit, cache_bytes, layers_that_fit
+from kvgen.measure.workloads.score import shared_pools
 
 
 def test_bytes_limit_of_the_qwen3_8b_round() -> None:
@@ -42,6 +43,9 @@ def test_round_section_lists_every_case() -> None:
          "limit_parts_ms": {"k_read": 9.2, "moves": 4.6}, "round_over_limit": 17.0 / 13.8, "goal": 1.3,
          "stages": {"score": {"median_ms": 11.0}, "normalize_aggregate_select": {"median_ms": 1.2}},
          "artifacts": "all from the registry"},
+        {"family": "qwen3-8b", "batch": 32, "width": 16384, "budget": 2048, "round_ms": 15.0, "limit_ms": 13.8,
+         "round_over_limit": 15.0 / 13.8, "goal": 1.3, "artifacts": "all from the registry", "layers": 36,
+         "layers_with_own_pools": 27},
         {"family": "gemma-2-9b", "batch": 32, "width": 16384, "budget": 2048, "skipped": "K+V cache 191 GiB"},
         {"family": "gpt-oss-20b", "batch": 1, "width": 16384, "budget": 2048, "error": "RegistryError: no score"},
     ]
@@ -49,9 +53,23 @@ def test_round_section_lists_every_case() -> None:
     assert "## Eviction rounds against the bytes limit" in text
     assert "| qwen3-8b | 32 | 16384 | 2048 | 11.0 ms | 1.20 ms |" in text and "1.23× ✓" in text
     assert "13.8 ms (9.20 ms + 4.60 ms)" in text
+    assert "all from the registry; 27 of 36 layers with pools of their own |" in text
     assert "skipped | K+V cache 191 GiB" in text and "failed | RegistryError: no score" in text
     assert round_section([]) == []
 
 
 def test_the_suite_runs_the_round_benchmark() -> None:
     assert "round" in BENCHMARKS and "round" in RUNNERS
+
+
+def test_a_cache_larger_than_the_gpu_shares_the_pools_of_the_layers_that_fit() -> None:
+    """qwen3-8b at batch 32 (~82 GB of K and V) on an 80 GB card: the layers that fit in 80 % of the
+    free memory get pools, the others reuse them round robin, every layer still present."""
+    _, family = score_family("qwen3-8b")
+    per_layer = cache_bytes(family, 32, 16384) // 36
+    assert layers_that_fit(family, 32, 16384, 79 << 30, 0.8) == int(0.8 * (79 << 30)) // per_layer == 29
+    assert layers_that_fit(family, 1, 16384, 79 << 30, 0.8) == 36           # all of them, never more
+    own = {0: "a", 1: "b", 2: "c"}
+    pools = shared_pools(list(range(8)), own)
+    assert list(pools) == list(range(8)) and [pools[i] for i in range(8)] == ["a", "b", "c", "a", "b", "c", "a", "b"]
+    assert shared_pools([3, 5], {3: "x", 5: "y"}) == {3: "x", 5: "y"}

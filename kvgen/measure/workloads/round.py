@@ -34,6 +34,12 @@ def cache_bytes(family: ScoreFamily, batch: int, width: int) -> int:
     return 2 * g.num_layers * pages * math.prod(g.page_shape) * elem
 
 
+def layers_that_fit(family: ScoreFamily, batch: int, width: int, free_bytes: int, share: float) -> int:
+    """How many cache layers' K and V fit in ``share`` of ``free_bytes`` (all of them at most)."""
+    per_layer = cache_bytes(family, batch, width) // family.geometry.num_layers
+    return min(family.geometry.num_layers, int(share * free_bytes) // per_layer)
+
+
 def bytes_limit(family: ScoreFamily, batch: int, width: int, budget: int) -> dict[str, int]:
     """``{"k_read", "moves"}``: the bytes of the module docstring (moves counted read + written)."""
     g = family.geometry
@@ -76,11 +82,14 @@ def round_artifacts(family: str, registry: Path, arch: str, generated: Path) -> 
 
 class RoundCase:
     """A full cache of ``batch`` requests (``PROMPT`` + ``width`` tokens, pages scattered) and the
-    manager that runs its round with ``artifacts``; every request is due."""
+    manager that runs its round with ``artifacts``; every request is due. With ``own_layers``, the
+    layers past the first ``own_layers`` share their pools (``ScoreCache``): every layer is still
+    scored and compacted, and layers on the same pool compact the same bytes at once, which moves
+    the same bytes as separate pools would (their contents are then no one's result)."""
 
     def __init__(self, config: EvictionConfig, family: ScoreFamily, batch: int, width: int, artifacts: Artifacts,
-                 budget: int, mode: str):
-        self.cache = ScoreCache(family, batch, width, all_layers=True, with_v=True)
+                 budget: int, mode: str, own_layers: int | None = None):
+        self.cache = ScoreCache(family, batch, width, all_layers=True, with_v=True, own_layers=own_layers)
         g = self.cache.geometry
         k_pools = [self.cache.k_pools[layer] for layer in range(g.num_layers)]
         v_pools = [self.cache.v_pools[layer] for layer in range(g.num_layers)]

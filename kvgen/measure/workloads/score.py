@@ -40,24 +40,35 @@ def random_pool(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device="cuda").normal_()
 
 
+def shared_pools(layers: list[int], own: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+    """Every layer's pool: its own where it has one, else the i-th layer's (round robin)."""
+    first = list(own.values())
+    return {layer: own.get(layer, first[i % len(first)]) for i, layer in enumerate(layers)}
+
+
 class ScoreCache:
     """K (and optionally V) pools of a family for B requests of ``PROMPT + width`` tokens, pages
     scattered by a random page table, a synthetic calibration, and everything the kernel takes."""
 
     def __init__(self, family: ScoreFamily, batch: int, width: int, all_layers: bool = False, with_v: bool = False,
-                 only_layer: int | None = None):
+                 only_layer: int | None = None, own_layers: int | None = None):
+        """``own_layers`` (with ``all_layers``): only the first that many layers get pools; layer i
+        uses layer ``i % own_layers``'s, so a cache larger than the GPU still moves every layer's
+        bytes (each layer's K is far larger than the L2: no layer finds another's in it)."""
         self.family = family
         g = self.geometry = family.geometry
         self.batch, self.width = batch, width
         dtype = TORCH_DTYPES[family.dtype]
         per_request = math.ceil((PROMPT + width) / g.tokens_per_block)
         pages = batch * per_request
-        layers = range(g.num_layers) if all_layers else g.scored_layers
+        layers = list(range(g.num_layers) if all_layers else g.scored_layers)
         if only_layer is not None:
             layers = [only_layer]
+        own = layers[:own_layers] if own_layers is not None else layers
         shape = (pages, *g.page_shape)
-        self.k_pools = {layer: random_pool(shape, dtype) for layer in layers}
-        self.v_pools = {layer: random_pool(shape, dtype) for layer in layers} if with_v else {}
+        self.k_pools = shared_pools(layers, {layer: random_pool(shape, dtype) for layer in own})
+        self.v_pools = shared_pools(layers, {layer: random_pool(shape, dtype) for layer in own}) if with_v else {}
+        self.own_layers = len(own)
         self.page_table = torch.randperm(pages, device="cuda").to(torch.int32).reshape(batch, per_request)
         self.calibration = synthetic_calibration(g, seed=0, theta=family.rope_theta, scaling=family.rope_scaling)
         self.P = [PROMPT] * batch
