@@ -5,11 +5,12 @@ quote as round stages come from ``kvgen bench``.
 
 - statistics: ``stats_resident`` (a row read once from registers, or twice: the second read
   partly from L2) x ``stats_warps`` x ``rows``;
-- aggregate (union): ``block_w`` x ``aggregate_warps``;
+- aggregate (union): ``block_w`` x ``aggregate_warps`` x ``head_step`` (heads a step of the max holds);
 - select (one program per decision row, union mode: B rows): ``select_route`` (comparisons or
   histograms) x ``radix_bits`` x ``block`` x ``select_warps``;
 - queue (``aggregate_route`` 1: statistics and aggregation as one launch, each chunk's rows read
-  again from L2): ``queue_lag`` x ``chunk_requests`` x ``queue_programs`` x ``block_w``, against
+  again from L2): ``queue_lag`` x ``chunk_requests`` x ``queue_programs`` x ``block_w`` x
+  ``head_step`` x the warps a program (``stats_warps``: 16 holds two programs a SM at most), against
   the two launches apart (``apart_ms``) in the same run; mean, std and the values of every mode
   checked.
 (``results/2026-12-03-h200-s8/callA`` was measured by this script's first form, which also tried
@@ -73,14 +74,16 @@ def queue_variants(selector, shipped, scores, width, result) -> None:  # noqa: A
     result["apart_ms"] = timed(apart)
     mean, std = shipped.statistics(scores, width)
     reference = {mode: (mean, std, shipped.aggregate(scores, mean, std, width, mode)) for mode in kernels.MODES}
-    for lag, chunk, programs, block_w in itertools.product((1, 2, 4, 8), (1, 2), (2, 4), (64, 256)):
+    for lag, chunk, programs, block_w, step, warps in itertools.product((2, 4, 8), (1, 2), (2, 4), (64, 256), (0, 8),
+                                                                        (8, 16)):
         sel = selector(aggregate_route=1, chunk_requests=chunk, queue_lag=lag, queue_programs=programs,
-                       block_w=block_w)
+                       block_w=block_w, head_step=step, stats_warps=warps)
         modes = kernels.MODES if not result["queue"] else ("union",)   # every mode once, then the bench's
         identical = all(all(same_bits(a, b) for a, b in zip(sel.statistics_aggregate(scores, width, mode),
                                                               reference[mode])) for mode in modes)
         result["queue"].append({"queue_lag": lag, "chunk_requests": chunk, "queue_programs": programs,
-                                "block_w": block_w, "identical": identical, "modes_checked": list(modes),
+                                "block_w": block_w, "head_step": step, "stats_warps": warps,
+                                "identical": identical, "modes_checked": list(modes),
                                 "ms": timed(lambda: sel.statistics_aggregate(scores, width, "union"))})
         print("queue", result["queue"][-1], flush=True, file=sys.stderr)
 
@@ -123,10 +126,12 @@ def main() -> None:
                                 "ms": timed(lambda: sel.statistics(scores, width))})
         print("stats", result["stats"][-1], flush=True, file=sys.stderr)
     values = shipped.aggregate(scores, ref_mean, ref_std, width, "union")
-    for block_w, warps in itertools.product((32, 64, 128) if "aggregate" in sections else (), (2, 4, 8)):
-        sel = selector(block_w=block_w, aggregate_warps=warps)
+    for block_w, warps, step in itertools.product((32, 64, 128, 256) if "aggregate" in sections else (), (2, 4, 8),
+                                                  (0, 8)):
+        sel = selector(block_w=block_w, aggregate_warps=warps, head_step=step)
         out = sel.aggregate(scores, ref_mean, ref_std, width, "union")
-        result["aggregate"].append({"block_w": block_w, "aggregate_warps": warps, "identical": same_bits(out, values),
+        result["aggregate"].append({"block_w": block_w, "aggregate_warps": warps, "head_step": step,
+                                    "identical": same_bits(out, values),
                                     "ms": timed(lambda: sel.aggregate(scores, ref_mean, ref_std, width, "union"))})
         print("aggregate", result["aggregate"][-1], flush=True, file=sys.stderr)
     ref_kept = shipped.select(values, width, args.budget, P).check()

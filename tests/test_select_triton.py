@@ -37,18 +37,20 @@ from .interpreter import interpret
 ROOT = Path(__file__).resolve().parents[1]
 TUNABLES = {"rows": 2, "stats_unroll": 2, "stats_resident": 0, "stats_warps": 4, "block_w": 64, "aggregate_warps": 2,
             "block": 64, "radix_bits": 4, "select_route": 0, "select_warps": 4, "aggregate_route": 0,
-            "chunk_requests": 1, "queue_lag": 1, "queue_programs": 1}
+            "chunk_requests": 1, "queue_lag": 1, "queue_programs": 1, "head_step": 0}
 # Tunables that must give the same bits: rows read once where they fit (the wide case's 1100
 # columns fall back to two reads under 512 resident columns and are held whole under 2048), the
 # histogram passes, with 256 digits and with fewer digits than a warp has lanes, and statistics
 # and aggregation as one queue (chunks of 2 requests: a batch of 3 ends in half a chunk; a lag of
-# 2 chunks, more than some cases have; the two-launch aggregation is the other routes').
+# 2 chunks, more than some cases have; the two-launch aggregation is the other routes'), and the
+# aggregation's max taken a few heads a step (2: the queue's; 1: one head a step; steps past a
+# group of 3 heads are half dead).
 ROUTES = {
     "two-reads-comparisons": TUNABLES,
     "resident-histogram8-queue": {**TUNABLES, "rows": 1, "stats_resident": 512, "radix_bits": 8, "select_route": 1,
                                   "select_warps": 8, "aggregate_route": 1, "chunk_requests": 2, "queue_lag": 2,
-                                  "queue_programs": 2},
-    "resident-histogram2": {**TUNABLES, "stats_resident": 2048, "radix_bits": 2, "select_route": 1},
+                                  "queue_programs": 2, "head_step": 2},
+    "resident-histogram2": {**TUNABLES, "stats_resident": 2048, "radix_bits": 2, "select_route": 1, "head_step": 1},
 }
 
 

@@ -208,7 +208,7 @@ def test_selection_candidates_build_into_a_bundle(tmp_path: Path) -> None:
 
     bundle = tmp_path / "sel"
     fix = ("rows=1,stats_unroll=4,stats_resident=16384,stats_warps=16,block_w=64,aggregate_warps=2,block=4096,"
-           "select_warps=16,aggregate_route=0")   # the queue's parameters fold away under route 0
+           "select_warps=16,aggregate_route=0,head_step=0")   # the queue's parameters fold away under route 0
     assert main(["tune", "--family", "qwen3-8b", "--op", "select", "--build-only", "--bundle", str(bundle),
                  "--fix", fix, "--cache-dir", str(tmp_path / "cache")]) == 0
     index = read_bundle(bundle)

@@ -2,7 +2,7 @@
 # family:   falcon-7b
 # op:       select
 # template: select.py.j2
-# plan key: aa8240b42ef0cce29fa8b5997c06b06fcec4eb967891259d9c555c934ff8ef66
+# plan key: cdeb859c2e432a9b45dd4e9b03b8eaced868c469a0a572e3cec3b019daaa3bc1
 """Normalize, aggregate and select of family falcon-7b (TRIATTENTION.md §4-§5), in Triton.
 
 The family's constants bound to ``kvgen.kernels.triton.select.TritonSelector`` (the kernels live
@@ -40,12 +40,14 @@ AGGREGATE_ROUTE = 0
 CHUNK_REQUESTS = 1  # tunable "chunk_requests"
 QUEUE_LAG = 4  # chunks of statistics ahead of their aggregation (tunable "queue_lag")
 QUEUE_PROGRAMS = 2  # tunable "queue_programs"
+HEAD_STEP = 0  # query heads an aggregation step holds, 0: all (tunable "head_step")
 
 SELECTOR = TritonSelector(NUM_LAYERS, KV_HEADS, GROUP, SCORED_LAYERS, rows=ROWS, stats_unroll=STATS_UNROLL,
                           stats_resident=STATS_RESIDENT, stats_warps=STATS_WARPS, block_w=BLOCK_W,
                           aggregate_warps=AGGREGATE_WARPS, block=BLOCK, radix_bits=RADIX_BITS,
                           select_route=SELECT_ROUTE, select_warps=SELECT_WARPS, aggregate_route=AGGREGATE_ROUTE,
-                          chunk_requests=CHUNK_REQUESTS, queue_lag=QUEUE_LAG, queue_programs=QUEUE_PROGRAMS)
+                          chunk_requests=CHUNK_REQUESTS, queue_lag=QUEUE_LAG, queue_programs=QUEUE_PROGRAMS,
+                          head_step=HEAD_STEP)
 decide = SELECTOR.decide
 statistics = SELECTOR.statistics
 aggregate = SELECTOR.aggregate

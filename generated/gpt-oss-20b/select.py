@@ -2,7 +2,7 @@
 # family:   gpt-oss-20b
 # op:       select
 # template: select.py.j2
-# plan key: b11949f77b7181b3c1c7a7a10974d537f66780c29206d5b3c5b0b55c99b8f983
+# plan key: 95548731233ed9e9a975461f00a0d15cc9d04cd8d99fe96c4b1a50bb13d957f1
 """Normalize, aggregate and select of family gpt-oss-20b (TRIATTENTION.md §4-§5), in Triton.
 
 The family's constants bound to ``kvgen.kernels.triton.select.TritonSelector`` (the kernels live
@@ -38,12 +38,14 @@ AGGREGATE_ROUTE = 0
 CHUNK_REQUESTS = 1  # tunable "chunk_requests"
 QUEUE_LAG = 4  # chunks of statistics ahead of their aggregation (tunable "queue_lag")
 QUEUE_PROGRAMS = 2  # tunable "queue_programs"
+HEAD_STEP = 0  # query heads an aggregation step holds, 0: all (tunable "head_step")
 
 SELECTOR = TritonSelector(NUM_LAYERS, KV_HEADS, GROUP, SCORED_LAYERS, rows=ROWS, stats_unroll=STATS_UNROLL,
                           stats_resident=STATS_RESIDENT, stats_warps=STATS_WARPS, block_w=BLOCK_W,
                           aggregate_warps=AGGREGATE_WARPS, block=BLOCK, radix_bits=RADIX_BITS,
                           select_route=SELECT_ROUTE, select_warps=SELECT_WARPS, aggregate_route=AGGREGATE_ROUTE,
-                          chunk_requests=CHUNK_REQUESTS, queue_lag=QUEUE_LAG, queue_programs=QUEUE_PROGRAMS)
+                          chunk_requests=CHUNK_REQUESTS, queue_lag=QUEUE_LAG, queue_programs=QUEUE_PROGRAMS,
+                          head_step=HEAD_STEP)
 decide = SELECTOR.decide
 statistics = SELECTOR.statistics
 aggregate = SELECTOR.aggregate

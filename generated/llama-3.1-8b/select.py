@@ -2,7 +2,7 @@
 # family:   llama-3.1-8b
 # op:       select
 # template: select.py.j2
-# plan key: 60b6092683c1fb4366b1b814936393eb80e36c683fa337c1d6a931cd7da314dd
+# plan key: 8e59c97f2116852dd5ad1741ed5a391e0a4ae93b5080ffaf80523e4db6d7c358
 """Normalize, aggregate and select of family llama-3.1-8b (TRIATTENTION.md §4-§5), in Triton.
 
 The family's constants bound to ``kvgen.kernels.triton.select.TritonSelector`` (the kernels live
@@ -40,12 +40,14 @@ AGGREGATE_ROUTE = 0
 CHUNK_REQUESTS = 1  # tunable "chunk_requests"
 QUEUE_LAG = 4  # chunks of statistics ahead of their aggregation (tunable "queue_lag")
 QUEUE_PROGRAMS = 2  # tunable "queue_programs"
+HEAD_STEP = 0  # query heads an aggregation step holds, 0: all (tunable "head_step")
 
 SELECTOR = TritonSelector(NUM_LAYERS, KV_HEADS, GROUP, SCORED_LAYERS, rows=ROWS, stats_unroll=STATS_UNROLL,
                           stats_resident=STATS_RESIDENT, stats_warps=STATS_WARPS, block_w=BLOCK_W,
                           aggregate_warps=AGGREGATE_WARPS, block=BLOCK, radix_bits=RADIX_BITS,
                           select_route=SELECT_ROUTE, select_warps=SELECT_WARPS, aggregate_route=AGGREGATE_ROUTE,
-                          chunk_requests=CHUNK_REQUESTS, queue_lag=QUEUE_LAG, queue_programs=QUEUE_PROGRAMS)
+                          chunk_requests=CHUNK_REQUESTS, queue_lag=QUEUE_LAG, queue_programs=QUEUE_PROGRAMS,
+                          head_step=HEAD_STEP)
 decide = SELECTOR.decide
 statistics = SELECTOR.statistics
 aggregate = SELECTOR.aggregate

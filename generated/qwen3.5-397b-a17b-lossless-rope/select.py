@@ -2,7 +2,7 @@
 # family:   qwen3.5-397b-a17b-lossless-rope
 # op:       select
 # template: select.py.j2
-# plan key: 8732a522d07d98faced7402d2d2158889d517873b15823ffe78239e224cf2412
+# plan key: c90052223b0fec32e6fbf06bcb5b6c55c190fb966733ccad3e7bec199d2d2809
 """Normalize, aggregate and select of family qwen3.5-397b-a17b-lossless-rope (TRIATTENTION.md §4-§5), in Triton.
 
 The family's constants bound to ``kvgen.kernels.triton.select.TritonSelector`` (the kernels live
@@ -39,12 +39,14 @@ AGGREGATE_ROUTE = 0
 CHUNK_REQUESTS = 1  # tunable "chunk_requests"
 QUEUE_LAG = 4  # chunks of statistics ahead of their aggregation (tunable "queue_lag")
 QUEUE_PROGRAMS = 2  # tunable "queue_programs"
+HEAD_STEP = 0  # query heads an aggregation step holds, 0: all (tunable "head_step")
 
 SELECTOR = TritonSelector(NUM_LAYERS, KV_HEADS, GROUP, SCORED_LAYERS, rows=ROWS, stats_unroll=STATS_UNROLL,
                           stats_resident=STATS_RESIDENT, stats_warps=STATS_WARPS, block_w=BLOCK_W,
                           aggregate_warps=AGGREGATE_WARPS, block=BLOCK, radix_bits=RADIX_BITS,
                           select_route=SELECT_ROUTE, select_warps=SELECT_WARPS, aggregate_route=AGGREGATE_ROUTE,
-                          chunk_requests=CHUNK_REQUESTS, queue_lag=QUEUE_LAG, queue_programs=QUEUE_PROGRAMS)
+                          chunk_requests=CHUNK_REQUESTS, queue_lag=QUEUE_LAG, queue_programs=QUEUE_PROGRAMS,
+                          head_step=HEAD_STEP)
 decide = SELECTOR.decide
 statistics = SELECTOR.statistics
 aggregate = SELECTOR.aggregate

@@ -2,7 +2,7 @@
 # family:   qwen3.5-397b-a17b
 # op:       select
 # template: select.py.j2
-# plan key: 4e1701235d2abfb51ced5c42c5a5c9b1c0bfec5e60eb92330e7ad9279498d776
+# plan key: 79322b3df330a31d67c66f3574012e8e249682e873689fdc8ca4af0e5d906b25
 """Normalize, aggregate and select of family qwen3.5-397b-a17b (TRIATTENTION.md §4-§5), in Triton.
 
 The family's constants bound to ``kvgen.kernels.triton.select.TritonSelector`` (the kernels live
@@ -39,12 +39,14 @@ AGGREGATE_ROUTE = 0
 CHUNK_REQUESTS = 1  # tunable "chunk_requests"
 QUEUE_LAG = 4  # chunks of statistics ahead of their aggregation (tunable "queue_lag")
 QUEUE_PROGRAMS = 2  # tunable "queue_programs"
+HEAD_STEP = 0  # query heads an aggregation step holds, 0: all (tunable "head_step")
 
 SELECTOR = TritonSelector(NUM_LAYERS, KV_HEADS, GROUP, SCORED_LAYERS, rows=ROWS, stats_unroll=STATS_UNROLL,
                           stats_resident=STATS_RESIDENT, stats_warps=STATS_WARPS, block_w=BLOCK_W,
                           aggregate_warps=AGGREGATE_WARPS, block=BLOCK, radix_bits=RADIX_BITS,
                           select_route=SELECT_ROUTE, select_warps=SELECT_WARPS, aggregate_route=AGGREGATE_ROUTE,
-                          chunk_requests=CHUNK_REQUESTS, queue_lag=QUEUE_LAG, queue_programs=QUEUE_PROGRAMS)
+                          chunk_requests=CHUNK_REQUESTS, queue_lag=QUEUE_LAG, queue_programs=QUEUE_PROGRAMS,
+                          head_step=HEAD_STEP)
 decide = SELECTOR.decide
 statistics = SELECTOR.statistics
 aggregate = SELECTOR.aggregate

@@ -60,17 +60,20 @@ class SelectionHost:
     (0 comparisons, 1 histogram), the warps per program of each kernel, and ``aggregate_route``:
     0 launches the statistics and the aggregation apart, 1 as one queue (``_queue_kernel``) of
     ``chunk_requests`` requests a chunk, aggregated ``queue_lag`` chunks after their statistics, on
-    ``queue_programs`` programs a SM at the statistics' warps)."""
+    ``queue_programs`` programs a SM at the statistics' warps; ``head_step`` query heads an
+    aggregation step holds, 0: all of an item's heads at once)."""
 
     def __init__(self, num_layers: int, kv_heads: int, group: int, scored_layers: Sequence[int], *,
                  rows: int, stats_unroll: int, stats_resident: int, stats_warps: int, block_w: int,
                  aggregate_warps: int, block: int, radix_bits: int, select_route: int, select_warps: int,
-                 aggregate_route: int, chunk_requests: int, queue_lag: int, queue_programs: int):
+                 aggregate_route: int, chunk_requests: int, queue_lag: int, queue_programs: int, head_step: int):
         if stats_resident % REDUCTION_LANES:
             raise ValueError(f"stats_resident {stats_resident}: must be a multiple of {REDUCTION_LANES}")
         if aggregate_route not in (0, 1) or min(chunk_requests, queue_lag, queue_programs) < 1:
             raise ValueError(f"aggregate_route {aggregate_route} (0 or 1), chunk_requests {chunk_requests}, queue_lag "
                              f"{queue_lag} and queue_programs {queue_programs} (at least 1)")
+        if head_step < 0 or head_step & (head_step - 1):
+            raise ValueError(f"head_step {head_step}: 0 (every head at once) or a power of two")
         self.num_layers, self.kv_heads, self.group = num_layers, kv_heads, group
         self.query_heads = kv_heads * group
         self.scored_layers = tuple(scored_layers)
@@ -79,7 +82,7 @@ class SelectionHost:
         self.num_warps = {"statistics": stats_warps, "aggregate": aggregate_warps, "select": select_warps,
                           "queue": stats_warps}
         self.aggregate_route, self.chunk_requests, self.queue_lag = aggregate_route, chunk_requests, queue_lag
-        self.queue_programs = queue_programs
+        self.queue_programs, self.head_step = queue_programs, head_step
         self._layers: dict[torch.device, torch.Tensor] = {}
 
     def tunables(self) -> dict[str, int]:
@@ -89,7 +92,7 @@ class SelectionHost:
                 "aggregate_warps": self.num_warps["aggregate"], "block": self.block, "radix_bits": self.radix_bits,
                 "select_route": self.select_route, "select_warps": self.num_warps["select"],
                 "aggregate_route": self.aggregate_route, "chunk_requests": self.chunk_requests,
-                "queue_lag": self.queue_lag, "queue_programs": self.queue_programs}
+                "queue_lag": self.queue_lag, "queue_programs": self.queue_programs, "head_step": self.head_step}
 
     def num_decision_rows(self, mode: str) -> int:
         return (1, self.kv_heads, self.num_layers * self.kv_heads)[mode_index(mode)]
@@ -114,8 +117,9 @@ class SelectionHost:
 
     def aggregate_constants(self, mode: str) -> dict[str, int]:
         heads = self.aggregate_heads(mode)
+        step = min(self.head_step or next_power_of_2(heads), next_power_of_2(heads))
         return {"MODE": mode_index(mode), "QUERY_HEADS": self.query_heads, "KV_HEADS": self.kv_heads,
-                "HEADS": heads, "HEADS_P2": next_power_of_2(heads), "BLOCK_W": self.block_w}
+                "HEADS": heads, "HEAD_STEP": step, "STEPS": -(-heads // step), "BLOCK_W": self.block_w}
 
     def queue_constants(self, mode: str) -> dict[str, int | float]:
         """The queue kernel's: the aggregation's and the statistics' constants, the chunk and the lag."""

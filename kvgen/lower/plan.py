@@ -200,6 +200,11 @@ TUNABLES: dict[str, dict[str, tuple[tuple[int, ...], int]]] = {
         "chunk_requests": ((1, 2, 4, 8), 1),
         "queue_lag": ((1, 2, 4, 8), 4),    # chunks of statistics queued ahead of their aggregation
         "queue_programs": ((1, 2, 4), 2),
+        # Query heads an aggregation step holds (0: all of a program's heads at once). At 0 the
+        # queue's union item holds 64 heads x block_w values: 84-104 registers at 16 warps, one
+        # program a SM (cuobjdump, gpt-oss-20b); fewer heads a step, fewer registers. Same bits
+        # (a max in any order).
+        "head_step": ((0, 4, 8, 16), 0),
     },
 }
 
@@ -362,13 +367,16 @@ def compact_geometry(spec: FamilySpec) -> dict[str, Any]:
     }
 
 
-def fold_select_params(params: Mapping[str, int]) -> dict[str, int]:
+def fold_select_params(params: Mapping[str, int], query_heads: int) -> dict[str, int]:
     """The comparison route (select_route 0) takes at most 4 radix bits: 8 would compare every key
     with 256 candidates, a tile no register file holds. A round runs one aggregation route, so the
-    other route's launch parameters are held at their defaults (one candidate, not many)."""
+    other route's launch parameters are held at their defaults (one candidate, not many). A
+    ``head_step`` that holds all ``query_heads`` (the union program's, so every group's too) is 0."""
     out = dict(params)
     if out["select_route"] == 0 and out["radix_bits"] > 4:
         out["radix_bits"] = 4
+    if out["head_step"] >= query_heads:
+        out["head_step"] = 0
     unused = ("chunk_requests", "queue_lag", "queue_programs") if out["aggregate_route"] == 0 else ("aggregate_warps",)
     return {**out, **{name: TUNABLES["select"][name][1] for name in unused}}
 
@@ -442,7 +450,8 @@ def plans_for(spec: FamilySpec, params: Mapping[Op, Mapping[str, int]] | None = 
                                 {**default_params("pack"), **params.get("pack", {})}))
         plans.append(score_plan(spec, params.get("score")))
         plans.append(KernelPlan(spec.name, "select", "select.py.j2", select_geometry(spec),
-                                fold_select_params({**default_params("select"), **params.get("select", {})})))
+                                fold_select_params({**default_params("select"), **params.get("select", {})},
+                                                   spec.query_heads)))
     for plan in plans:
         check_params(plan.op, plan.params)
     return plans

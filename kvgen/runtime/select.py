@@ -26,7 +26,7 @@ from kvgen.kernels.selection import SelectionHost, mode_index
 from kvgen.runtime.generated_module import import_generated_module, load_generated_module
 from kvgen.runtime.library import TritonAotLibrary
 
-ABI_VERSION = 4
+ABI_VERSION = 5
 
 REQUIRED = ("FAMILY", "NUM_LAYERS", "KV_HEADS", "GROUP", "SCORED_LAYERS", "decide", "num_decision_rows")
 
@@ -49,7 +49,7 @@ class SelectGeometry(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int32) for name in (
         "abi_version", "num_layers", "kv_heads", "group", "num_scored", "rows", "block_w", "block", "radix_bits",
         "stats_unroll", "stats_warps", "aggregate_warps", "stats_resident", "select_route", "select_warps",
-        "aggregate_route", "chunk_requests", "queue_lag", "queue_programs")]
+        "aggregate_route", "chunk_requests", "queue_lag", "queue_programs", "head_step")]
 
 
 _c = ctypes
@@ -90,7 +90,7 @@ class SelectLibrary(TritonAotLibrary, SelectionHost):
                          block_w=g.block_w, aggregate_warps=g.aggregate_warps, block=g.block,
                          radix_bits=g.radix_bits, select_route=g.select_route, select_warps=g.select_warps,
                          aggregate_route=g.aggregate_route, chunk_requests=g.chunk_requests,
-                         queue_lag=g.queue_lag, queue_programs=g.queue_programs)
+                         queue_lag=g.queue_lag, queue_programs=g.queue_programs, head_step=g.head_step)
 
     def _launch_statistics(self, scores, width, mean, std, batch, W):  # noqa: ANN001, ANN202
         self._call("statistics", scores.data_ptr(), width.data_ptr(), mean.data_ptr(), std.data_ptr(),

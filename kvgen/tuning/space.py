@@ -119,7 +119,7 @@ def canonical(op: Op, params: Mapping[str, int], spec: FamilySpec) -> dict[str, 
     if op == "codec":
         out = fold_codec_params(spec, out)  # the packed fp16 route (rounding 3) needs an fp8 Q = 1 buffer
     if op == "select":
-        out = fold_select_params(out)
+        out = fold_select_params(out, spec.query_heads)
     return out
 
 

@@ -99,6 +99,10 @@ ROUTES = {
                                 "select_warps": 8},
     # the queue (statistics and aggregation in one launch, many programs waiting on each other)
     "queue-chunk1": {"aggregate_route": 1, "chunk_requests": 1, "queue_lag": 8, "queue_programs": 4, "block_w": 64},
+    # the aggregation's max 8 heads a step (fewer registers: more queue programs resident a SM)
+    "queue-lag4-heads8": {"aggregate_route": 1, "chunk_requests": 1, "queue_lag": 4, "queue_programs": 2,
+                          "block_w": 256, "head_step": 8},
+    "apart-heads4": {"head_step": 4},
     "queue-chunk4-resident": {"aggregate_route": 1, "chunk_requests": 4, "queue_lag": 1, "queue_programs": 1,
                               "block_w": 256, "stats_resident": 16384, "stats_warps": 8},
 }
@@ -160,7 +164,7 @@ def test_a_nan_score_stops_the_round_before_anything_moves() -> None:
     selector = TritonSelector(g.num_layers, g.kv_heads, g.group, g.scored_layers, rows=2, stats_unroll=1,
                               stats_resident=0, stats_warps=4, block_w=128, aggregate_warps=4, block=512, radix_bits=4,
                               select_route=0, select_warps=4, aggregate_route=0, chunk_requests=1, queue_lag=1,
-                              queue_programs=1)
+                              queue_programs=1, head_step=0)
     scores = torch.randn(len(g.scored_layers), 2, g.query_heads, 300, device="cuda")
     scores[3, 1, 5, 17] = float("nan")
     width = _long([300, 200])

@@ -28,7 +28,8 @@ extern "C" {
 // 3: kvgen_select_geometry gained stats_resident, select_route and select_warps.
 // 4: kvgen_select_statistics_aggregate (and its work size); the geometry gained aggregate_route,
 //    chunk_requests, queue_lag and queue_programs.
-#define KVGEN_SELECT_ABI_VERSION 4
+// 5: the geometry gained head_step.
+#define KVGEN_SELECT_ABI_VERSION 5
 
 // Error codes (besides CUresult values of a failed launch, returned as is).
 #define KVGEN_SELECT_EINVAL (-1)   // an argument is out of range; the message names it
@@ -60,6 +61,7 @@ typedef struct {
   int32_t chunk_requests;   // requests of one scored layer per chunk of that queue (tunable)
   int32_t queue_lag;        // chunks of statistics queued ahead of their aggregation (tunable)
   int32_t queue_programs;   // that queue's programs per multiprocessor (tunable)
+  int32_t head_step;        // query heads an aggregation step holds, 0: all of them (tunable)
 } kvgen_select_geometry;
 
 int kvgen_select_abi_version(void);

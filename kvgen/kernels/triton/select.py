@@ -183,23 +183,31 @@ def _max_nan(a, b):
 
 
 @triton.jit
-def _group_max(scores_ptr, mean_ptr, std_ptr, row, column, valid, live_head, W):
-    """``[BLOCK_W]``: the max over the heads of rows ``row`` (``live_head``: those that exist) of their
-    z-scores ``(x - mean) / std`` at ``column``, 0 at invalid columns. mean and std are read past L1:
-    in the queue kernel other programs of the same launch wrote them."""
-    mean = tl.load(mean_ptr + row, mask=live_head, other=0.0, cache_modifier=".cg")
-    std = tl.load(std_ptr + row, mask=live_head, other=1.0, cache_modifier=".cg")
-    x = tl.load(scores_ptr + row.to(tl.int64)[:, None] * W + column[None, :],
-                mask=live_head[:, None] & valid[None, :], other=0.0)
-    z = tl.where(valid[None, :], tl.div_rn(x - mean[:, None], std[:, None]), 0.0)
-    z = tl.where(live_head[:, None], z, float("-inf"))
-    return tl.reduce(z, 0, _max_nan)
+def _group_max(scores_ptr, mean_ptr, std_ptr, first_row, column, valid, W, HEADS: tl.constexpr,
+               HEAD_STEP: tl.constexpr, STEPS: tl.constexpr):
+    """``[BLOCK_W]``: the max over the HEADS rows ``first_row ..`` of their z-scores ``(x - mean) / std``
+    at ``column``, 0 at invalid columns; HEAD_STEP rows a step (STEPS steps), so a program holds
+    HEAD_STEP x BLOCK_W values, not all the heads' (max is exact in any order, NaN winning). mean
+    and std are read past L1: in the queue kernel other programs of the same launch wrote them."""
+    acc = tl.full(column.shape, float("-inf"), dtype=tl.float32)
+    for step in range(STEPS):
+        h = step * HEAD_STEP + tl.arange(0, HEAD_STEP)
+        live_head = h < HEADS
+        row = first_row + h
+        mean = tl.load(mean_ptr + row, mask=live_head, other=0.0, cache_modifier=".cg")
+        std = tl.load(std_ptr + row, mask=live_head, other=1.0, cache_modifier=".cg")
+        x = tl.load(scores_ptr + row.to(tl.int64)[:, None] * W + column[None, :],
+                    mask=live_head[:, None] & valid[None, :], other=0.0)
+        z = tl.where(valid[None, :], tl.div_rn(x - mean[:, None], std[:, None]), 0.0)
+        z = tl.where(live_head[:, None], z, float("-inf"))
+        acc = _max_nan(acc, tl.reduce(z, 0, _max_nan))
+    return acc
 
 
 @triton.jit
 def _aggregate_kernel(scores_ptr, mean_ptr, std_ptr, width_ptr, layers_ptr, out_ptr, batch, W, num_scored,
                       out_rows, MODE: tl.constexpr, QUERY_HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
-                      HEADS: tl.constexpr, HEADS_P2: tl.constexpr, BLOCK_W: tl.constexpr):
+                      HEADS: tl.constexpr, HEAD_STEP: tl.constexpr, STEPS: tl.constexpr, BLOCK_W: tl.constexpr):
     """Program (column tile, request, KV head) writes its decision values of that tile.
 
     MODE 0 union (one program per tile and request: its max over every query head and scored
@@ -212,16 +220,14 @@ def _aggregate_kernel(scores_ptr, mean_ptr, std_ptr, width_ptr, layers_ptr, out_
     width = tl.minimum(tl.load(width_ptr + request), W)
     valid = column < width
     in_row = column < W
-    h = tl.arange(0, HEADS_P2)
-    live_head = h < HEADS
-    head = kv_head * HEADS + h       # union: HEADS = Hq and kv_head = 0; else the group's heads
+    head = kv_head * HEADS       # union: HEADS = Hq and kv_head = 0; else the group's first head
     acc = tl.zeros((BLOCK_W,), dtype=tl.float32)
     if MODE == 0:
         acc = tl.full((BLOCK_W,), float("-inf"), dtype=tl.float32)
     out_request = out_ptr + request.to(tl.int64) * out_rows * W
     for i in range(num_scored):
         group_max = _group_max(scores_ptr, mean_ptr, std_ptr, (i * batch + request) * QUERY_HEADS + head, column,
-                               valid, live_head, W)
+                               valid, W, HEADS, HEAD_STEP, STEPS)
         if MODE == 0:
             acc = _max_nan(acc, group_max)
         elif MODE == 1:
@@ -279,8 +285,8 @@ def _queue_item(ticket, chunks, agg_items, STATS_ITEMS: tl.constexpr, LAG: tl.co
 @triton.jit
 def _queue_kernel(scores_ptr, width_ptr, mean_ptr, std_ptr, layers_ptr, out_ptr, work_ptr, batch, W, num_scored,
                   out_rows, MODE: tl.constexpr, QUERY_HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
-                  HEADS: tl.constexpr, HEADS_P2: tl.constexpr, BLOCK_W: tl.constexpr, ROWS: tl.constexpr,
-                  LANES: tl.constexpr, LOG2_LANES: tl.constexpr, UNROLL: tl.constexpr,
+                  HEADS: tl.constexpr, HEAD_STEP: tl.constexpr, STEPS: tl.constexpr, BLOCK_W: tl.constexpr,
+                  ROWS: tl.constexpr, LANES: tl.constexpr, LOG2_LANES: tl.constexpr, UNROLL: tl.constexpr,
                   RESIDENT_STEPS: tl.constexpr, STD_FLOOR: tl.constexpr, CHUNK: tl.constexpr,
                   LAG: tl.constexpr):
     """``_stats_kernel`` then ``_aggregate_kernel`` (same results, bit for bit) as one queue of work
@@ -306,8 +312,6 @@ def _queue_kernel(scores_ptr, width_ptr, mean_ptr, std_ptr, layers_ptr, out_ptr,
     chunks = num_scored * request_groups
     done_ptr = work_ptr + 1
     order_ptr = done_ptr + chunks
-    h = tl.arange(0, HEADS_P2)
-    live_head = h < HEADS
     ticket = tl.atomic_add(work_ptr, 1)
     while ticket < chunks * (STATS_ITEMS + agg_items):
         is_stats, chunk, item = _queue_item(ticket, chunks, agg_items, STATS_ITEMS, LAG)
@@ -330,9 +334,8 @@ def _queue_kernel(scores_ptr, width_ptr, mean_ptr, std_ptr, layers_ptr, out_ptr,
                 valid = column < width
                 in_row = column < W
                 _wait_at_least(done_ptr + chunk, STATS_ITEMS)
-                group_max = _group_max(scores_ptr, mean_ptr, std_ptr,
-                                       (layer * batch + request) * QUERY_HEADS + group * HEADS + h, column, valid,
-                                       live_head, W)
+                group_max = _group_max(scores_ptr, mean_ptr, std_ptr, (layer * batch + request) * QUERY_HEADS
+                                       + group * HEADS, column, valid, W, HEADS, HEAD_STEP, STEPS)
                 out_request = out_ptr + request.to(tl.int64) * out_rows * W
                 if MODE == 2:
                     tl.store(out_request + (tl.load(layers_ptr + layer) * KV_HEADS + group) * W + column, group_max,
@@ -512,7 +515,7 @@ def aot_header_constants(host: SelectionHost) -> dict[str, int | list[int]]:
             "kAggregateWarps": host.num_warps["aggregate"], "kStatsResident": host.stats_resident,
             "kSelectRoute": host.select_route, "kSelectWarps": host.num_warps["select"],
             "kAggregateRoute": host.aggregate_route, "kChunkRequests": host.chunk_requests,
-            "kQueueLag": host.queue_lag, "kQueuePrograms": host.queue_programs,
+            "kQueueLag": host.queue_lag, "kQueuePrograms": host.queue_programs, "kHeadStep": host.head_step,
             "kScoredLayers": list(host.scored_layers)}
 
 

@@ -59,7 +59,7 @@ int kvgen_select_query_geometry(kvgen_select_geometry* out) {
   if (out == nullptr) return invalid("kvgen_select_query_geometry", "out is NULL");
   *out = {KVGEN_SELECT_ABI_VERSION, kNumLayers, kKvHeads, kGroup, kNumScored, kRows, kBlockW, kBlock, kRadixBits,
           kStatsUnroll, kStatsWarps, kAggregateWarps, kStatsResident, kSelectRoute, kSelectWarps, kAggregateRoute,
-          kChunkRequests, kQueueLag, kQueuePrograms};
+          kChunkRequests, kQueueLag, kQueuePrograms, kHeadStep};
   return 0;
 }
 
