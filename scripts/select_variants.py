@@ -74,7 +74,7 @@ def queue_variants(selector, shipped, scores, width, result) -> None:  # noqa: A
     result["apart_ms"] = timed(apart)
     mean, std = shipped.statistics(scores, width)
     reference = {mode: (mean, std, shipped.aggregate(scores, mean, std, width, mode)) for mode in kernels.MODES}
-    for lag, chunk, programs, block_w, step, warps in itertools.product((2, 4, 8), (1, 2), (2, 4), (64, 256), (0, 8),
+    for lag, chunk, programs, block_w, step, warps in itertools.product((2, 4, 8), (1,), (2, 4), (64, 256), (0, 8),
                                                                         (8, 16)):
         sel = selector(aggregate_route=1, chunk_requests=chunk, queue_lag=lag, queue_programs=programs,
                        block_w=block_w, head_step=step, stats_warps=warps)
