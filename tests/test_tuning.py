@@ -486,3 +486,11 @@ def test_the_tensor_core_form_folds_where_it_cannot_serve_and_ignores_the_other_
     # an old record without the form's parameters is form 0
     old = {k: v for k, v in default_params("score").items() if k not in ("form", "mma_tiles", "mag_mma")}
     assert canonical("score", old, QWEN) == canonical("score", default_params("score"), QWEN)
+
+
+def test_every_tunable_op_names_the_toolchain_its_entries_are_checked_against() -> None:
+    """A measured entry of any op loads (the first measured select entries met a KeyError)."""
+    from kvgen.lower.plan import TUNABLES
+    from kvgen.lower.tuned import OP_TOOLCHAIN
+
+    assert set(OP_TOOLCHAIN) == set(TUNABLES)

@@ -53,7 +53,7 @@ SCHEMA = 1
 VARIANT_OPS: tuple[Op, ...] = ("score", "compact")
 # How the parameters the build compiles were chosen (the manifest and ``kvgen show-config`` say it).
 MEASURED, MODEL, OVERRIDE, DEFAULT = "measured", "model-tuned", "override", "default"
-OP_TOOLCHAIN = {"codec": "nvcc", "compact": "nvcc", "score": "cutlass_dsl", "pack": "triton"}
+OP_TOOLCHAIN = {"codec": "nvcc", "compact": "nvcc", "score": "cutlass_dsl", "pack": "triton", "select": "triton"}
 
 
 class TuningFileError(ValueError):
