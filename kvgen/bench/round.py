@@ -14,8 +14,8 @@ in the same run; ``round_over_limit`` = whole round / limit (issue 14's goal: <=
 larger than 80 % of the free memory gives only the layers that fit pools of their own, and the
 others share them round robin (``layers_with_own_pools`` of ``layers``; every layer is still scored
 and compacted, each K far larger than the L2: qwen3-8b at batch 32 is ~82 GB, more than an H100
-holds); a case where fewer than two layers fit is recorded as skipped, with its size; a case that
-fails is recorded with its error and the others still run.
+holds); a case where fewer than ``MIN_OWN_LAYERS`` layers fit (and not all of them) is recorded as
+skipped, with its size; a case that fails is recorded with its error and the others still run.
 
 Usage: ``kvgen bench run --only round`` (or ``python -m kvgen.bench run --only round``).
 """
@@ -53,12 +53,12 @@ def bench_round(family: str, batch: int, width: int, copy: dict, registry: Path,
               "cache_bytes": need}
     free, _ = torch.cuda.mem_get_info()
     own = layers_that_fit(scoring, batch, width, free, CACHE_SHARE)
-    if own < MIN_OWN_LAYERS:
+    layers = scoring.geometry.num_layers
+    if own < min(MIN_OWN_LAYERS, layers):
         record["skipped"] = (f"K+V cache {need / 2**30:.1f} GiB: fewer than {MIN_OWN_LAYERS} layers fit in "
                              f"{CACHE_SHARE:.0%} of {free / 2**30:.1f} GiB free")
         print(f"round {family} B={batch}: skipped ({record['skipped']})")
         return record
-    layers = scoring.geometry.num_layers
     record.update(layers=layers, layers_with_own_pools=own)
     artifacts = round_artifacts(family, registry, arch, paths.generated_dir())
     case = RoundCase(config, scoring, batch, width, artifacts, budget, mode, own if own < layers else None)

@@ -200,10 +200,10 @@ TUNABLES: dict[str, dict[str, tuple[tuple[int, ...], int]]] = {
         "chunk_requests": ((1, 2, 4, 8), 1),
         "queue_lag": ((1, 2, 4, 8), 4),    # chunks of statistics queued ahead of their aggregation
         "queue_programs": ((1, 2, 4), 2),
-        # Query heads an aggregation step holds (0: all of a program's heads at once). At 0 the
-        # queue's union item holds 64 heads x block_w values: 84-104 registers at 16 warps, one
-        # program a SM (cuobjdump, gpt-oss-20b); fewer heads a step, fewer registers. Same bits
-        # (a max in any order).
+        # Query heads an aggregation step holds (0: all of a program's heads at once). Fewer heads
+        # a step, fewer registers (gpt-oss-20b's union aggregation at 64 x 2 warps: 160 -> 36 at 8),
+        # same bits (a max in any order); on an H100 it is slower in most launches but where the
+        # all-heads tile spills, and qwen3.5's measured pick (results/2026-12-07-h100-s17).
         "head_step": ((0, 4, 8, 16), 0),
     },
 }

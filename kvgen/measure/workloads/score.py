@@ -68,7 +68,6 @@ class ScoreCache:
         shape = (pages, *g.page_shape)
         self.k_pools = shared_pools(layers, {layer: random_pool(shape, dtype) for layer in own})
         self.v_pools = shared_pools(layers, {layer: random_pool(shape, dtype) for layer in own}) if with_v else {}
-        self.own_layers = len(own)
         self.page_table = torch.randperm(pages, device="cuda").to(torch.int32).reshape(batch, per_request)
         self.calibration = synthetic_calibration(g, seed=0, theta=family.rope_theta, scaling=family.rope_scaling)
         self.P = [PROMPT] * batch
