@@ -2,11 +2,12 @@
 
 (a) The kernel's walk on the host: tests/csrc/compact_host_check.cu runs walk_moves with the
     kernel's addressing over host memory, phase by phase, and the pools must equal the oracle's
-    compact_paged byte for byte. The concurrent phase (loads of tile k+1 with stores of tile k) runs
-    in both orders, and the addresses it touches must never overlap: that is the claim the kernel's
-    single barrier per tile rests on. Grid: HND and NHD; bf16, fp16, fp8; head_dim 64/128/256;
-    tokens_per_block 16..128; every threads and tile_tokens choice; several layers with a sliding
-    window layer; separate and combined (strided) K/V pools; prompts long enough that moves cross pages.
+    compact_paged byte for byte. The concurrent phase (loads of tile k+D with stores of tile k,
+    D = load_ahead) runs in both orders, and the addresses it touches must never overlap: that is
+    the claim the kernel's single barrier per tile rests on. Grid: HND and NHD; bf16, fp16, fp8;
+    head_dim 64/128/256; tokens_per_block 16..128; every threads, tile_tokens, slices, load_ahead
+    and index_ahead choice; several layers with a sliding window layer; separate and combined
+    (strided) K/V pools; prompts long enough that moves cross pages.
 (b) The rendered source compiles for every target: all TriAttention families for sm_90a (device
     code, -cubin, no spills), two families for sm_100a and sm_103a, one for sm_107a (pip nvcc 13.5),
     every tunable combination for the longest row, and one shared library whose C ABI the
@@ -61,12 +62,14 @@ def host_check(tmp_path_factory) -> Path:
     return exe
 
 
-def _grid_cases(count: int = 18) -> list[dict]:
+def _grid_cases(count: int = 20) -> list[dict]:
     """Seeded sample of the grid, arranged so every value of every axis appears."""
     axes = {
         "layout": ["HND", "NHD"], "dtype": ["bf16", "fp16", "fp8_e4m3"], "head_dim": [64, 128, 256],
         "tpb": [16, 32, 64, 128], "threads": list(TUNABLES["compact"]["threads"][0]),
         "tile": list(TUNABLES["compact"]["tile_tokens"][0]), "slices": list(TUNABLES["compact"]["slices"][0]),
+        "load_ahead": list(TUNABLES["compact"]["load_ahead"][0]),
+        "index_ahead": list(TUNABLES["compact"]["index_ahead"][0]),
         "kv_heads": [1, 2, 4], "mode": list(MODES),
         "interleaved": [False, True], "stores_first": [False, True],
     }
@@ -91,7 +94,7 @@ def _run_host_check(exe: Path, geo, table: torch.Tensor, moves, k_pools, v_pools
     header = [0 if geo.layout == "HND" else 1, page_bytes // (geo.kv_heads * geo.tokens_per_block), geo.kv_heads,
               geo.tokens_per_block, geo.num_layers, k_pools[0].shape[0], table.shape[0], table.shape[1],
               moves.src.shape[-1], case["threads"], case["tile"], int(case["stores_first"]), int(case["interleaved"]),
-              case["slices"]]
+              case["slices"], case["load_ahead"], case["index_ahead"]]
     parts = [np.asarray(header, dtype="<i8").tobytes()]
     for t in (table, moves.src, moves.dst, moves.offsets):
         parts.append(t.to(torch.int32).contiguous().numpy().astype("<i4").tobytes())
@@ -120,7 +123,7 @@ def _case_inputs(case: dict):
     """Geometry (3 layers, the middle one sliding), a batch whose moves cross pages, pools."""
     window = 12
     geo = geometry(3, case["kv_heads"], (None, window, None), case["head_dim"], case["tpb"], case["layout"])
-    budget = 16 + case["seed"] % 24
+    budget = case.get("budget", 16 + case["seed"] % 24)
     batch = random_batch(geo, case["mode"], budget, batch=3, seed=case["seed"],
                          max_prompt=2 * case["tpb"], max_extra=case["tpb"], max_tail=case["tpb"] // 2 + 3)
     moves = pack_moves(*batch.args(), geo, batch.max_requests)
@@ -132,15 +135,33 @@ def _case_inputs(case: dict):
 
 @pytest.mark.parametrize("case", CASES, ids=[
     f"{c['layout']}-{c['dtype']}-d{c['head_dim']}-tpb{c['tpb']}-h{c['kv_heads']}-t{c['threads']}x{c['tile']}"
-    f"s{c['slices']}-"
+    f"s{c['slices']}a{c['load_ahead']}{'i' if c['index_ahead'] else ''}-"
     f"{c['mode']}{'-kv' if c['interleaved'] else ''}{'-sf' if c['stores_first'] else ''}" for c in CASES])
 def test_host_walk_equals_oracle(host_check: Path, case: dict) -> None:
+    _check_walk(host_check, case)
+
+
+# Walks of many tiles (up to ~25 of 8 moves) through every pipeline shape: the prologue, the ring
+# wrapping around and the last tiles, where a shape's lookahead runs past the end.
+LONG_WALKS = [{**CASES[i % 4], "threads": 64, "tile": 8, "slices": 1, "budget": 200, "load_ahead": ahead,
+               "index_ahead": index} for i, (ahead, index) in enumerate(itertools.product(
+                   TUNABLES["compact"]["load_ahead"][0], TUNABLES["compact"]["index_ahead"][0]))]
+
+
+@pytest.mark.parametrize("case", LONG_WALKS, ids=lambda c: f"a{c['load_ahead']}i{c['index_ahead']}-{c['layout']}")
+def test_long_walks_of_every_pipeline_equal_oracle(host_check: Path, case: dict) -> None:
+    _check_walk(host_check, case)
+
+
+def _check_walk(host_check: Path, case: dict) -> None:
+    """The host walk of ``case`` against the oracle, byte for byte, with no overlap in a concurrent
+    phase, no load for a move that stores nothing and no valid move skipped."""
     geo, moves, table, k_pools, v_pools = _case_inputs(case)
     overlaps, skipped, loads, k_out, v_out = _run_host_check(host_check, geo, table, moves, k_pools, v_pools, case)
     k_ref = [p.clone() for p in k_pools]
     v_ref = [p.clone() for p in v_pools]
     compact_paged(k_ref, v_ref, table, moves, geo)
-    assert overlaps == 0, "a load of tile k+1 touched a row stored by tile k"
+    assert overlaps == 0, "a load of tile k+D touched a row stored by tile k"
     assert loads == _row_loads(moves, k_pools, geo), "a move that stores nothing loaded its row"
     assert skipped == (0, 0), "a valid move was skipped as out of range"
     assert any(not torch.equal(a, b) for a, b in zip(k_ref, k_pools)), "the case moves nothing"
@@ -237,6 +258,10 @@ def test_every_tunable_compiles_without_spills_for_the_longest_row(tmp_path: Pat
     for slices in space["slices"][0][1:]:   # shorter runs per move: more moves per tile, the same vectors
         source = render(_compact_plan(spec, {"threads": 512, "tile_tokens": 128, "slices": slices}))
         jobs.append((f"t512x128s{slices}", _nvcc(), source, "sm_90a"))
+    for threads, tile in itertools.product((256, 512), (32, 128)):   # a third register tile, fetched indices
+        source = render(_compact_plan(spec, {"threads": threads, "tile_tokens": tile, "load_ahead": 2,
+                                             "index_ahead": 1}))
+        jobs.append((f"t{threads}x{tile}a2i", _nvcc(), source, "sm_90a"))
     _assert_no_spills(_compile_all(jobs, tmp_path))
 
 
@@ -286,8 +311,9 @@ def test_a_size_variant_of_another_geometry_is_refused(compact_library: Path, tm
 
 def test_library_describes_itself(compact_library: Path) -> None:
     lib = CompactLibrary(compact_library)
-    assert lib.info == {"abi_version": 2, "num_layers": 32, "kv_heads": 8, "head_dim": 128, "tokens_per_block": 16,
-                        "elem_bytes": 2, "layout": "NHD", "threads": 128, "tile_tokens": 32, "slices": 1}
+    assert lib.info == {"abi_version": 3, "num_layers": 32, "kv_heads": 8, "head_dim": 128, "tokens_per_block": 16,
+                        "elem_bytes": 2, "layout": "NHD", "threads": 128, "tile_tokens": 32, "slices": 1,
+                        "load_ahead": 1, "index_ahead": 0}
 
 
 def test_argument_errors_come_back_without_a_gpu(compact_library: Path) -> None:

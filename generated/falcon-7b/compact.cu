@@ -2,13 +2,14 @@
 // family:   falcon-7b
 // op:       compact
 // template: compact.cu.j2
-// plan key: abb9cfbfb4b36f0790f80e2651fbedccd35491dabc578bf763bc9faf9a295167
+// plan key: 406a921089763da93777bbdc9e5a28cf26d5f35f0d71806090da53cfddc5e56b
 //
 // TriAttention compaction of family falcon-7b (TRIATTENTION.md §7, C ABI kvgen_compact.h).
 // This file only describes the family; the kernel is kvgen/kernels/cuda/compact_kernels.cuh.
 //
 // Pages: NHD [tokens_per_block][kv_heads][head_dim] = [64][1][64] of bf16 (2 bytes), 32 layers, K and V pools per layer.
 // Launch: 1 CTA of 128 threads per (request, KV head, layer), tiles of up to 32 moves.
+// Pipeline: 1 tile loading while one is stored; move indices fetched when resolved.
 #include "compact_host.cuh"
 
 namespace kvgen {
@@ -18,6 +19,8 @@ struct Family {
   static constexpr int kThreads = 128;
   static constexpr int kTileTokens = 32;
   static constexpr int kSlices = 1;
+  static constexpr int kLoadAhead = 1;
+  static constexpr bool kIndexAhead = false;
 
   __host__ __device__ static constexpr compact::Geometry geometry() {
     return compact::Geometry{/*layout=*/compact::kNHD, /*kv_heads=*/1,
@@ -28,7 +31,7 @@ struct Family {
     return kvgen_compact_info{KVGEN_COMPACT_ABI_VERSION, /*num_layers=*/32, /*kv_heads=*/1,
                               /*head_dim=*/64, /*tokens_per_block=*/64,
                               /*elem_bytes=*/2, /*layout=*/KVGEN_LAYOUT_NHD, kThreads, kTileTokens,
-                              kSlices};
+                              kSlices, kLoadAhead, kIndexAhead ? 1 : 0};
   }
 };
 

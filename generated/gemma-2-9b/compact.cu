@@ -2,13 +2,14 @@
 // family:   gemma-2-9b
 // op:       compact
 // template: compact.cu.j2
-// plan key: 7b7bdf49a73ef892a95b6cc3b34fac786407c3a19a9535442c53d75994be44f5
+// plan key: be6c84c05c62334ff0991e5c88714f58335000f650e8d73fcb74e9b508dd253c
 //
 // TriAttention compaction of family gemma-2-9b (TRIATTENTION.md §7, C ABI kvgen_compact.h).
 // This file only describes the family; the kernel is kvgen/kernels/cuda/compact_kernels.cuh.
 //
 // Pages: HND [kv_heads][tokens_per_block][head_dim] = [8][32][256] of bf16 (2 bytes), 42 layers, K and V pools per layer.
 // Launch: 1 CTA of 128 threads per (request, KV head, layer), tiles of up to 32 moves.
+// Pipeline: 1 tile loading while one is stored; move indices fetched when resolved.
 #include "compact_host.cuh"
 
 namespace kvgen {
@@ -18,6 +19,8 @@ struct Family {
   static constexpr int kThreads = 128;
   static constexpr int kTileTokens = 32;
   static constexpr int kSlices = 1;
+  static constexpr int kLoadAhead = 1;
+  static constexpr bool kIndexAhead = false;
 
   __host__ __device__ static constexpr compact::Geometry geometry() {
     return compact::Geometry{/*layout=*/compact::kHND, /*kv_heads=*/8,
@@ -28,7 +31,7 @@ struct Family {
     return kvgen_compact_info{KVGEN_COMPACT_ABI_VERSION, /*num_layers=*/42, /*kv_heads=*/8,
                               /*head_dim=*/256, /*tokens_per_block=*/32,
                               /*elem_bytes=*/2, /*layout=*/KVGEN_LAYOUT_HND, kThreads, kTileTokens,
-                              kSlices};
+                              kSlices, kLoadAhead, kIndexAhead ? 1 : 0};
   }
 };
 

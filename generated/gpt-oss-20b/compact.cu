@@ -2,13 +2,14 @@
 // family:   gpt-oss-20b
 // op:       compact
 // template: compact.cu.j2
-// plan key: 2df7059bfe239a7560b84d434483bb199fdc5cfdea224362919e0de80123fabe
+// plan key: 2796db5d40a1d864f0a6b4ee135a2e4ce4a79506ef0972e81233321d3d612b7f
 //
 // TriAttention compaction of family gpt-oss-20b (TRIATTENTION.md §7, C ABI kvgen_compact.h).
 // This file only describes the family; the kernel is kvgen/kernels/cuda/compact_kernels.cuh.
 //
 // Pages: HND [kv_heads][tokens_per_block][head_dim] = [8][32][64] of bf16 (2 bytes), 24 layers, K and V pools per layer.
 // Launch: 1 CTA of 128 threads per (request, KV head, layer), tiles of up to 32 moves.
+// Pipeline: 1 tile loading while one is stored; move indices fetched when resolved.
 #include "compact_host.cuh"
 
 namespace kvgen {
@@ -18,6 +19,8 @@ struct Family {
   static constexpr int kThreads = 128;
   static constexpr int kTileTokens = 32;
   static constexpr int kSlices = 1;
+  static constexpr int kLoadAhead = 1;
+  static constexpr bool kIndexAhead = false;
 
   __host__ __device__ static constexpr compact::Geometry geometry() {
     return compact::Geometry{/*layout=*/compact::kHND, /*kv_heads=*/8,
@@ -28,7 +31,7 @@ struct Family {
     return kvgen_compact_info{KVGEN_COMPACT_ABI_VERSION, /*num_layers=*/24, /*kv_heads=*/8,
                               /*head_dim=*/64, /*tokens_per_block=*/32,
                               /*elem_bytes=*/2, /*layout=*/KVGEN_LAYOUT_HND, kThreads, kTileTokens,
-                              kSlices};
+                              kSlices, kLoadAhead, kIndexAhead ? 1 : 0};
   }
 };
 

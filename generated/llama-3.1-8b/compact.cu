@@ -2,13 +2,14 @@
 // family:   llama-3.1-8b
 // op:       compact
 // template: compact.cu.j2
-// plan key: 05814c802f3f7193733912a18951c4f789dcb2274d6bfa72ba06c962edf34e28
+// plan key: 3d67e61040a2e2c36d85ea376c0c8b99fe5b4744855b8c79a18556afd3d0dd0e
 //
 // TriAttention compaction of family llama-3.1-8b (TRIATTENTION.md §7, C ABI kvgen_compact.h).
 // This file only describes the family; the kernel is kvgen/kernels/cuda/compact_kernels.cuh.
 //
 // Pages: HND [kv_heads][tokens_per_block][head_dim] = [8][32][128] of bf16 (2 bytes), 32 layers, K and V pools per layer.
 // Launch: 1 CTA of 128 threads per (request, KV head, layer), tiles of up to 32 moves.
+// Pipeline: 1 tile loading while one is stored; move indices fetched when resolved.
 #include "compact_host.cuh"
 
 namespace kvgen {
@@ -18,6 +19,8 @@ struct Family {
   static constexpr int kThreads = 128;
   static constexpr int kTileTokens = 32;
   static constexpr int kSlices = 1;
+  static constexpr int kLoadAhead = 1;
+  static constexpr bool kIndexAhead = false;
 
   __host__ __device__ static constexpr compact::Geometry geometry() {
     return compact::Geometry{/*layout=*/compact::kHND, /*kv_heads=*/8,
@@ -28,7 +31,7 @@ struct Family {
     return kvgen_compact_info{KVGEN_COMPACT_ABI_VERSION, /*num_layers=*/32, /*kv_heads=*/8,
                               /*head_dim=*/128, /*tokens_per_block=*/32,
                               /*elem_bytes=*/2, /*layout=*/KVGEN_LAYOUT_HND, kThreads, kTileTokens,
-                              kSlices};
+                              kSlices, kLoadAhead, kIndexAhead ? 1 : 0};
   }
 };
 

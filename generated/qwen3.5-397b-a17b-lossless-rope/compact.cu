@@ -2,13 +2,14 @@
 // family:   qwen3.5-397b-a17b-lossless-rope
 // op:       compact
 // template: compact.cu.j2
-// plan key: 848c95181457f23879a2fbb82f511f24e2197a0285d5e32d58aa9e7f2d883bb6
+// plan key: b695e29d7708953874a528fa1aa87f505d4a8e5a4a630c8ae29e53f71d25fed1
 //
 // TriAttention compaction of family qwen3.5-397b-a17b-lossless-rope (TRIATTENTION.md §7, C ABI kvgen_compact.h).
 // This file only describes the family; the kernel is kvgen/kernels/cuda/compact_kernels.cuh.
 //
 // Pages: HND [kv_heads][tokens_per_block][head_dim] = [2][32][256] of bf16 (2 bytes), 15 layers, K and V pools per layer.
 // Launch: 1 CTA of 128 threads per (request, KV head, layer), tiles of up to 32 moves.
+// Pipeline: 1 tile loading while one is stored; move indices fetched when resolved.
 #include "compact_host.cuh"
 
 namespace kvgen {
@@ -18,6 +19,8 @@ struct Family {
   static constexpr int kThreads = 128;
   static constexpr int kTileTokens = 32;
   static constexpr int kSlices = 1;
+  static constexpr int kLoadAhead = 1;
+  static constexpr bool kIndexAhead = false;
 
   __host__ __device__ static constexpr compact::Geometry geometry() {
     return compact::Geometry{/*layout=*/compact::kHND, /*kv_heads=*/2,
@@ -28,7 +31,7 @@ struct Family {
     return kvgen_compact_info{KVGEN_COMPACT_ABI_VERSION, /*num_layers=*/15, /*kv_heads=*/2,
                               /*head_dim=*/256, /*tokens_per_block=*/32,
                               /*elem_bytes=*/2, /*layout=*/KVGEN_LAYOUT_HND, kThreads, kTileTokens,
-                              kSlices};
+                              kSlices, kLoadAhead, kIndexAhead ? 1 : 0};
   }
 };
 

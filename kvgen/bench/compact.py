@@ -217,7 +217,7 @@ def bench_compaction(libraries: Libraries, packer: MovePacker, geo: TriGeometry,
     gbps = moved_bytes / t["median_ms"] / 1e6
     served = graphs[0][1].library_for(batch)
     result = {"batch": batch, "library": str(served.path),
-              "params": {k: served.info[k] for k in ("threads", "tile_tokens", "slices")},
+              "params": {k: served.info[k] for k in ("threads", "tile_tokens", "slices", "load_ahead", "index_ahead")},
               "layers_moved": info["num_layers"], "layers_with_own_pools": own_layers,
               "layers": info["num_layers"], "real_moves": real,
               "moved_bytes": moved_bytes, "rotation_sets": sets, "verified_against_oracle": verified,

@@ -117,6 +117,15 @@ TUNABLES: dict[str, dict[str, tuple[tuple[int, ...], int]]] = {
         # 8: qwen3.5-397b-a17b batch 1 (256 threads, 128-move tiles) 0.0692 ms against 0.0728 at 4;
         # it loses everywhere for qwen3-8b (H100, results/2026-12-07-h100-s14/call1).
         "slices": ((1, 2, 4, 8), 1),
+        # The walk's pipeline (compact_kernels.cuh), same bytes in the same order of tiles:
+        # load_ahead tiles loading while one is stored (2: a third register tile, and tile_moves()
+        # shrinks the tile so the three fit), and index_ahead 1 fetches a thread's move indices one
+        # tile before it resolves them, so a resolve waits for the page id alone. Nsight Compute
+        # of qwen3-8b batch 1 (256 x 32 x 2 slices; H100, results/2026-12-07-h100-s18/call1): DRAM
+        # at 79 % of peak (86 % at batch 8), stalls on loads 22 and on the barrier 14 cycles an issue,
+        # and SMs holding 5 CTAs busy 1.21x longer than those holding 4.
+        "load_ahead": ((1, 2), 1),
+        "index_ahead": ((0, 1), 0),
     },
     "pack": {
         "block": ((64, 128, 256, 512), 256),

@@ -18,7 +18,7 @@ import torch
 from kvgen.artifacts.dispatch import compact_work, dispatch_rows, serving
 from kvgen.runtime.library import LibraryError, load_once, load_typed
 
-COMPACT_ABI_VERSION = 2  # 2: kvgen_compact_info.slices
+COMPACT_ABI_VERSION = 3  # 2: kvgen_compact_info.slices; 3: load_ahead, index_ahead
 LAYOUTS = ("HND", "NHD")  # kvgen_page_layout
 GEOMETRY = ("num_layers", "kv_heads", "head_dim", "tokens_per_block", "elem_bytes", "layout")
 
@@ -37,7 +37,8 @@ class CompactPoolExtent(ctypes.Structure):
 class CompactInfo(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int32) for name in ("abi_version", "num_layers", "kv_heads", "head_dim",
                                                     "tokens_per_block", "elem_bytes", "layout", "threads",
-                                                    "tile_tokens", "slices")]
+                                                    "tile_tokens", "slices", "load_ahead",
+                                                    "index_ahead")]
 
     def as_dict(self) -> dict[str, int | str]:
         info: dict[str, int | str] = {name: getattr(self, name) for name, _ in self._fields_}

@@ -1,19 +1,20 @@
 // Driver for kvgen/kernels/cuda/compact_kernels.cuh: runs the kernel's walk (walk_moves, cta_task,
 // request_range, resolve_move, row_offset) on the CPU over host memory, so
 // tests/test_compact_cpu.py can compare the compacted pools byte for byte with the oracle's
-// compact_paged.  Every "thread" of a phase runs in turn; the concurrent phase (loads of tile k+1,
-// stores of tile k) runs in the order asked for, and the addresses it touches are checked to be
-// disjoint, which is what makes the kernel's single barrier per tile sufficient.
+// compact_paged.  Every "thread" of a phase runs in turn; the concurrent phase (loads of tile k+D,
+// stores of tile k, D = load_ahead) runs in the order asked for, and the addresses it touches are
+// checked to be disjoint, which is what makes the kernel's single barrier per tile sufficient.
 //
 // Build (no GPU, no driver: cudart is linked statically and never called):
 //   nvcc -x cu -std=c++17 -I<repo> tests/csrc/compact_host_check.cu -o compact_host_check
 //
 // stdin (little-endian):
-//   int64 header[14]: layout (0 HND, 1 NHD), row_bytes, kv_heads, tokens_per_block, num_layers,
+//   int64 header[16]: layout (0 HND, 1 NHD), row_bytes, kv_heads, tokens_per_block, num_layers,
 //                     num_pages, max_requests, max_pages, moves_per_head (N), threads (64, 128,
 //                     256 or 512), tile_tokens, stores_first (0/1), kv_interleaved (0/1: K and V of a
 //                     layer share one buffer, page stride = 2 pages, as a combined KV pool), slices
-//                     (1, 2 or 4: CTAs per (layer, head, request), walked one after another)
+//                     (1, 2, 4 or 8: CTAs per (layer, head, request), walked one after another),
+//                     load_ahead (1 or 2), index_ahead (0 or 1)
 //   int32 page_table[max_requests * max_pages]
 //   int32 src[num_layers * kv_heads * N], int32 dst[same], int32 offsets[max_requests + 1]
 //   per layer: K pool bytes [num_pages * page_bytes], then V pool bytes
@@ -33,14 +34,14 @@ namespace kc = kvgen::compact;
 
 namespace {
 
-constexpr int kHostPer = 2 * kc::kMaxVectorsPerThread;  // the kernel's bound on vectors per thread
+constexpr int kHostPer = kc::kMaxVectorsInFlight;  // the kernel's bound on vectors per thread
 
 // Exec of walk_moves on the host: phases run thread after thread.
-template <int kThreads>
+template <int kThreads, int kRing>
 struct HostExec {
   bool stores_first = false;
   int tile = 1;
-  std::vector<kc::TileRegs<kHostPer>> regs_ = std::vector<kc::TileRegs<kHostPer>>(kThreads);
+  std::vector<kc::TileRegs<kHostPer, kRing>> regs_ = std::vector<kc::TileRegs<kHostPer, kRing>>(kThreads);
   std::vector<kc::ResolvedMove> tiles_;
   std::set<const uint8_t*>* record = nullptr;  // addresses touched in the current phase
   long long overlaps = 0;
@@ -68,7 +69,7 @@ struct HostExec {
     for (const uint8_t* p : loaded) overlaps += (long long)stored.count(p);
   }
   void barrier() {}
-  kc::TileRegs<kHostPer>& regs(int t) { return regs_[t]; }
+  kc::TileRegs<kHostPer, kRing>& regs(int t) { return regs_[t]; }
   kc::ResolvedMove* moves(int buffer) { return tiles_.data() + buffer * tile; }
   uint4 load16_if(const uint8_t* p) {
     uint4 v{};
@@ -92,7 +93,8 @@ bool read_into(std::vector<T>& v, size_t n) {
 
 struct Case {
   kc::Geometry g;
-  int64_t num_layers, num_pages, max_requests, max_pages, moves_per_head, threads, tile_tokens, slices;
+  int64_t num_layers, num_pages, max_requests, max_pages, moves_per_head, threads, tile_tokens, slices, load_ahead;
+  bool index_ahead;
   bool stores_first, kv_interleaved;
   std::vector<int32_t> table, src, dst, offsets;
 };
@@ -102,13 +104,13 @@ struct Counts {
   long long loads = 0;
 };
 
-template <int kThreads>
+template <int kThreads, int kLoadAhead, bool kIndexAhead>
 Counts compact_all(const Case& c, std::vector<kc::LayerPools>& pools, kvgen::DeviceErrors& errors) {
-  HostExec<kThreads> ex;
+  HostExec<kThreads, kc::ring_tiles(kLoadAhead)> ex;
   ex.stores_first = c.stores_first;
   const int per_move = kc::move_vectors(c.g.row_vectors(), (int)c.slices);
-  ex.tile = kc::tile_moves(kThreads, (int)c.tile_tokens, per_move);
-  ex.tiles_.resize(3 * ex.tile);
+  ex.tile = kc::tile_moves(kThreads, (int)c.tile_tokens, per_move, kLoadAhead);
+  ex.tiles_.resize(kc::move_buffers(kLoadAhead) * ex.tile);
   if (kc::vectors_per_thread(kThreads, ex.tile, per_move) > kHostPer) {
     fprintf(stderr, "rows too long for %d threads\n", kThreads);
     return Counts{};
@@ -124,18 +126,27 @@ Counts compact_all(const Case& c, std::vector<kc::LayerPools>& pools, kvgen::Dev
         const kc::CtaTask task = kc::cta_task(c.g, pools[layer], c.table.data(), c.max_pages, c.src.data(),
                                               c.dst.data(), c.moves_per_head, range, r, head, layer, limits,
                                               (int)c.slices, x % (int)c.slices);
-        kc::walk_moves<kThreads, kHostPer>(ex, c.g, task, ex.tile);
+        kc::walk_moves<kThreads, kHostPer, kLoadAhead, kIndexAhead>(ex, c.g, task, ex.tile);
       }
     }
   }
   return Counts{ex.overlaps, ex.loads};
 }
 
+// compact_all of the case's pipeline shape.
+template <int kThreads>
+Counts compact_pipeline(const Case& c, std::vector<kc::LayerPools>& pools, kvgen::DeviceErrors& errors) {
+  if (c.load_ahead == 1) {
+    return c.index_ahead ? compact_all<kThreads, 1, true>(c, pools, errors) : compact_all<kThreads, 1, false>(c, pools, errors);
+  }
+  return c.index_ahead ? compact_all<kThreads, 2, true>(c, pools, errors) : compact_all<kThreads, 2, false>(c, pools, errors);
+}
+
 }  // namespace
 
 int main() {
-  int64_t h[14];
-  if (fread(h, sizeof(int64_t), 14, stdin) != 14) return 2;
+  int64_t h[16];
+  if (fread(h, sizeof(int64_t), 16, stdin) != 16) return 2;
   Case c;
   c.g = kc::Geometry{(int)h[0], (int)h[2], (int)h[3], (int)h[1]};
   c.num_layers = h[4];
@@ -148,7 +159,9 @@ int main() {
   c.stores_first = h[11] != 0;
   c.kv_interleaved = h[12] != 0;
   c.slices = h[13];
-  if (c.slices < 1 || 2 * c.g.row_vectors() % c.slices != 0) return 2;
+  c.load_ahead = h[14];
+  c.index_ahead = h[15] != 0;
+  if (c.slices < 1 || 2 * c.g.row_vectors() % c.slices != 0 || c.load_ahead < 1 || c.load_ahead > 2) return 2;
   const size_t moves = (size_t)(c.num_layers * c.g.kv_heads * c.moves_per_head);
   if (!read_into(c.table, c.max_requests * c.max_pages) || !read_into(c.src, moves) || !read_into(c.dst, moves) ||
       !read_into(c.offsets, c.max_requests + 1)) {
@@ -183,10 +196,10 @@ int main() {
   if (!each_page(true)) return 4;
   Counts counts;
   kvgen::DeviceErrors errors{};
-  if (c.threads == 64) counts = compact_all<64>(c, pools, errors);
-  if (c.threads == 128) counts = compact_all<128>(c, pools, errors);
-  if (c.threads == 256) counts = compact_all<256>(c, pools, errors);
-  if (c.threads == 512) counts = compact_all<512>(c, pools, errors);
+  if (c.threads == 64) counts = compact_pipeline<64>(c, pools, errors);
+  if (c.threads == 128) counts = compact_pipeline<128>(c, pools, errors);
+  if (c.threads == 256) counts = compact_pipeline<256>(c, pools, errors);
+  if (c.threads == 512) counts = compact_pipeline<512>(c, pools, errors);
   if (counts.overlaps < 0) return 5;
   const int64_t out[4] = {counts.overlaps, errors.hit[kvgen::kCompactPosition], errors.hit[kvgen::kCompactPage],
                           counts.loads};

@@ -149,7 +149,8 @@ def _render_synthetic(name: str, geometry_: dict, params: dict | None = None) ->
                              undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True,
                              keep_trailing_newline=True)
     plan = SimpleNamespace(family=name)
-    context = {"plan": plan, "g": geometry_, "p": params or {"threads": 128, "tile_tokens": 32, "slices": 1},
+    context = {"plan": plan, "g": geometry_, "p": params or {"threads": 128, "tile_tokens": 32, "slices": 1,
+                                                             "load_ahead": 1, "index_ahead": 0},
                "symbol": "kvgen_test",
                "header": f"// test library {name}"}
     return env.get_template("compact.cu.j2").render(context)
@@ -200,13 +201,15 @@ def tile_library(tmp_path_factory):
     work = tmp_path_factory.mktemp("compact_tiles")
     libraries: dict[tuple, CompactLibrary] = {}
 
-    def library(name: str, threads: int, tile: int, slices: int) -> CompactLibrary:
-        key = (name, threads, tile, slices)
+    def library(name: str, threads: int, tile: int, slices: int, load_ahead: int = 1,
+                index_ahead: int = 0) -> CompactLibrary:
+        key = (name, threads, tile, slices, load_ahead, index_ahead)
         if key not in libraries:
-            stem = f"{name}-t{threads}x{tile}s{slices}"
+            stem = f"{name}-t{threads}x{tile}s{slices}a{load_ahead}i{index_ahead}"
             source = work / f"{stem}.cu"
-            source.write_text(_render_synthetic(name, BF16_GEOMETRIES[name], {"threads": threads, "tile_tokens": tile,
-                                                                              "slices": slices}))
+            source.write_text(_render_synthetic(name, BF16_GEOMETRIES[name], {
+                "threads": threads, "tile_tokens": tile, "slices": slices, "load_ahead": load_ahead,
+                "index_ahead": index_ahead}))
             compile_shared_library([source], "sm_90a", list(INCLUDE_DIRS), work / f"lib{stem}.so", toolchain)
             libraries[key] = CompactLibrary(work / f"lib{stem}.so")
         return libraries[key]
@@ -221,6 +224,23 @@ def test_big_tiles_equal_oracle(tile_library, name: str, threads: int, tile: int
     assert library.info["slices"] == slices
     for i, mode in enumerate(MODES):
         _check_compaction(library, mode, seed=300 + i, combined=(i == 2))
+
+
+# The walk's pipeline shapes: a third register tile (load_ahead 2) and move indices fetched a tile
+# ahead (index_ahead 1), at the shipped qwen3-8b shape, at 8-move tiles (many tiles a CTA) and at
+# the largest tile.
+PIPELINES = [(256, 32, 2, 2, 0), (256, 32, 2, 1, 1), (256, 32, 2, 2, 1), (128, 8, 1, 2, 1), (512, 128, 1, 2, 1)]
+
+
+@pytest.mark.parametrize("threads, tile, slices, load_ahead, index_ahead", PIPELINES)
+@pytest.mark.parametrize("name", sorted(BF16_GEOMETRIES))
+def test_pipelines_equal_oracle(tile_library, name: str, threads: int, tile: int, slices: int, load_ahead: int,
+                                index_ahead: int) -> None:
+    """Every pipeline shape moves exactly the oracle's bytes (bit for bit)."""
+    library = tile_library(name, threads, tile, slices, load_ahead, index_ahead)
+    assert (library.info["load_ahead"], library.info["index_ahead"]) == (load_ahead, index_ahead)
+    for i, mode in enumerate(MODES):
+        _check_compaction(library, mode, seed=500 + i, combined=(i == 2))
 
 
 @pytest.mark.parametrize("name", sorted(BF16_GEOMETRIES))

@@ -27,7 +27,9 @@
 //       barrier until every thread has loaded the whole tile.
 //   (c) Across tiles, the loads of tile k+1 may run concurrently with the stores of tile k: by
 //       (a) tile k's stores only hit sources of moves <= k's last move, never tile k+1's.
-// One barrier per tile therefore suffices:  barrier | load(k+1) || store(k) | resolve(k+2).
+// One barrier per tile therefore suffices:  barrier | load(k+D) || store(k) | resolve(k+D+1), with
+// D = load_ahead tiles in flight (1 or 2).  (c) holds for any D: tile k's stores hit no source of
+// a later tile, and every thread issued tile k's loads before barrier k (b).
 // Different (layer, head, request) never share bytes (different rows or pages), and K and V are
 // different pools, so CTAs need no coordination.
 #pragma once
@@ -81,8 +83,6 @@ struct ResolvedMove {
   int32_t dst_page;
   int32_t dst_row;
 };
-
-constexpr ResolvedMove kNoMove{0, 0, -1, 0};  // copies nothing
 
 // What one CTA may touch: tokens [0, tokens) of its page table row (the row's width times
 // tokens_per_block) and pages [0, pages) of its pools.  A move outside is skipped, noted in the
@@ -217,22 +217,25 @@ __host__ __device__ constexpr int move_vectors(int row_vectors, int slices) { re
 // Tiles: which 16-byte vectors a thread copies
 // ---------------------------------------------------------------------------------------------
 
-// A thread holds at most this many 16-byte vectors of one tile (64 registers); two tiles are
-// live at once (the one being stored and the one being loaded).
-constexpr int kMaxVectorsPerThread = 16;
+// A thread holds at most this many 16-byte vectors (128 registers) over all the tiles it has in
+// registers at once: the one being stored and the load_ahead ones being loaded.
+constexpr int kMaxVectorsInFlight = 32;
 
-// Vectors per thread and tile that fit the register file: 16 up to 256 threads; above, 64K
-// registers / 512 threads = 128 per thread, which two tiles of 16 vectors would fill, so 8.
-__host__ __device__ constexpr int max_vectors_per_thread(int threads) {
-  return threads > 256 ? kMaxVectorsPerThread / 2 : kMaxVectorsPerThread;
+// Tiles a thread holds at once: the one being stored and load_ahead ones being loaded.
+__host__ __device__ constexpr int ring_tiles(int load_ahead) { return load_ahead + 1; }
+
+// Vectors per thread and tile that fit the register file: kMaxVectorsInFlight shared by the ring
+// up to 256 threads; above, 64K registers / 512 threads = 128 per thread, half of that.
+__host__ __device__ constexpr int max_vectors_per_thread(int threads, int load_ahead) {
+  return (threads > 256 ? kMaxVectorsInFlight / 2 : kMaxVectorsInFlight) / ring_tiles(load_ahead);
 }
 
 // Moves per tile: the tunable tile_tokens, reduced when long rows would need more than
 // max_vectors_per_thread vectors per thread (then the kernel would spill), and to one move per
 // thread (each thread resolves at most one move of a tile).  At least one move.  per_move: the
 // vectors of a move the CTA copies (move_vectors).
-__host__ __device__ constexpr int tile_moves(int threads, int tile_tokens, int per_move) {
-  const int spill_cap = max_vectors_per_thread(threads) * threads / per_move;
+__host__ __device__ constexpr int tile_moves(int threads, int tile_tokens, int per_move, int load_ahead) {
+  const int spill_cap = max_vectors_per_thread(threads, load_ahead) * threads / per_move;
   const int cap = spill_cap < threads ? spill_cap : threads;
   return cap < 1 ? 1 : (tile_tokens < cap ? tile_tokens : cap);
 }
@@ -258,18 +261,15 @@ __host__ __device__ inline TileVector tile_vector(int i, int row_vectors, int sl
   return TileVector{i / per_move, w / row_vectors, w % row_vectors};
 }
 
-// The registers of one thread: the tile being stored, the tile being loaded, and the moves it
-// skipped.
-template <int kPer>
+// The registers of one thread: a ring of kRing tiles (tile k in slot k % kRing: the one being
+// stored and the ones being loaded), the move indices it fetched ahead (index_ahead), and the moves
+// it skipped.  The walk names slots by constants on the GPU, so the ring never leaves registers.
+template <int kPer, int kRing>
 struct TileRegs {
-  uint4 cur[kPer];
-  uint4 next[kPer];
+  uint4 ring[kRing][kPer];
+  int32_t src = 0;  // src and dst of this thread's move of the next tile to resolve
+  int32_t dst = 0;
   SkippedMoves skipped;
-
-  __host__ __device__ void advance() {
-#pragma unroll
-    for (int j = 0; j < kPer; ++j) cur[j] = next[j];
-  }
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -280,29 +280,46 @@ struct TileRegs {
 //   each_thread(f)          f(t) for this thread (GPU) or for every t in turn (host)
 //   overlap(load, store)    the concurrent phase: load(t) and store(t), in an order of Exec's choice
 //   barrier()               __syncthreads() (GPU) or nothing (host: phases are already sequential)
-//   regs(t)                 TileRegs of thread t (its tiles and its SkippedMoves)
-//   moves(buffer)           ResolvedMove[tile] in shared memory, buffer 0..2
+//   regs(t)                 TileRegs of thread t (its ring of tiles, fetched indices, SkippedMoves)
+//   moves(buffer)           ResolvedMove[tile] in shared memory, buffer 0 .. move_buffers(D) - 1
 //   load16_if(p)            the 16 bytes at p, or (p null) any value without touching memory
 //   store16(p, v)
 // Exec's functions are __device__ on the GPU and __host__ on the host, hence the
 // nv_exec_check_disable on every function that calls them.
-template <int kThreads, int kPer, class Exec>
+
+// Tiles whose resolved moves are live at once: k (being stored) to k + D + 1 (being resolved).
+__host__ __device__ constexpr int move_buffers(int load_ahead) { return load_ahead + 2; }
+
+// kLoadAhead (D): tiles whose loads are in flight while one is stored.  kIndexAhead: a thread
+// fetches the src/dst of its move of tile k+1 right after resolving tile k, so the resolve of the
+// next iteration waits only for the page id, not for the index load before it.
+template <int kThreads, int kPer, int kLoadAhead, bool kIndexAhead, class Exec>
 struct Walk {
+  static constexpr int kRing = ring_tiles(kLoadAhead);
+  static constexpr int kBuffers = move_buffers(kLoadAhead);
   Exec& ex;
   const Geometry& g;
   const CtaTask& task;
   int tile;
+  int tiles;
+
+  // Thread t < tile: src and dst of its move of tile k (the fill past the request's last move).
+#pragma nv_exec_check_disable
+  __host__ __device__ void fetch(int t, int k) const {
+    const int m = k * tile + t;
+    const bool real = m < task.count;
+    ex.regs(t).src = real ? task.src[m] : kMoveFill;
+    ex.regs(t).dst = real ? task.dst[m] : kMoveFill;
+  }
 
   // Threads 0 .. tile-1 resolve one move each of tile k through the page table.
 #pragma nv_exec_check_disable
   __host__ __device__ void resolve(int t, int k) const {
     if (t >= tile) return;
-    const int m = k * tile + t;
-    ResolvedMove rm = kNoMove;
-    if (m < task.count) {
-      rm = resolve_move(g, task.table_row, task.head, task.src[m], task.dst[m], task.limits, ex.regs(t).skipped);
-    }
-    ex.moves(k % 3)[t] = rm;
+    if (!kIndexAhead) fetch(t, k);
+    auto& r = ex.regs(t);
+    ex.moves(k % kBuffers)[t] = resolve_move(g, task.table_row, task.head, r.src, r.dst, task.limits, r.skipped);
+    if (kIndexAhead && k + 1 < tiles) fetch(t, k + 1);
   }
 
 #pragma nv_exec_check_disable
@@ -317,7 +334,7 @@ struct Walk {
   __host__ __device__ uint8_t* address(int i, int k, bool source) const {
     const bool in_tile = i < tile * move_vectors(g.row_vectors(), task.slices);
     const TileVector tv = tile_vector(in_tile ? i : 0, g.row_vectors(), task.slices, task.slice);
-    const ResolvedMove rm = ex.moves(k % 3)[tv.move];
+    const ResolvedMove rm = ex.moves(k % kBuffers)[tv.move];
     uint8_t* base = tv.pool == 0 ? task.pools.k : task.pools.v;
     const int64_t stride = tv.pool == 0 ? task.pools.k_page_stride : task.pools.v_page_stride;
     const int64_t offset = source ? row_offset(g, stride, rm.src_page, rm.src_row)
@@ -325,53 +342,62 @@ struct Walk {
     return in_tile && rm.dst_page >= 0 ? base + offset + 16 * tv.vec : nullptr;
   }
 
+  // Tile k into ring slot `slot` (k % kRing; a constant on the GPU).
 #pragma nv_exec_check_disable
-  __host__ __device__ void load(int t, int k) const {
+  __host__ __device__ void load(int t, int k, int slot) const {
 #pragma unroll
-    for (int j = 0; j < kPer; ++j) ex.regs(t).next[j] = ex.load16_if(address(t + j * kThreads, k, true));
+    for (int j = 0; j < kPer; ++j) ex.regs(t).ring[slot][j] = ex.load16_if(address(t + j * kThreads, k, true));
   }
 
 #pragma nv_exec_check_disable
-  __host__ __device__ void store(int t, int k) const {
+  __host__ __device__ void store(int t, int k, int slot) const {
 #pragma unroll
     for (int j = 0; j < kPer; ++j) {
       uint8_t* p = address(t + j * kThreads, k, false);
-      if (p) ex.store16(p, ex.regs(t).cur[j]);
+      if (p) ex.store16(p, ex.regs(t).ring[slot][j]);
     }
   }
 
+  // Tile k, held in ring slot `slot`:  barrier | load(k+D) || store(k) | resolve(k+D+1).
+  // The barrier: tile k loaded by every thread (b), tile k+D resolved.  Resolving tile k+D+1 (the
+  // move, then its page: two dependent loads) after issuing tile k+D's loads overlaps their
+  // latencies instead of adding them.  It writes buffer (k+D+1) % (D+2), tile k-1's, which every
+  // thread finished with before this barrier; tiles k .. k+D (read in this phase) use the others.
 #pragma nv_exec_check_disable
-  __host__ __device__ void advance(int t) const { ex.regs(t).advance(); }
+  __host__ __device__ void step(int k, int slot) const {
+    ex.barrier();
+    ex.overlap([&](int t) { if (k + kLoadAhead < tiles) load(t, k + kLoadAhead, (slot + kLoadAhead) % kRing); },
+               [&](int t) { store(t, k, slot); });  // (c): disjoint from tile k's stores
+    if (k + kLoadAhead + 1 < tiles) ex.each_thread([&](int t) { resolve(t, k + kLoadAhead + 1); });
+  }
 };
 
-// One CTA's moves, tile after tile. Per tile k:  barrier | load(k+1) || store(k) | resolve(k+2);
-// then each thread reports the moves it skipped.
-// Resolving tile k+2 (two dependent loads: the move, then its page) after issuing tile k+1's loads
-// overlaps the two latencies instead of adding them.  Move addresses are triple-buffered: resolve
-// writes buffer (k+2) % 3 after barrier k, when every thread is done with tile k-1's buffer, and
-// tiles k and k+1 (read in this phase) use the other two.
+// One CTA's moves, tile after tile (Walk::step), after a prologue that resolves tiles 0 .. D and
+// loads tiles 0 .. D-1; then each thread reports the moves it skipped.  The steps run kRing at a
+// time so that every ring slot is a constant after unrolling (registers, not local memory).
 #pragma nv_exec_check_disable
-template <int kThreads, int kPer, class Exec>
+template <int kThreads, int kPer, int kLoadAhead, bool kIndexAhead, class Exec>
 __host__ __device__ inline void walk_moves(Exec& ex, const Geometry& g, const CtaTask& task, int tile) {
+  using W = Walk<kThreads, kPer, kLoadAhead, kIndexAhead, Exec>;
   const int tiles = (task.count + tile - 1) / tile;
   if (tiles == 0) return;
-  const Walk<kThreads, kPer, Exec> w{ex, g, task, tile};
+  const W w{ex, g, task, tile, tiles};
   ex.each_thread([&](int t) {
-    w.resolve(t, 0);
-    if (tiles > 1) w.resolve(t, 1);
+    if (kIndexAhead && t < tile) w.fetch(t, 0);
+    for (int k = 0; k <= kLoadAhead && k < tiles; ++k) w.resolve(t, k);
   });
   ex.barrier();
   ex.each_thread([&](int t) {
-    w.load(t, 0);
-    w.advance(t);
+#pragma unroll
+    for (int k = 0; k < kLoadAhead; ++k) {
+      if (k < tiles) w.load(t, k, k);
+    }
   });
-  for (int k = 0; k < tiles; ++k) {
-    const bool more = k + 1 < tiles;
-    ex.barrier();  // tile k loaded by every thread (b); tile k+1 resolved
-    ex.overlap([&](int t) { if (more) w.load(t, k + 1); },  // (c): disjoint from tile k's stores
-               [&](int t) { w.store(t, k); });
-    if (k + 2 < tiles) ex.each_thread([&](int t) { w.resolve(t, k + 2); });
-    if (more) ex.each_thread([&](int t) { w.advance(t); });
+  for (int k0 = 0; k0 < tiles; k0 += W::kRing) {
+#pragma unroll
+    for (int slot = 0; slot < W::kRing; ++slot) {
+      if (k0 + slot < tiles) w.step(k0 + slot, slot);
+    }
   }
   ex.each_thread([&](int t) { w.report(t); });
 }
@@ -390,10 +416,10 @@ struct LaunchPools {
 };
 
 // Exec of one GPU thread (see walk_moves).
-template <int kPer, int kTile>
+template <int kPer, int kRing, int kTile>
 struct ThreadExec {
-  ResolvedMove (*tiles)[kTile];  // [3][kTile] in shared memory
-  TileRegs<kPer> r;
+  ResolvedMove (*tiles)[kTile];  // [move_buffers][kTile] in shared memory
+  TileRegs<kPer, kRing> r;
 
   template <class F>
   __device__ __forceinline__ void each_thread(F f) { f((int)threadIdx.x); }
@@ -403,7 +429,7 @@ struct ThreadExec {
     store((int)threadIdx.x);
   }
   __device__ __forceinline__ void barrier() { __syncthreads(); }
-  __device__ __forceinline__ TileRegs<kPer>& regs(int) { return r; }
+  __device__ __forceinline__ TileRegs<kPer, kRing>& regs(int) { return r; }
   __device__ __forceinline__ ResolvedMove* moves(int buffer) { return tiles[buffer]; }
   // L2-only load (the pools are written by this kernel, so the non-coherent path is off limits),
   // predicated on p != nullptr inside one PTX instruction: no branch, so a tile's loads still issue
@@ -422,7 +448,7 @@ struct ThreadExec {
   __device__ __forceinline__ void store16(uint8_t* p, uint4 v) { __stcs(reinterpret_cast<uint4*>(p), v); }
 };
 
-// F (generated) provides: static geometry(), kThreads, kTileTokens, kSlices.
+// F (generated) provides: static geometry(), kThreads, kTileTokens, kSlices, kLoadAhead, kIndexAhead.
 // Grid: x = request * kSlices + slice, y = KV head, z = layer within this launch's LaunchPools.
 template <class F>
 __global__ void __launch_bounds__(F::kThreads)
@@ -434,9 +460,11 @@ __global__ void __launch_bounds__(F::kThreads)
   static_assert(g.row_bytes % 16 == 0, "rows are copied in 16-byte vectors");
   static_assert(2 * g.row_vectors() % F::kSlices == 0, "a move's vectors split into equal slices");
   constexpr int kPerMove = move_vectors(g.row_vectors(), F::kSlices);
-  constexpr int kTile = tile_moves(F::kThreads, F::kTileTokens, kPerMove);
+  static_assert(F::kLoadAhead >= 1, "at least the next tile is loaded while one is stored");
+  constexpr int kTile = tile_moves(F::kThreads, F::kTileTokens, kPerMove, F::kLoadAhead);
   constexpr int kPer = vectors_per_thread(F::kThreads, kTile, kPerMove);
-  static_assert(kPer <= 2 * kMaxVectorsPerThread, "rows too long for the register tiles");
+  constexpr int kRing = ring_tiles(F::kLoadAhead);
+  static_assert(kPer <= kMaxVectorsInFlight, "rows too long for the register tiles");
 
   const int request = blockIdx.x / F::kSlices;
   const int slice = blockIdx.x % F::kSlices;
@@ -448,9 +476,9 @@ __global__ void __launch_bounds__(F::kThreads)
   const MoveLimits limits = move_limits(table_tokens, pools.num_pages[blockIdx.z], errors);
   const CtaTask task = cta_task(g, pools.layers[blockIdx.z], page_table, page_table_stride, src, dst, moves_per_head,
                                 range, request, head, layer, limits, F::kSlices, slice);
-  __shared__ ResolvedMove tiles[3][kTile];
-  ThreadExec<kPer, kTile> ex{tiles, {}};
-  walk_moves<F::kThreads, kPer>(ex, g, task, kTile);
+  __shared__ ResolvedMove tiles[move_buffers(F::kLoadAhead)][kTile];
+  ThreadExec<kPer, kRing, kTile> ex{tiles, {}};
+  walk_moves<F::kThreads, kPer, F::kLoadAhead, F::kIndexAhead>(ex, g, task, kTile);
 }
 
 }  // namespace compact
