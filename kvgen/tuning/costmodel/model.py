@@ -45,9 +45,11 @@ from typing import Literal, Sequence
 from kvgen.tuning.costmodel.features import KernelFeatures, Mix
 from kvgen.tuning.costmodel.targets import Target
 
-VERSION = "4"   # 2: the walk term (dependent chain, per-warp bytes in flight), noise-aware validation
+VERSION = "5"   # 2: the walk term (dependent chain, per-warp bytes in flight), noise-aware validation
 #                 3: the L1 data-pipe wavefront term; the scorer's K bytes are the rotated span it reads
 #                 4: decode's record load by route (decode_load: one round trip for cp.async and bulk)
+#                 5: compaction's walk loop holds load_ahead + 1 tiles (its ring, unrolled), and with
+#                    index_ahead a step's chain is the page-table load alone
 
 
 @dataclass(frozen=True)

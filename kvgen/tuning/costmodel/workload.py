@@ -88,11 +88,13 @@ def compact_launches(features: Mapping[str, KernelFeatures], params: Mapping[str
 
     The CTA walks its moves a tile at a time (``compact_kernels.cuh``, ``walk_moves``): per tile a
     thread copies the 16-byte vectors it holds (the loop's vector stores: the SASS says how many,
-    after the kernel's cap on registers), and resolving a later tile chains two dependent loads, the
-    move's index (HBM) then its page-table entry (shared by every head and layer of the request, an
-    L2 hit). Before the first tile: the request's range, then two tiles' resolves and the first
-    tile's loads, three HBM round trips. With ``slices`` CTAs per (request, layer, KV head), each
-    copies 1/slices of every move's K and V row."""
+    after the kernel's cap on registers; the loop is unrolled over the ring of load_ahead + 1
+    tiles), and resolving a later tile chains two dependent loads, the move's index (HBM) then its
+    page-table entry (shared by every head and layer of the request, an L2 hit); with index_ahead
+    the index was fetched a step earlier, so the chain is the page-table entry alone. Before the
+    first tile: the request's range, then two tiles' resolves and the first tile's loads, three HBM
+    round trips. With ``slices`` CTAs per (request, layer, KV head), each copies 1/slices of every
+    move's K and V row."""
     kernel = pick_kernel(features, "compact_kernel")
     slices = params.get("slices", 1)
     ctas = batch * geometry["kv_heads"] * geometry["layers"] * slices
@@ -102,12 +104,14 @@ def compact_launches(features: Mapping[str, KernelFeatures], params: Mapping[str
     walk = pick_loop(kernel, "global_load", "global_store")
     if walk is None:
         raise WorkloadError(f"{kernel.name}: no loop that loads and stores global memory (the tile walk)")
-    vectors = walk.memory["global_store"]                     # per thread per tile
-    tile = max(1, vectors * params["threads"] // (per_move // 16))
+    ring = params.get("load_ahead", 1) + 1
+    vectors = walk.memory["global_store"] / ring              # per thread per tile
+    tile = max(1, int(vectors * params["threads"] // (per_move // 16)))
     steps = math.ceil(moves / tile)
+    chain = ("l2",) if params.get("index_ahead", 0) else ("hbm", "l2")
     return [Launch("compact", kernel, ctas, params["threads"], 0,
-                   (Phase("move", 2 * moved, "hbm", walk, float(walk.load_bytes),
-                          walk=Walk(steps, 2.0 * tile * per_move, ("hbm", "l2"), prologue=3)),))]
+                   (Phase("move", 2 * moved, "hbm", walk, float(walk.load_bytes) * (ring - 1) / ring,
+                          walk=Walk(steps, 2.0 * tile * per_move, chain, prologue=3)),))]
 
 
 def score_launches(features: Mapping[str, KernelFeatures], params: Mapping[str, int], geometry: Mapping,
