@@ -120,10 +120,11 @@ TUNABLES: dict[str, dict[str, tuple[tuple[int, ...], int]]] = {
         # The walk's pipeline (compact_kernels.cuh), same bytes in the same order of tiles:
         # load_ahead tiles loading while one is stored (2: a third register tile, and tile_moves()
         # shrinks the tile so the three fit), and index_ahead 1 fetches a thread's move indices one
-        # tile before it resolves them, so a resolve waits for the page id alone. Nsight Compute
-        # of qwen3-8b batch 1 (256 x 32 x 2 slices; H100, results/2026-12-07-h100-s18/call1): DRAM
-        # at 79 % of peak (86 % at batch 8), stalls on loads 22 and on the barrier 14 cycles an issue,
-        # and SMs holding 5 CTAs busy 1.21x longer than those holding 4.
+        # tile before it resolves them, so a resolve waits for the page id alone. Measured on an
+        # H100 (results/2026-12-07-h100-s18/call3): neither speeds qwen3-8b batch 1 up (0.251 ms at
+        # 1 / 0, 0.263 with index_ahead, 0.266 with load_ahead 2): its SMs move a fixed ~22 GB/s
+        # each, and the 5-CTA SMs set the time (Nsight Compute, call1). index_ahead is 1 % faster
+        # for gpt-oss-20b and qwen3.5-397b-a17b at batch 1, inside the noise.
         "load_ahead": ((1, 2), 1),
         "index_ahead": ((0, 1), 0),
     },
