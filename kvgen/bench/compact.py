@@ -68,7 +68,7 @@ from kvgen.measure.timing import (
 from kvgen.measure.workloads.compact import oracle_compaction_matches
 from kvgen.reference.triattention import Moves, TriGeometry, page_shape
 from kvgen.reference.triattention import pack_moves as oracle_pack_moves
-from kvgen.runtime.compact import CompactLibrary, Compactor
+from kvgen.runtime.compact import LAUNCH, CompactLibrary, Compactor
 from kvgen.runtime.library import LibraryError, load_once
 from kvgen.runtime.pack import MovePacker
 
@@ -217,7 +217,7 @@ def bench_compaction(libraries: Libraries, packer: MovePacker, geo: TriGeometry,
     gbps = moved_bytes / t["median_ms"] / 1e6
     served = graphs[0][1].library_for(batch)
     result = {"batch": batch, "library": str(served.path),
-              "params": {k: served.info[k] for k in ("threads", "tile_tokens", "slices", "load_ahead", "index_ahead")},
+              "params": {k: served.info[k] for k in LAUNCH},
               "layers_moved": info["num_layers"], "layers_with_own_pools": own_layers,
               "layers": info["num_layers"], "real_moves": real,
               "moved_bytes": moved_bytes, "rotation_sets": sets, "verified_against_oracle": verified,

@@ -518,11 +518,12 @@ def round_section(results: list[dict]) -> list[str]:
         rows.append((r["family"], r["batch"], r["width"], r["budget"],
                      *(_ms(stages.get(s, {}).get("median_ms")) for s in ROUND_STAGES), _ms(r.get("round_ms")),
                      f"{_ms(r.get('limit_ms'))} ({_ms(parts.get('k_read'))} + {_ms(parts.get('moves'))})",
-                     _num(ratio, "{:.2f}×") + mark, r.get("artifacts", "—") + _shared_pools(r)))
+                     _num(ratio, "{:.2f}×") + mark, r.get("artifacts", "—") + shared_pools_note(r)))
     return out + _table(header, rows) + [""]
 
 
-def _shared_pools(r: dict) -> str:
+def shared_pools_note(r: dict) -> str:
+    """"; N of L layers with pools of their own" for a round whose layers share pools, else ""."""
     own, layers = r.get("layers_with_own_pools"), r.get("layers")
     return f"; {own} of {layers} layers with pools of their own" if own is not None and own < layers else ""
 

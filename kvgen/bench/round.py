@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from kvgen import paths
+from kvgen.bench.report import shared_pools_note
 from kvgen.bench.score import score_family
 from kvgen.lower.triattention import eviction_config
 from kvgen.measure.timing import summary, time_ms
@@ -73,9 +74,8 @@ def bench_round(family: str, batch: int, width: int, copy: dict, registry: Path,
                    "limit_parts_ms": {k: v / gbps / 1e6 for k, v in limit_bytes.items()},
                    "round_over_limit": round_ms / limit_ms, "goal": GOAL})
     parts = ", ".join(f"{k} {v['median_ms']:.2f}" for k, v in stages.items())
-    shared = f"; {own} of {layers} layers with pools of their own" if own < layers else ""
     print(f"round {family} B={batch} W={width}: {round_ms:.2f} ms = {round_ms / limit_ms:.2f} x the bytes limit "
-          f"{limit_ms:.2f} ms ({parts}; {artifacts.note}{shared})", flush=True)
+          f"{limit_ms:.2f} ms ({parts}; {artifacts.note}{shared_pools_note(record)})", flush=True)
     return record
 
 

@@ -21,6 +21,8 @@ from kvgen.runtime.library import LibraryError, load_once, load_typed
 COMPACT_ABI_VERSION = 3  # 2: kvgen_compact_info.slices; 3: load_ahead, index_ahead
 LAYOUTS = ("HND", "NHD")  # kvgen_page_layout
 GEOMETRY = ("num_layers", "kv_heads", "head_dim", "tokens_per_block", "elem_bytes", "layout")
+# The launch parameters the library was built with (kvgen_compact_info after the geometry).
+LAUNCH = ("threads", "tile_tokens", "slices", "load_ahead", "index_ahead")
 
 
 class CompactPool(ctypes.Structure):
@@ -35,10 +37,7 @@ class CompactPoolExtent(ctypes.Structure):
 
 
 class CompactInfo(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_int32) for name in ("abi_version", "num_layers", "kv_heads", "head_dim",
-                                                    "tokens_per_block", "elem_bytes", "layout", "threads",
-                                                    "tile_tokens", "slices", "load_ahead",
-                                                    "index_ahead")]
+    _fields_ = [(name, ctypes.c_int32) for name in ("abi_version", *GEOMETRY, *LAUNCH)]
 
     def as_dict(self) -> dict[str, int | str]:
         info: dict[str, int | str] = {name: getattr(self, name) for name, _ in self._fields_}
