@@ -3,7 +3,8 @@ their own library, the tuned file and the manifest that carry them, the build jo
 them, and the runtime's choice per call. The GPU side: every score variant library against the
 float64 oracle (tests/gpu/test_score_gpu.py::test_size_dispatched_variants_match_the_float64_oracle),
 every compaction variant byte-exact against the oracle (tests/gpu/test_compact_gpu.py::
-test_size_dispatched_compaction_equals_the_oracle).
+test_size_dispatched_compaction_equals_the_oracle), every selection variant's kept sets identical
+to the oracle's (tests/gpu/test_select_gpu.py::test_size_dispatched_selection_keeps_the_oracles_sets).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvgen.artifacts.dispatch import bucket_work, compact_work, dispatch_rows, score_work, serving
+from kvgen.artifacts.dispatch import bucket_work, compact_work, dispatch_rows, score_work, select_work, serving
 from kvgen.artifacts.manifest import (
     ArtifactEntry,
     FamilyEntry,
@@ -119,6 +120,24 @@ def test_bad_variants_in_a_tuned_file_are_named(tmp_path: Path, variants: list, 
         op: {"params": default_params(op), "variants": variants, "environment": ENV}}}))
     with pytest.raises(TuningFileError, match=f"{path}: ops.{op}.*{why}"):
         read_file(path)
+
+
+def test_selection_work_is_requests_times_score_columns() -> None:
+    assert select_work(32, 16384) == 524288
+    assert {b.name: bucket_work("select", b.size) for b in BUCKETS["select"]} == {"b1": 16384, "b32": 524288}
+
+
+def test_a_selection_variant_is_a_library_of_select_alone() -> None:
+    source = load_spec_source(SPECS_DIR / "qwen3-8b.yaml")
+    main = {"select": {**default_params("select"), "block_w": 64, "aggregate_warps": 8}}
+    variants = {"select": (Variant("b32", 92681, {**default_params("select"), "block_w": 256, "head_step": 4}),)}
+    jobs = family_jobs(source, "sm_90a", main, variants=variants)
+    (extra,) = [job for job in jobs if job.variant is not None]
+    assert extra.artifact == "libkvgen_qwen3_8b_select_b32.so" and extra.ops == ("select",)
+    assert extra.backend == "triton-aot" and list(extra.rendered) == ["qwen3-8b/select.py"]
+    assert extra.plans[0].params["block_w"] == 256 and extra.plans[0].params["head_step"] == 4
+    (library,) = [job for job in jobs if job.artifact == "libkvgen_qwen3_8b_select.so"]
+    assert library.plans[0].params["block_w"] == 64
 
 
 def test_each_variant_with_other_params_is_one_more_job_of_its_op_alone() -> None:
@@ -231,27 +250,56 @@ def test_each_call_goes_to_the_library_of_its_work() -> None:
         ScoreDispatch(main, [(1, _Library("x.so", family="other"))])
 
 
-def test_fp8_scoring_gets_a_library_for_large_calls_from_the_h100_measurements() -> None:
-    """The twelfth session's 99 form-1 candidates x 3 buckets (H100), through the tuner's choice and
-    its variants step: b1 keeps the main config (token_tiles 16), b32 and b32-wide share one variant
-    (token_tiles 32, mma_tiles 2) from 23170 scored tokens, as the committed tuning file says."""
+def _measured_buckets(path: Path, op: str) -> dict[str, SimpleNamespace]:
+    """A recorded measurement file as the tuner's per-bucket results (measured ms and p80/p20 per config)."""
+    from kvgen.tuning.space import config_id
+
+    per_bucket: dict[str, SimpleNamespace] = {}
+    for r in (json.loads(line) for line in path.open()):
+        bucket = per_bucket.setdefault(r["bucket"], SimpleNamespace(bucket=r["bucket"], measured={}, spread={}))
+        config = config_id(op, r["params"])
+        bucket.measured[config] = r["median_ms"]
+        bucket.spread[config] = r["p80_ms"] / r["p20_ms"]
+    return per_bucket
+
+
+def _choice_and_variants(family: str, op: str, buckets: list[SimpleNamespace]) -> tuple[str, list[dict]]:
+    """The build choice and the size-dispatched variants the tuner makes of ``buckets``."""
     from kvgen.lower.tuned import build_choice
     from kvgen.tuning.run import _variants
     from kvgen.tuning.space import config_id
 
-    rows = [json.loads(line) for line in (ROOT / "results/2026-12-07-h100-s12/call1/fp8score.jsonl").open()]
-    per_bucket = {}
-    for r in rows:
-        bucket = per_bucket.setdefault(r["bucket"], SimpleNamespace(bucket=r["bucket"], measured={}, spread={}))
-        config = config_id("score", r["params"])
-        bucket.measured[config] = r["median_ms"]
-        bucket.spread[config] = r["p80_ms"] / r["p20_ms"]
-    buckets = [per_bucket[b] for b in WORK]
-    default = config_id("score", read_file(ROOT / "tuning/sm_90a" / f"{FP8}.json")["ops"]["score"]["default"])
+    default = config_id(op, read_file(ROOT / "tuning/sm_90a" / f"{family}.json")["ops"][op]["default"])
     choice = build_choice({b.bucket: b.measured for b in buckets}, default, {b.bucket: b.spread for b in buckets})
-    (variant,) = _variants("score", buckets, choice)
+    return choice, _variants(op, buckets, choice)
+
+
+def test_fp8_scoring_gets_a_library_for_large_calls_from_the_h100_measurements() -> None:
+    """The twelfth session's 99 form-1 candidates x 3 buckets (H100), through the tuner's choice and
+    its variants step: b1 keeps the main config (token_tiles 16), b32 and b32-wide share one variant
+    (token_tiles 32, mma_tiles 2) from 23170 scored tokens, as the committed tuning file says."""
+    from kvgen.tuning.space import config_id
+
+    per_bucket = _measured_buckets(ROOT / "results/2026-12-07-h100-s12/call1/fp8score.jsonl", "score")
+    choice, (variant,) = _choice_and_variants(FP8, "score", [per_bucket[b] for b in WORK])
     assert (variant["bucket"], variant["from_work"]) == ("b32", 23170)
     assert (variant["params"]["token_tiles"], variant["params"]["mma_tiles"]) == (32, 2)
     committed = read_file(ROOT / "tuning/sm_90a" / f"{FP8}.json")["ops"]["score"]
     assert config_id("score", committed["params"]) == choice and committed["params"]["token_tiles"] == 16
+    assert committed["variants"][0]["params"] == variant["params"]
+
+
+def test_qwen3_8b_selection_gets_a_library_for_large_calls_from_the_h100_measurements() -> None:
+    """The eighteenth session's aggregation subspace (48 candidates x 2 buckets, H100): b1 keeps
+    64-column items of 8 warps, b32's own best (256 columns, 2 warps, 4 heads a step: 1.868 against
+    2.042 ms) serves calls from sqrt(16384 x 524288) = 92681 requests x columns, as committed."""
+    from kvgen.tuning.space import config_id
+
+    per_bucket = _measured_buckets(ROOT / "results/2026-12-07-h100-s18/call1/agg-qwen3-8b.jsonl", "select")
+    choice, (variant,) = _choice_and_variants("qwen3-8b", "select", [per_bucket["b1"], per_bucket["b32"]])
+    assert (variant["bucket"], variant["from_work"]) == ("b32", 92681)
+    assert {k: variant["params"][k] for k in ("block_w", "aggregate_warps", "head_step")} == {
+        "block_w": 256, "aggregate_warps": 2, "head_step": 4}
+    committed = read_file(ROOT / "tuning/sm_90a" / "qwen3-8b.json")["ops"]["select"]
+    assert config_id("select", committed["params"]) == choice and committed["params"]["block_w"] == 64
     assert committed["variants"][0]["params"] == variant["params"]

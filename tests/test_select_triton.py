@@ -264,6 +264,23 @@ def test_generated_module_carries_the_family(family: str) -> None:
         Selector(path, "mistral-7b")
 
 
+def test_a_round_goes_to_the_selection_variant_of_its_work(tmp_path: Path) -> None:
+    """Selector((main, [(from_work, variant)])): a registry's size-dispatched selection; each variant
+    must be the same family and geometry (only the launch tunables differ)."""
+    spec = load_spec(ROOT / "specs" / "qwen3-8b.yaml")
+    wide = tmp_path / "select_b32.py"
+    wide.write_text(render(next(p for p in plans_for(spec, {"select": {"block_w": 256}}) if p.op == "select")))
+    main = ROOT / "generated" / "qwen3-8b" / "select.py"
+    selector = Selector((main, [(92681, wide)]), "qwen3-8b")
+    assert selector.module_for(1, 16384) is selector.module and selector.path_for(1, 16384) == main
+    assert selector.module_for(32, 16384) is selector.variants[0] and selector.path_for(32, 16384) == wide
+    assert selector.variants[0].block_w == 256 and selector.module.block_w != 256
+    assert selector.describe() == [{"from_work": 0, "library": str(main)}, {"from_work": 92681, "library": str(wide)}]
+    other = ROOT / "generated" / "gpt-oss-20b" / "select.py"
+    with pytest.raises(SelectModuleError, match=f"{other}: a selection variant of 'gpt-oss-20b'"):
+        Selector((main, [(92681, other)]), "qwen3-8b")
+
+
 @pytest.mark.parametrize("P, S, width, budget, message", [
     ([0, 4], [100, 50], 100, 46, r"request 1: budget 46 >= scorable width S - P = 46"),
     ([-1], [50], 100, 8, r"request 0: P=-1, S=50 outside the scores' 100 columns"),

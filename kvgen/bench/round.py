@@ -68,7 +68,7 @@ def bench_round(family: str, batch: int, width: int, copy: dict, registry: Path,
     gbps = copy["gbps_read_plus_write"]
     limit_ms = sum(limit_bytes.values()) / gbps / 1e6
     round_ms = stages.pop("round")["median_ms"]
-    record.update({"artifacts": artifacts.note, "selection": str(artifacts.select),
+    record.update({"artifacts": artifacts.note, "selection": str(case.manager.selector.path_for(batch, width)),
                    "score_served_by": str(artifacts.score.library_for(batch, width).path), "stages": stages,
                    "round_ms": round_ms, "bytes": limit_bytes, "limit_ms": limit_ms,
                    "limit_parts_ms": {k: v / gbps / 1e6 for k, v in limit_bytes.items()},

@@ -47,10 +47,11 @@ from kvgen import paths
 from kvgen.lower.plan import TUNABLES, Op, check_params
 
 SCHEMA = 1
-# Ops whose size-dispatched variant is one more library of that op alone: the scorer owns its
-# artifact, and compaction is a translation unit with its own C ABI inside the family's nvcc library
-# (its variant library compiles compact.cu alone). The codec takes one configuration for every size.
-VARIANT_OPS: tuple[Op, ...] = ("score", "compact")
+# Ops whose size-dispatched variant is one more library of that op alone: the scorer and the
+# selection own their artifacts, and compaction is a translation unit with its own C ABI inside the
+# family's nvcc library (its variant library compiles compact.cu alone). The codec takes one
+# configuration for every size; the packer is not tuned.
+VARIANT_OPS: tuple[Op, ...] = ("score", "compact", "select")
 # How the parameters the build compiles were chosen (the manifest and ``kvgen show-config`` say it).
 MEASURED, MODEL, OVERRIDE, DEFAULT = "measured", "model-tuned", "override", "default"
 OP_TOOLCHAIN = {"codec": "nvcc", "compact": "nvcc", "score": "cutlass_dsl", "pack": "triton", "select": "triton"}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from kvgen.artifacts.dispatch import DispatchFiles
 from kvgen.runtime.lookup import RuntimeRegistry
 
 
@@ -14,7 +15,7 @@ def registry_artifact(registry: Path, family: str, arch: str, op: str) -> Path:
     return RuntimeRegistry([registry]).resolve(family, arch).artifact(op)
 
 
-def registry_dispatch(registry: Path, family: str, arch: str, op: str) -> tuple[Path, list[tuple[int, Path]]]:
+def registry_dispatch(registry: Path, family: str, arch: str, op: str) -> DispatchFiles:
     """``op``'s verified main artifact and its size-dispatched variants as ``(from_work, file)``
     (``Resolved.dispatch``), from ``registry`` alone."""
     return RuntimeRegistry([registry]).resolve(family, arch).dispatch(op)

@@ -32,6 +32,7 @@ from typing import Any, Protocol
 
 import torch
 
+from kvgen.artifacts.dispatch import DispatchFiles
 from kvgen.reference.triattention import (
     Calibration,
     EvictionConfig,
@@ -52,7 +53,6 @@ from kvgen.runtime.score import TORCH_DTYPES, ScoreDispatch, ScoreLibrary
 
 Packer = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 Compactor = Callable[..., None]
-CompactFiles = tuple[Path, list[tuple[int, Path]]]   # a registry's compaction library and its variants
 Decider = Callable[..., Any]   # (scores, P, S, budget, mode, device_rows) -> object with .kept, .check()
 # selector="oracle": the reference's selection (tests), said explicitly; a manager built directly with
 # neither a selector nor a select_module gets it too, as it gets the oracle's packer and compactor.
@@ -149,7 +149,7 @@ def _long_rows(rows: Sequence[Sequence[int]], device: torch.device) -> torch.Ten
 
 
 def generated_backends(family: str, k_pools: Sequence[torch.Tensor], v_pools: Sequence[torch.Tensor],
-                       pack_module: str | Path, compact_library: str | Path | CompactFiles) -> tuple[Packer, Compactor]:
+                       pack_module: str | Path, compact_library: str | Path | DispatchFiles) -> tuple[Packer, Compactor]:
     """The family's packer (its AOT library ``lib<symbol>_pack.so``, or a checkout's
     ``generated/<family>/pack.py``) and CUDA compactor (its family library, or a registry's
     ``(library, [(from_work, variant library), ...])``: ``Resolved.dispatch("compact")``) as the
@@ -220,8 +220,9 @@ class TriAttentionManager:
                  v_pools: Sequence[torch.Tensor], score_library: ScoreLibrary | ScoreDispatch | str | Path, *,
                  budget: int | None = None, beta: int | None = None, eviction_mode: str | None = None,
                  max_position: int = 1 << 15, packer: Packer | None = None, compactor: Compactor | None = None,
-                 pack_module: str | Path | None = None, compact_library: str | Path | CompactFiles | None = None,
-                 selector: Decider | str | None = None, select_module: str | Path | None = None):
+                 pack_module: str | Path | None = None, compact_library: str | Path | DispatchFiles | None = None,
+                 selector: Decider | str | None = None,
+                 select_module: str | Path | DispatchFiles | None = None):
         overrides = {"budget": budget, "beta": beta, "eviction_mode": eviction_mode}
         # replace() runs the config's checks again on the overridden values (mode, budget >= windows).
         self.config = dataclasses.replace(config, **{k: v for k, v in overrides.items() if v is not None})
@@ -261,9 +262,9 @@ class TriAttentionManager:
     def from_registry(cls, resolved: Any, calibration_path: str | Path, k_pools: Sequence[torch.Tensor],
                       v_pools: Sequence[torch.Tensor], **overrides: Any) -> TriAttentionManager:
         """The manager of a registry family: config from ``resolved.entry.layout["triattention"]``,
-        the packer module and selection module from ``resolved.artifact(op)`` for ops ``pack`` and
-        ``select``, the compaction and score libraries with their size-dispatched variants
-        (``resolved.dispatch("compact")``, ``ScoreDispatch.from_resolved``) (a
+        the packer module from ``resolved.artifact("pack")``, the selection, compaction and score
+        libraries with their size-dispatched variants (``resolved.dispatch("select")``,
+        ``resolved.dispatch("compact")``, ``ScoreDispatch.from_resolved``) (a
         ``kvgen.runtime.lookup.Resolved``; no spec).
 
         ``overrides`` are the constructor's keywords; a ``score_library``, a ``packer`` and
@@ -275,7 +276,7 @@ class TriAttentionManager:
             overrides.setdefault("pack_module", resolved.artifact("pack"))
             overrides.setdefault("compact_library", resolved.dispatch("compact"))
         if overrides.get("selector") is None:
-            overrides.setdefault("select_module", resolved.artifact("select"))
+            overrides.setdefault("select_module", resolved.dispatch("select"))
         if "score_library" not in overrides:   # loads the libraries: after every artifact is verified
             overrides["score_library"] = ScoreDispatch.from_resolved(resolved)
         return cls(config, calibration_path, k_pools, v_pools, **overrides)
@@ -444,4 +445,5 @@ class TriAttentionManager:
                 "score_dispatch": self.library.describe() if isinstance(self.library, ScoreDispatch) else [],
                 "compact_dispatch": self.compactor.describe() if hasattr(self.compactor, "describe") else [],
                 "selection": str(getattr(self.selector, "path", ORACLE)),
+                "select_dispatch": self.selector.describe() if hasattr(self.selector, "describe") else [],
                 "scored_layers": list(self.geometry.scored_layers)}

@@ -33,6 +33,7 @@ from typing import Any
 
 from kvgen import __version__, paths
 from kvgen.arch import arch_for_capability, family_target, parse_arch
+from kvgen.artifacts.dispatch import DispatchFiles
 from kvgen.artifacts.manifest import (
     FORMAT_VERSION,
     FamilyEntry,
@@ -146,7 +147,7 @@ class Resolved:
         altered file, is a ``RegistryError`` naming the manifest and the rebuild command."""
         return verify_op(self.manifest_path, self.manifest, self.entry, op)
 
-    def dispatch(self, op: str) -> tuple[Path, list[tuple[int, Path]]]:
+    def dispatch(self, op: str) -> DispatchFiles:
         """``op``'s main file and its size-dispatched variants as (from_work, file), ascending
         (``kvgen.artifacts.dispatch``), every file's sha256 checked now."""
         main, *files = verify_op_files(self.manifest_path, self.manifest, self.entry, op)

@@ -7,6 +7,10 @@
 - ``generated/<family>/select.py`` of a checkout: the same kernels and constants, JIT-compiled by
   Triton at the first call (or run by its interpreter on a CPU: the tests).
 
+A registry may also list size-dispatched variants of the library (``kvgen.artifacts.dispatch``:
+the same kernels at other launch tunables, for rounds of more requests x columns); ``Selector``
+sends each round to the one of its size.
+
 Both are a ``kvgen.kernels.selection.SelectionHost`` (same checks, same allocations) and carry
 the family's layers, KV heads, group and scored layers, so nothing here reads a spec. ``Selector``
 checks a round's host-side inputs (issue 14's bad input: P, S and budget against the scores'
@@ -22,6 +26,7 @@ from types import ModuleType
 
 import torch
 
+from kvgen.artifacts.dispatch import DispatchFiles, dispatch_rows, select_work, serving
 from kvgen.kernels.selection import SelectionHost, mode_index
 from kvgen.runtime.generated_module import import_generated_module, load_generated_module
 from kvgen.runtime.library import TritonAotLibrary
@@ -125,23 +130,46 @@ def check_round(P: Sequence[int], S: Sequence[int], width: int, budget: int) -> 
                              f"more decode tokens than the budget")
 
 
+def _load_host(path: Path) -> tuple[SelectionHost, str, bool]:
+    """(module, family, ahead of time) of a selection library (``.so``) or generated module (``.py``)."""
+    if path.suffix == ".so":
+        library = SelectLibrary(path)
+        return library, library.family, True
+    generated = load_select_module(path)
+    return generated.SELECTOR, generated.FAMILY, False
+
+
+def _geometry(module: SelectionHost) -> tuple[int, int, int, tuple[int, ...]]:
+    return module.num_layers, module.kv_heads, module.group, tuple(module.scored_layers)
+
+
 class Selector:
     """One family's selection: ``selector(scores, P, S, budget, mode)`` -> ``Selection`` (kept
     positions ``[B, R, budget]`` int64 on the device; ``.check()`` raises the oracle's NaN error).
     ``P`` and ``S`` are host ints, checked by ``check_round`` before anything is launched.
-    ``path``: a selection library (``.so``, ahead of time) or a generated module (``.py``, JIT);
-    ``module`` is its ``SelectionHost`` either way."""
+    ``path``: a selection library (``.so``, ahead of time) or a generated module (``.py``, JIT), or
+    a registry's ``(file, [(from_work, variant file), ...])`` (``Resolved.dispatch("select")``):
+    a round of ``B`` requests over ``W`` columns goes to the last variant whose threshold
+    ``select_work(B, W)`` reaches, else to the main file. ``module`` is the main file's
+    ``SelectionHost``; every variant is checked to have its family and geometry (only the launch
+    tunables differ)."""
 
-    def __init__(self, path: str | Path, family: str | None = None):
-        self.path = Path(path)
-        if self.path.suffix == ".so":
-            self.module: SelectionHost = SelectLibrary(path)
-            self.family, self.aot = self.module.family, True
-        else:
-            generated = load_select_module(path)
-            self.module, self.family, self.aot = generated.SELECTOR, generated.FAMILY, False
+    def __init__(self, path: str | Path | DispatchFiles, family: str | None = None):
+        main, variants = path if isinstance(path, tuple) else (path, [])
+        self.path = Path(main)
+        self.module, self.family, self.aot = _load_host(self.path)
         if family is not None and family != self.family:
-            raise SelectModuleError(f"{path}: generated for family {self.family!r}, not {family!r}")
+            raise SelectModuleError(f"{main}: generated for family {self.family!r}, not {family!r}")
+        self.thresholds = [int(start) for start, _ in variants]
+        self.variant_paths = [Path(file) for _, file in variants]
+        self.variants = [self._variant(file) for file in self.variant_paths]
+
+    def _variant(self, path: Path) -> SelectionHost:
+        module, family, _ = _load_host(path)
+        if family != self.family or _geometry(module) != _geometry(self.module):
+            raise SelectModuleError(f"{path}: a selection variant of {family!r} {_geometry(module)}, not of "
+                                    f"{self.family!r} {_geometry(self.module)} like {self.path}")
+        return module
 
     @property
     def scored_layers(self) -> tuple[int, ...]:
@@ -149,11 +177,26 @@ class Selector:
 
     def check_geometry(self, num_layers: int, kv_heads: int, group: int, scored_layers: Sequence[int]) -> None:
         """The selection must have been generated for exactly this geometry."""
-        mine = (self.module.num_layers, self.module.kv_heads, self.module.group, self.scored_layers)
-        theirs = (num_layers, kv_heads, group, tuple(scored_layers))
+        mine, theirs = _geometry(self.module), (num_layers, kv_heads, group, tuple(scored_layers))
         if mine != theirs:
             raise SelectModuleError(f"{self.path}: generated for (layers, kv heads, group, scored layers) {mine}, "
                                     f"not {theirs}; rebuild it")
+
+    def variant_index(self, batch: int, width: int) -> int | None:
+        """Which variant serves ``batch`` requests of ``width`` score columns (None: the main file)."""
+        return serving(self.thresholds, select_work(batch, width))
+
+    def module_for(self, batch: int, width: int) -> SelectionHost:
+        index = self.variant_index(batch, width)
+        return self.module if index is None else self.variants[index]
+
+    def path_for(self, batch: int, width: int) -> Path:
+        index = self.variant_index(batch, width)
+        return self.path if index is None else self.variant_paths[index]
+
+    def describe(self) -> list[dict[str, object]]:
+        """Which file serves which calls (``from_work``: requests x score columns)."""
+        return dispatch_rows(self.path, list(zip(self.thresholds, self.variant_paths)))
 
     def __call__(self, scores: torch.Tensor, P: Sequence[int], S: Sequence[int], budget: int, mode: str,
                  device_rows: tuple[torch.Tensor, torch.Tensor] | None = None):  # noqa: ANN204 - a Selection
@@ -163,4 +206,4 @@ class Selector:
             rows = torch.tensor([list(P), [s - p for p, s in zip(P, S)]], dtype=torch.int64)
             device_rows = tuple(rows.to(scores.device))
         P_t, width_t = device_rows
-        return self.module.decide(scores, width_t, P_t, budget, mode)
+        return self.module_for(len(P), scores.shape[-1]).decide(scores, width_t, P_t, budget, mode)

@@ -21,6 +21,8 @@ its age). Triton JIT-compiles the kernels at the first call.
    to the JIT kernels (both aggregation routes); whole rounds with them byte-identical to ``eviction_round``; a width past W
    on the device reads nothing outside the row (the values past it are NaN: none is counted); and
    a process in which Triton cannot be imported selects with them.
+6. The registry's size-dispatched selection variants: each round goes to the library of its work,
+   and both keep the oracle's sets.
 """
 
 from __future__ import annotations
@@ -201,6 +203,34 @@ def test_the_aot_library_equals_the_oracle_and_the_jit_kernels(family: str, mode
         kept = library.decide(scores, width, P, budget, mode).check()
         assert torch.equal(kept, T.select_keep(values, width, budget, P)), f"budget {budget}"
         assert torch.equal(kept, jit.decide(scores, width, P, budget, mode).check())
+
+
+def test_size_dispatched_selection_keeps_the_oracles_sets() -> None:
+    """The registry's selection variants (kvgen.artifacts.dispatch; qwen3-8b ships one for large
+    rounds): a round of at least the threshold's requests x columns goes to the variant library,
+    a smaller one to the main library; both keep exactly the oracle's sets in every mode."""
+    family = "qwen3-8b"
+    try:
+        files = RuntimeRegistry([REGISTRY]).resolve(family, ARCH).dispatch("select")
+    except RegistryError as exc:
+        pytest.skip(f"no selection library ({exc}); build it on the CPU machine and carry {REGISTRY}")
+    if not files[1]:
+        pytest.skip(f"{REGISTRY} lists no selection variant of {family} (built before tuning/sm_90a/{family}.json had one)")
+    selector = Selector(files, family=family)
+    g = tri_geometry(load_spec(SPECS_DIR / f"{family}.yaml"))
+    (threshold,) = selector.thresholds
+    gen = torch.Generator(device="cuda").manual_seed(12)
+    for batch, W, serves in ((1, 3000, selector.module), (-(-threshold // 9000), 9000, selector.variants[0])):
+        assert selector.module_for(batch, W) is serves
+        widths = [W - 7 * b for b in range(batch)]     # none a multiple of a tile
+        scores = (torch.randn(len(g.scored_layers), batch, g.query_heads, W, device="cuda", generator=gen) * 3)
+        scores = scores.round(decimals=1).contiguous()   # coarse values: many ties
+        S = [w + 5 for w in widths]
+        for mode in T.MODES:
+            kept = selector(scores, [5] * batch, S, 1000, mode).check()
+            width = _long(widths)
+            assert torch.equal(kept, T.select_keep(_oracle(scores, width, mode, g), width, 1000, _long([5] * batch))), (
+                f"B={batch} W={W} {mode}")
 
 
 def test_the_aot_library_reads_nothing_past_a_row() -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from kvgen.artifacts.dispatch import DispatchFiles
 from kvgen.artifacts.manifest import RegistryError
 from kvgen.measure.libraries import registry_artifact, registry_dispatch
 from kvgen.measure.workloads.score import PROMPT, ScoreCache, ScoreFamily
@@ -55,8 +56,8 @@ class Artifacts:
 
     score: ScoreDispatch           # the score library and its size-dispatched variants
     pack: Path | None
-    compact: tuple[Path, list[tuple[int, Path]]] | None   # the compaction library and its size variants
-    select: Path
+    compact: DispatchFiles | None   # the compaction library and its size-dispatched variants
+    select: DispatchFiles           # the selection, likewise
     note: str
 
 
@@ -67,10 +68,10 @@ def round_artifacts(family: str, registry: Path, arch: str, generated: Path) -> 
     score = ScoreDispatch.from_resolved(RuntimeRegistry([registry]).resolve(family, arch))
     notes = []
     try:
-        select = registry_artifact(registry, family, arch, "select")
+        select = registry_dispatch(registry, family, arch, "select")
     except RegistryError:
-        select = Path(generated) / family / "select.py"
-        notes.append(f"selection from {select} (not in the registry)")
+        select = (Path(generated) / family / "select.py", [])
+        notes.append(f"selection from {select[0]} (not in the registry)")
     try:
         pack, compact = (registry_artifact(registry, family, arch, "pack"),
                          registry_dispatch(registry, family, arch, "compact"))
@@ -123,8 +124,9 @@ class RoundCase:
             "compact": lambda: m.compactor(table, *moves),
             "round": lambda: m.run_round(table, P, S, L, tail),
         }
-        module = getattr(m.selector, "module", None)
-        if module is not None:   # the generated selection's kernels, one by one
+        module_for = getattr(m.selector, "module_for", None)
+        if module_for is not None:   # the generated selection's kernels serving this round, one by one
+            module = module_for(len(P), scores.shape[-1])
             width = rows[1]
             mean, std = module.statistics(scores, width)
             values = module.aggregate(scores, mean, std, width, m.mode)
