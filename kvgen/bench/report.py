@@ -501,15 +501,17 @@ def round_section(results: list[dict]) -> list[str]:
            "normalize / aggregate / select is the selection as the round runs it: statistics and aggregate "
            "apart, or statistics / aggregate (one launch: the queue) when the family's aggregate_route is 1; "
            "then select. "
-           "Bytes limit: K read once plus the compaction moves read and written, at the copy ceiling of this "
-           "run. Goal (issue 14): round ≤ 1.3 × the limit.", ""]
+           "Bytes limit: K read once plus the compaction moves read and written (a sliding-window layer moves "
+           "its window), at the copy ceiling of this run. Goal (issue 14): round ≤ 1.3 × the limit. "
+           "Floor: the limit plus the float32 scores the design materializes (written by the scorer, read by "
+           "the statistics and by the aggregation), the least this pipeline can take.", ""]
     header = ("family", "batch", "width", "budget", *(s.replace("_", " / ") for s in ROUND_STAGES), "whole round",
-              "bytes limit (K read + moves)", "round ÷ limit", "kernels")
+              "bytes limit (K read + moves)", "round ÷ limit", "floor (+ scores × 3)", "round ÷ floor", "kernels")
     rows = []
     for r in results:
         if "skipped" in r or "error" in r:
             rows.append((r["family"], r["batch"], r["width"], r["budget"], *["—"] * len(ROUND_STAGES), "—", "—",
-                         "skipped" if "skipped" in r else "failed", r.get("skipped") or r["error"]))
+                         "skipped" if "skipped" in r else "failed", "—", "—", r.get("skipped") or r["error"]))
             continue
         stages = r.get("stages", {})
         parts = r.get("limit_parts_ms", {})
@@ -518,7 +520,8 @@ def round_section(results: list[dict]) -> list[str]:
         rows.append((r["family"], r["batch"], r["width"], r["budget"],
                      *(_ms(stages.get(s, {}).get("median_ms")) for s in ROUND_STAGES), _ms(r.get("round_ms")),
                      f"{_ms(r.get('limit_ms'))} ({_ms(parts.get('k_read'))} + {_ms(parts.get('moves'))})",
-                     _num(ratio, "{:.2f}×") + mark, r.get("artifacts", "—") + shared_pools_note(r)))
+                     _num(ratio, "{:.2f}×") + mark, _ms(r.get("floor_ms")), _num(r.get("round_over_floor"), "{:.2f}×"),
+                     r.get("artifacts", "—") + shared_pools_note(r)))
     return out + _table(header, rows) + [""]
 
 

@@ -32,7 +32,14 @@ from kvgen.bench.report import shared_pools_note
 from kvgen.bench.score import score_family
 from kvgen.lower.triattention import eviction_config
 from kvgen.measure.timing import summary, time_ms
-from kvgen.measure.workloads.round import RoundCase, bytes_limit, cache_bytes, layers_that_fit, round_artifacts
+from kvgen.measure.workloads.round import (
+    RoundCase,
+    bytes_limit,
+    cache_bytes,
+    layers_that_fit,
+    round_artifacts,
+    score_round_trip,
+)
 
 FAMILIES = ("qwen3-8b", "gpt-oss-20b", "gemma-2-9b", "qwen3.5-397b-a17b")
 BATCHES = (1, 32)
@@ -67,15 +74,19 @@ def bench_round(family: str, batch: int, width: int, copy: dict, registry: Path,
     limit_bytes = bytes_limit(scoring, batch, width, budget)
     gbps = copy["gbps_read_plus_write"]
     limit_ms = sum(limit_bytes.values()) / gbps / 1e6
+    scores_bytes = score_round_trip(scoring, batch, width)
+    floor_ms = limit_ms + scores_bytes / gbps / 1e6
     round_ms = stages.pop("round")["median_ms"]
     record.update({"artifacts": artifacts.note, "selection": str(case.manager.selector.path_for(batch, width)),
                    "score_served_by": str(artifacts.score.library_for(batch, width).path), "stages": stages,
                    "round_ms": round_ms, "bytes": limit_bytes, "limit_ms": limit_ms,
                    "limit_parts_ms": {k: v / gbps / 1e6 for k, v in limit_bytes.items()},
-                   "round_over_limit": round_ms / limit_ms, "goal": GOAL})
+                   "round_over_limit": round_ms / limit_ms, "goal": GOAL,
+                   "score_round_trip_bytes": scores_bytes, "floor_ms": floor_ms, "round_over_floor": round_ms / floor_ms})
     parts = ", ".join(f"{k} {v['median_ms']:.2f}" for k, v in stages.items())
     print(f"round {family} B={batch} W={width}: {round_ms:.2f} ms = {round_ms / limit_ms:.2f} x the bytes limit "
-          f"{limit_ms:.2f} ms ({parts}; {artifacts.note}{shared_pools_note(record)})", flush=True)
+          f"{limit_ms:.2f} ms, {round_ms / floor_ms:.2f} x the floor {floor_ms:.2f} ms "
+          f"({parts}; {artifacts.note}{shared_pools_note(record)})", flush=True)
     return record
 
 

@@ -4,8 +4,10 @@ bytes limit.
 
 Bytes limit (PERFORMANCE.md): the K the scorer must read, once (scored layers x B x Hkv x W x the
 rotated span's bytes), at the copy ceiling, plus the compaction's moves (every cache layer, K and
-V, ``budget`` rows per (request, KV head), each read and written) at the copy ceiling. The
-ceiling is ``kvgen.measure.timing.copy_ceiling``'s bytes read + written per second.
+V, the rows a round moves per (request, KV head), each read and written) at the copy ceiling: a
+scored layer moves its ``budget`` kept rows, a sliding-window layer its latest ``window`` rows
+(TRIATTENTION.md §6; the bench's rounds protect no tail). The ceiling is
+``kvgen.measure.timing.copy_ceiling``'s bytes read + written per second.
 """
 
 from __future__ import annotations
@@ -46,8 +48,19 @@ def bytes_limit(family: ScoreFamily, batch: int, width: int, budget: int) -> dic
     g = family.geometry
     elem = torch.empty((), dtype=TORCH_DTYPES[family.dtype]).element_size()
     k_read = len(g.scored_layers) * batch * g.kv_heads * width * g.rotary_dim * elem
-    moves = 2 * 2 * g.num_layers * batch * g.kv_heads * budget * g.head_dim * elem
+    rows = sum(budget if window is None else window for window in g.swa_window)   # moved rows of every layer
+    moves = 2 * 2 * rows * batch * g.kv_heads * g.head_dim * elem
     return {"k_read": k_read, "moves": moves}
+
+
+def score_round_trip(family: ScoreFamily, batch: int, width: int) -> int:
+    """The bytes the round's design moves past the bytes limit: its float32 scores (scored layers x B
+    x Hq x W), written by the scorer and read by the statistics and again by the aggregation.
+    z-normalization needs a row's statistics before any of its values is aggregated (TRIATTENTION.md
+    §4), so the scores are materialized; where they are large next to the K span a request reads
+    (many query heads a KV head, a short span), this sets a floor above the limit."""
+    g = family.geometry
+    return 3 * len(g.scored_layers) * batch * g.query_heads * width * 4
 
 
 @dataclass
