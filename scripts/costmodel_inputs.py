@@ -13,6 +13,13 @@ Codec and compaction candidates: rendered by the old tree (its own ``kvgen.rende
 with this tree's ``features.nvcc_cubin`` against the old tree's ``kvgen/csrc``. Score candidates:
 exported by the old tree's CuTe DSL AOT path (``kvgen.backends.cute_aot export``, one process), the
 cubin read out of each exported object. Cubins and features are cached under ``--out``.
+
+Candidates a ``kvgen tune --build-only --bundle DIR`` already compiled (``--bundle``, repeatable):
+no old tree, no nvcc; each library's cubin of the candidate's op (``<op>.<arch>.cubin``, embedded
+in the ``.so``'s fatbin) is cut out with ``cuobjdump -xelf`` and read like the others, so the
+features are those of the very binaries a run measured.
+
+    python scripts/costmodel_inputs.py --out build/costmodel-s18 --bundle build/s18/ct-qwen3-8b
 """
 
 from __future__ import annotations
@@ -26,7 +33,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from kvgen.tuning.costmodel.features import cubin_features, embedded_cubin, extract, to_json  # noqa: E402
+from kvgen.tuning.costmodel.features import (  # noqa: E402
+    cubin_features, cuobjdump, embedded_cubin, extract, to_json)
 
 # Runs inside the old tree: every candidate of each (op, family) rendered, indexed as JSON on stdout.
 RENDER = r'''
@@ -76,15 +84,42 @@ def score_features(old: Path, out: Path, entries: list[dict], arch: str) -> dict
     return done
 
 
+def bundle_features(bundle: Path, out: Path) -> dict[str, dict]:
+    """Features of every built candidate of a bundle (``bundle.json``), keyed like ``extract``'s."""
+    index = json.loads((bundle / "bundle.json").read_text())
+    done = {}
+    for c in index["candidates"]:
+        if not c.get("artifact"):
+            continue   # a candidate that failed to build has no library
+        where = out / "cubins" / Path(c["artifact"]).stem
+        where.mkdir(parents=True, exist_ok=True)
+        name = f"{c['op']}.{c['arch']}.cubin"
+        subprocess.run([str(cuobjdump()), "-xelf", name, str((bundle / c["artifact"]).resolve())], cwd=where,
+                       capture_output=True, check=True)
+        done[f"{c['family']}|{c['op']}|{c['arch']}|{c['config']}"] = to_json(cubin_features(where / name))
+    return done
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--old-tree", type=Path, required=True, help="a checkout of the measuring commit")
+    parser.add_argument("--old-tree", type=Path, help="a checkout of the measuring commit (--codec/--compact/--score)")
+    parser.add_argument("--bundle", type=Path, action="append", default=[],
+                        help="a kvgen tune --build-only bundle whose compiled candidates to read (no old tree)")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--arch", default="sm_90a")
     for op in ("codec", "compact", "score"):
         parser.add_argument(f"--{op}", default="", help=f"comma-separated families whose {op} candidates to read")
     args = parser.parse_args(argv)
     wanted = {op: [f for f in getattr(args, op).split(",") if f] for op in ("codec", "compact", "score")}
+    if args.bundle:
+        cache = args.out / f"features-{args.arch}.json"
+        features = {k: v for b in args.bundle for k, v in bundle_features(b, args.out).items()}
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        cache.write_text(json.dumps(features, indent=0, sort_keys=True) + "\n")
+        print(f"{len(features)} candidates' features in {cache}")
+        return 0
+    if args.old_tree is None:
+        parser.error("--old-tree is required unless --bundle is given")
     index = render_old(args.old_tree.resolve(), args.out.resolve(), {op: fs for op, fs in wanted.items() if fs})
     cuda = [{"key": f"{e['family']}|{e['op']}|{args.arch}|{e['config']}", "source": e["source"]}
             for e in index if e["op"] != "score"]

@@ -4,7 +4,10 @@
   compiled for sm_90a and sm_100a): resources, the loop, its bytes per thread, the SM100 hardware
   E2M1 cvt counted where it is and nowhere else;
 - the model: residency limits, what more bytes in flight or more registers do, a launch that does
-  not fit;
+  not fit, a walk step bounded by its prefetched loads' latency (model 6);
+- compaction's tile: the model's ``compact_tile`` against the kernel's own ``tile_moves``
+  (tests/csrc/compact_tile_check.cu, built on the host by nvcc);
+- the targets: the H100 table (``validate --gpu h100``);
 - validation arithmetic (Spearman, the flat-study rule);
 - precedence at build time: a measured entry for the build's toolchain always wins over a
   model-tuned one, which is used where no measured entry applies;
@@ -13,24 +16,29 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from kvgen.lower.plan import default_params
 from kvgen.lower.tuned import MEASURED, MODEL, BuildEnvironment, load_tuned, tuning_path
-from kvgen.tuning.costmodel.features import Mix, kernel_features, parse_resources, parse_sass
-from kvgen.tuning.costmodel.model import VERSION, Launch, Phase, Walk, estimate, l1_wavefronts, resident_ctas
-from kvgen.tuning.costmodel.targets import TARGETS, target
+from kvgen.lower.plan import TUNABLES
+from kvgen.tuning.costmodel.features import KernelFeatures, Mix, kernel_features, parse_resources, parse_sass
+from kvgen.tuning.costmodel.model import (
+    VERSION, Launch, Phase, Walk, estimate, l1_wavefronts, resident_ctas, walk_time)
+from kvgen.tuning.costmodel.targets import TARGETS, gpu_target, target
 from kvgen.tuning.costmodel.validate import noise_band, spearman, spearman_ceiling, study_verdict
-from kvgen.tuning.costmodel.workload import score_wavefronts
+from kvgen.tuning.costmodel.workload import compact_launches, compact_tile, score_wavefronts
 from kvgen.tuning.space import config_id
 
 from .tuning_data import use_grid_space, write_codec_measurements
 
 DATA = Path(__file__).parent / "data" / "costmodel"
+TILE_SRC = Path(__file__).parent / "csrc" / "compact_tile_check.cu"
 H200 = target("sm_90a")
 
 
@@ -123,6 +131,82 @@ def test_a_dependent_chain_walk_pays_its_latency_per_tile_and_little_per_warp() 
     assert floor <= crowded <= 1.6 * floor
 
 
+def test_a_prefetched_load_bounds_a_walk_step_at_its_latency_over_steps_ahead() -> None:
+    """Model 6: a load issued n steps before the step that uses it has n steps to arrive, so however
+    short the step's own chain (none, or an L2 hit) and with nothing to move, the walk takes at least
+    steps x waves x the HBM latency / n: a step ahead, the whole latency; two steps ahead, half."""
+    launch = _launch(ctas=3 * H200.sms * 2)                 # three whole waves at 2 CTAs per SM
+
+    def seconds(chain: tuple[str, ...], ahead: tuple[tuple[str, int], ...]) -> float:
+        return walk_time(Walk(100, 0.0, chain, ahead=ahead), _mix(), launch, 2, H200)
+
+    bound = 100 * 3 * H200.dram_latency_ns * 1e-9
+    assert seconds((), ()) < bound / 10                     # the step's instructions alone
+    assert seconds((), (("hbm", 1),)) == pytest.approx(bound)
+    assert seconds((), (("hbm", 2),)) == pytest.approx(bound / 2)
+    assert seconds(("l2",), (("hbm", 1),)) == pytest.approx(bound)          # the L2 hit is shorter
+    assert seconds(("l2",), (("hbm", 2), ("hbm", 1))) == pytest.approx(bound)   # the nearest one bounds it
+    # a chain longer than the bound is not shortened by it
+    assert seconds(("hbm", "l2"), (("hbm", 1),)) == pytest.approx(seconds(("hbm", "l2"), ()))
+    assert seconds(("hbm", "l2"), (("hbm", 1),)) > bound
+    # bytes to move only add to the step
+    moving = walk_time(Walk(100, 2.0 * 32 * 512, (), ahead=(("hbm", 2),)), _mix(), launch, 2, H200)
+    assert moving > bound / 2
+
+
+@pytest.fixture(scope="module")
+def kernel_tiles(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, int, int, int], int]:
+    """The kernel's tile_moves, (threads, tile_tokens, load_ahead, per_move) -> moves, from
+    tests/csrc/compact_tile_check.cu built on the host as test_compact_cpu builds its host check."""
+    from .test_compact_cpu import ROOT, _nvcc          # skips without nvcc
+
+    exe = tmp_path_factory.mktemp("compact_tile_check") / "compact_tile_check"
+    cmd = [_nvcc(), "-x", "cu", "-std=c++17", "-O2", "-I", str(ROOT), str(TILE_SRC), "-o", str(exe)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60, check=True).stdout
+    rows = [tuple(int(x) for x in line.split()) for line in out.splitlines()]
+    return {row[:4]: row[4] for row in rows}
+
+
+def test_the_models_compaction_tile_is_the_kernels_tile_moves(kernel_tiles) -> None:
+    """Model 6 takes the tile from compact_tile, a Python restatement of the kernel's tile_moves
+    (model 5 read it off the SASS and was wrong for narrow tiles): the two must agree for every
+    threads, tile_tokens and load_ahead choice, over move widths from a sliced short row to one too
+    long for more than one move (per_move: 16-byte vectors of a move one CTA copies)."""
+    threads, tokens, ahead = (TUNABLES["compact"][name][0] for name in ("threads", "tile_tokens", "load_ahead"))
+    assert set(threads) == {64, 128, 256, 512} and set(tokens) == {8, 16, 32, 64, 128} and set(ahead) == {1, 2}
+    per_move = (1, 2, 4, 8, 16, 32, 36, 64, 1024)
+    assert set(kernel_tiles) == set(itertools.product(threads, tokens, ahead, per_move))
+    for (t, tile_tokens, load_ahead, p), moves in sorted(kernel_tiles.items()):
+        params = {"threads": t, "tile_tokens": tile_tokens, "load_ahead": load_ahead}
+        assert compact_tile(params, p) == moves, (params, p)
+    # the cases the caps decide: 8 moves of 4 vectors on 256 threads stay 8 (model 5 saw 64); the
+    # ring of three tiles on 512 threads leaves 5 vectors a thread; a move wider than a tile's worth
+    assert kernel_tiles[(256, 8, 1, 4)] == 8
+    assert kernel_tiles[(512, 128, 2, 36)] == 5 * 512 // 36 == 71
+    assert kernel_tiles[(64, 128, 2, 1024)] == 1
+
+
+def test_compaction_walks_compact_tile_moves_a_step_with_its_prefetches_ahead() -> None:
+    """compact_launches: a step moves compact_tile moves; the tile's row loads are issued load_ahead
+    steps ahead, and with index_ahead the index load a step ahead while the chain keeps the
+    page-table load alone."""
+    features = {"compact_kernel": KernelFeatures("compact_kernel", 64, 1024, 0, 0, Mix.of([]), [_mix()])}
+    geometry = {"kv_heads": 8, "layers": 36, "head_dim": 128, "elem_bytes": 2}   # 32 vectors a move
+    cases = {(1, 0): (("hbm", "l2"), (("hbm", 1),)), (2, 0): (("hbm", "l2"), (("hbm", 2),)),
+             (1, 1): (("l2",), (("hbm", 1), ("hbm", 1))), (2, 1): (("l2",), (("hbm", 2), ("hbm", 1)))}
+    for (load_ahead, index_ahead), (chain, ahead) in cases.items():
+        params = {"threads": 256, "tile_tokens": 128, "slices": 1, "load_ahead": load_ahead,
+                  "index_ahead": index_ahead}
+        (launch,) = compact_launches(features, params, geometry, batch=1, moves=2048)
+        walk = launch.phases[0].walk
+        tile = compact_tile(params, 32)
+        assert tile == (128 if load_ahead == 1 else 80)       # 16 or 10 vectors a thread
+        assert walk.chain == chain and walk.ahead == ahead
+        assert walk.steps == math.ceil(2048 / tile) and walk.step_bytes == 2.0 * tile * 512
+
+
 def _scorer_mix(lanes: int, span: int = 256) -> Mix:
     """One thread's iteration of a scorer: its LDG.128 share of the span, 192 / lanes coefficient
     LDS.128 (the thread's chunks), a page-table load and a score store."""
@@ -165,6 +249,32 @@ def test_every_target_has_a_table_and_sources_for_its_estimates() -> None:
     assert set(TARGETS) == {"sm_90a", "sm_100a", "sm_103a", "sm_107a"}
     with pytest.raises(ValueError, match="sm_120a"):
         target("sm_120a")
+
+
+def test_the_h100_table_is_sm90as_with_the_h100s_hbm() -> None:
+    """validate --gpu h100 judges H100 measurements with the H100's table: the sm_90a table (the
+    H200's 132 SMs, clock and every per-SM limit and rate) with HBM3 at 3.35 TB/s. A part of another
+    arch, or one without a table, is refused, naming the tables there are."""
+    h100 = gpu_target("h100", "sm_90a")
+    assert h100.arch == "sm_90a" and "H100" in h100.gpu
+    assert (h100.hbm_gbs, h100.sms) == (3350, 132)
+    assert {k for k, v in h100.asdict().items() if v != H200.asdict()[k]} == {"gpu", "hbm_gbs"}
+    assert resident_ctas(_launch().kernel, 256, 0, h100) == resident_ctas(_launch().kernel, 256, 0, H200)
+    with pytest.raises(ValueError, match="H100 .* is sm_90a, not sm_100a"):
+        gpu_target("h100", "sm_100a")
+    with pytest.raises(ValueError, match="no cost-model table for GPU 'a100'; tables: h100"):
+        gpu_target("a100", "sm_90a")
+    with pytest.raises(ValueError, match="GPU 'H100'"):                # names are exact (lower case)
+        gpu_target("H100", "sm_90a")
+
+
+def test_validate_refuses_an_unknown_gpu(tmp_path: Path, capsys) -> None:
+    from kvgen.tuning.costmodel.validate import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main([str(tmp_path / "m.jsonl"), "--features", str(tmp_path / "f.json"), "--out", str(tmp_path),
+              "--gpu", "a100"])
+    assert exit_.value.code == 2 and "invalid choice: 'a100'" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------- validation arithmetic

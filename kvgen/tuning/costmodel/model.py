@@ -28,7 +28,9 @@ built from three terms, each a plain bound:
   CTA's warps take to move the tile with the bytes each keeps in flight (Little's law per warp),
   or the wave's bytes of one step over HBM bandwidth where that is longer (the two combined as a
   2-norm: they overlap only partly); steps x waves (the ``tail`` below makes a partial last wave
-  cost a whole one).
+  cost a whole one). Model 6: a load issued n steps before the step that uses it (a pipeline's
+  prefetch) hides at most n steps of its latency, so a step lasts at least its latency / n, however
+  short the step's own chain is.
 
 A phase takes the larger of its memory time and its issue + latency time; the phases of a launch
 add up (each CTA runs them in order), shrinking towards each resource's total as more CTAs share
@@ -45,11 +47,13 @@ from typing import Literal, Sequence
 from kvgen.tuning.costmodel.features import KernelFeatures, Mix
 from kvgen.tuning.costmodel.targets import Target
 
-VERSION = "5"   # 2: the walk term (dependent chain, per-warp bytes in flight), noise-aware validation
+VERSION = "6"   # 2: the walk term (dependent chain, per-warp bytes in flight), noise-aware validation
 #                 3: the L1 data-pipe wavefront term; the scorer's K bytes are the rotated span it reads
 #                 4: decode's record load by route (decode_load: one round trip for cp.async and bulk)
 #                 5: compaction's walk loop holds load_ahead + 1 tiles (its ring, unrolled), and with
 #                    index_ahead a step's chain is the page-table load alone
+#                 6: a walk's prefetched loads (issued n steps ahead) bound a step from below at
+#                    latency / n; compaction's tile is the kernel's tile_moves, not read off the SASS
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,7 @@ class Walk:
     step_bytes: float               # bytes one CTA reads and writes per step
     chain: tuple[str, ...]          # where each dependent load of a step is served, in order: "hbm" or "l2"
     prologue: int = 0               # dependent HBM round trips before the first step
+    ahead: tuple[tuple[str, int], ...] = ()   # loads issued steps before their use: (where, steps ahead)
 
 
 @dataclass(frozen=True)
@@ -119,11 +124,17 @@ def walk_time(walk: Walk, step: Mix, launch: Launch, resident: int, t: Target) -
     (the next tile's loads are issued after the barrier that ends the chain), so the step takes the
     2-norm of the two. Whole waves run one after another (``estimate``'s tail charges a partial
     last wave as a whole one), so the walk is ``steps`` steps per wave, CTAs / (SMs x resident)
-    waves, plus the prologue's round trips per wave."""
+    waves, plus the prologue's round trips per wave.
+
+    Model 6: a load issued n steps before the step that waits for it (``Walk.ahead``: a tile's rows
+    loaded load_ahead steps before they are stored, move indices fetched a step before their
+    resolve) has only n steps to arrive, so the step waits at least its latency / n, however short
+    the step's own chain."""
     latency = {"hbm": t.dram_latency_ns, "l2": t.l2_latency_ns}
     dram = t.dram_latency_ns * 1e-9
     chain = sum(latency[where] for where in walk.chain) * 1e-9 + step.total * t.dependent_issue_cycles / (
         t.clock_ghz * 1e9)
+    chain = max([chain] + [latency[where] * 1e-9 / steps for where, steps in walk.ahead])
     warps = math.ceil(launch.threads / 32)
     moved = walk.step_bytes * dram / (warps * t.warp_inflight_bytes)       # Little's law, per CTA
     wave_ctas = min(launch.ctas, t.sms * resident)

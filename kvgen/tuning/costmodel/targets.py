@@ -11,7 +11,7 @@ Programming Guide's arithmetic-instruction throughput table for the compute capa
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -83,11 +83,21 @@ TARGETS: dict[str, Target] = {
         dependent_issue_cycles=2.0, host_latency_ns=1500, launch_us=2.5),
 }
 
+# Other parts of an arch that measurements ran on, by a short name (``validate --gpu``): the arch's
+# table with what differs. The H100 SXM5 has the H200's SMs, clock, L2 and host link; its HBM3
+# moves 3.35 TB/s, not 4.8. A model is validated against the part that measured, not the arch's.
+GPUS: dict[str, Target] = {
+    "h100": replace(TARGETS["sm_90a"], gpu="NVIDIA H100 SXM5 80GB HBM3", hbm_gbs=3350),
+}
+
 SOURCES: dict[str, str] = {
     "cuda-guide": "CUDA C++ Programming Guide 13.0, 'Compute Capabilities' (registers, shared memory, warps "
                   "and CTAs per SM for 9.0 and 10.x) and 'Arithmetic Instructions' (throughput per SM per clock)",
     "h200": "NVIDIA H200 Tensor Core GPU datasheet (HBM3e 4.8 TB/s, PCIe Gen5 x16 128 GB/s both directions); "
             "NVIDIA H100 Tensor Core GPU Architecture white paper (132 SMs on SXM5, 50 MB L2, 1.98 GHz boost)",
+    "h100": "NVIDIA H100 Tensor Core GPU datasheet (H100 SXM: 80 GB HBM3 at 3.35 TB/s, PCIe Gen5 128 GB/s both "
+            "directions); NVIDIA H100 Tensor Core GPU Architecture white paper (SXM5: 132 SMs, 50 MB L2, 1.98 GHz "
+            "boost; compute capability 9.0, the per-SM limits of cuda-guide)",
     "b200": "NVIDIA DGX B200 datasheet (8 TB/s HBM3e per GPU); NVIDIA Blackwell Architecture Technical Brief",
     "b300": "NVIDIA Blackwell Ultra (B300) technical blog 'Inside NVIDIA Blackwell Ultra' (8 TB/s HBM3e, "
             "PCIe Gen6 x16, 160 SMs in the full design)",
@@ -112,6 +122,12 @@ ESTIMATES: dict[str, dict[str, str]] = {
                "dram_latency_ns": "latency",
                "l2_latency_ns": "l2", "warp_inflight_bytes": "calibrated-walk",
                "host_latency_ns": "estimate: PCIe Gen5 round trip, not measured here"},
+    # the H100: what was calibrated or measured on the H200 is taken over as it is (not refitted on the
+    # H100's own measurements); the HBM latency is Luo et al.'s H100 measurement, as for sm_90a
+    "h100": {"hbm_efficiency": "estimate: the H200 calibration", "launch_us": "estimate: the H200 calibration",
+             "l1_wavefronts_per_clk": "estimate: the H200 ncu value (same SM)", "dram_latency_ns": "latency",
+             "l2_latency_ns": "l2", "warp_inflight_bytes": "estimate: the H200 calibration",
+             "host_latency_ns": "estimate: PCIe Gen5 round trip, not measured here"},
     "sm_100a": {"l2_latency_ns": "estimate: the H200 value",
                 "l1_wavefronts_per_clk": "estimate: the H200 value",
                 "warp_inflight_bytes": "estimate: the H200 calibration",
@@ -145,3 +161,14 @@ def target(arch: str) -> Target:
         return TARGETS[arch]
     except KeyError:
         raise ValueError(f"no cost-model table for {arch!r}; tables: {', '.join(TARGETS)}") from None
+
+
+def gpu_target(gpu: str, arch: str) -> Target:
+    """The table of part ``gpu`` (a key of ``GPUS``), which must be of ``arch``."""
+    try:
+        t = GPUS[gpu]
+    except KeyError:
+        raise ValueError(f"no cost-model table for GPU {gpu!r}; tables: {', '.join(GPUS)}") from None
+    if t.arch != arch:
+        raise ValueError(f"{t.gpu} is {t.arch}, not {arch}")
+    return t

@@ -17,7 +17,11 @@ top pick counted within 5 % plus the band. The noise-aware verdict judges the Sp
 the ceiling reaches the goal; the gate for model-tuned files stays the plain goals.
 
     python -m kvgen.tuning.costmodel.validate MEASUREMENTS.jsonl... --features F.json --out DIR \
-        [--rerun VERIFY.jsonl]
+        [--rerun VERIFY.jsonl] [--gpu h100]
+
+``--gpu`` judges the model with the table of the part that measured (``targets.GPUS``: the H100
+for measurements of an H100, whose HBM is slower than the H200 the sm_90a table describes);
+without it, the arch's own table.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from kvgen.spec.schema import load_spec
 from kvgen.tuning.costmodel.features import from_json
 from kvgen.tuning.costmodel.model import VERSION
 from kvgen.tuning.costmodel.predict import predict
-from kvgen.tuning.costmodel.targets import target
+from kvgen.tuning.costmodel.targets import GPUS, gpu_target, target
 
 SPEARMAN_GOAL = 0.8
 TOP_PICK_GOAL = 0.05
@@ -130,8 +134,8 @@ def measurements(paths: list[Path]) -> dict[tuple, dict[str, dict]]:
 
 
 def validate(paths: list[Path], features: dict[str, dict], arch: str = "sm_90a",
-             reruns: list[Path] = ()) -> list[dict[str, Any]]:
-    t = target(arch)
+             reruns: list[Path] = (), gpu: str | None = None) -> list[dict[str, Any]]:
+    t = gpu_target(gpu, arch) if gpu else target(arch)
     again = measurements(list(reruns))
     results = []
     for (family, op, rec_arch, bucket), records in sorted(measurements(paths).items()):
@@ -161,8 +165,8 @@ def op_verdicts(results: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def markdown(results: list[dict[str, Any]], verdicts: dict[str, dict[str, Any]]) -> str:
-    lines = [f"Cost model version {VERSION} against the H200 (sm_90a) measurements. Goals: Spearman >= "
+def markdown(results: list[dict[str, Any]], verdicts: dict[str, dict[str, Any]], part: str = "H200") -> str:
+    lines = [f"Cost model version {VERSION} against the {part} (sm_90a) measurements. Goals: Spearman >= "
              f"{SPEARMAN_GOAL} (not judged where every measured time lies within {100 * NOISE:.0f} % of the best: "
              f"'flat'), model's pick within {100 * TOP_PICK_GOAL:.0f} % of the measured best.", "",
              "Noise band: the larger of the candidates' median within-run (p80 - p20) / median and, where a "
@@ -191,7 +195,7 @@ def markdown(results: list[dict[str, Any]], verdicts: dict[str, dict[str, Any]])
     return "\n".join(lines) + "\n"
 
 
-def plot(results: list[dict[str, Any]], path: Path) -> Path:
+def plot(results: list[dict[str, Any]], path: Path, part: str = "H200") -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -215,7 +219,7 @@ def plot(results: list[dict[str, Any]], path: Path) -> Path:
         ax.tick_params(labelsize=6)
     for ax in list(axes.flat)[len(results):]:
         ax.axis("off")
-    fig.suptitle(f"kvgen cost model v{VERSION}: predicted vs measured, H200 (green: meets the goals)", fontsize=9)
+    fig.suptitle(f"kvgen cost model v{VERSION}: predicted vs measured, {part} (green: meets the goals)", fontsize=9)
     fig.tight_layout(rect=(0, 0, 1, 1 - 0.4 / fig.get_figheight()))   # room for the title
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -231,18 +235,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rerun", type=Path, action="append", default=[],
                         help="measurements of some of the same candidates taken again (the run-to-run noise)")
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--gpu", choices=sorted(GPUS),
+                        help="the part that measured, where it is not the one the arch's table describes")
     args = parser.parse_args(argv)
     features: dict[str, dict] = {}
     for path in args.features:
         features.update(json.loads(path.read_text()))
-    results = validate(args.measurements, features, reruns=args.rerun)
+    results = validate(args.measurements, features, reruns=args.rerun, gpu=args.gpu)
     verdicts = op_verdicts(results)
+    part = args.gpu.upper() if args.gpu else "H200"
+    # which table judged it, where it is not the arch's own (the default output stays as it was)
+    table = {"gpu": GPUS[args.gpu].gpu, "target": GPUS[args.gpu].asdict()} if args.gpu else {}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "costmodel-validation.json").write_text(json.dumps(
-        {"model_version": VERSION, "ops": verdicts, "studies": results}, indent=1) + "\n")
-    (args.out / "costmodel-validation.md").write_text(markdown(results, verdicts))
-    plot(results, args.out / "costmodel-validation.png")
-    print(markdown(results, verdicts))
+        {"model_version": VERSION, **table, "ops": verdicts, "studies": results}, indent=1) + "\n")
+    (args.out / "costmodel-validation.md").write_text(markdown(results, verdicts, part))
+    plot(results, args.out / "costmodel-validation.png", part)
+    print(markdown(results, verdicts, part))
     return 0
 
 

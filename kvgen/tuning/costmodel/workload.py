@@ -86,15 +86,17 @@ def compact_launches(features: Mapping[str, KernelFeatures], params: Mapping[str
                      batch: int, moves: int) -> list[Launch]:
     """One compaction of ``batch`` requests, ``moves`` kept tokens per (request, layer, KV head).
 
-    The CTA walks its moves a tile at a time (``compact_kernels.cuh``, ``walk_moves``): per tile a
-    thread copies the 16-byte vectors it holds (the loop's vector stores: the SASS says how many,
-    after the kernel's cap on registers; the loop is unrolled over the ring of load_ahead + 1
-    tiles), and resolving a later tile chains two dependent loads, the move's index (HBM) then its
+    The CTA walks its moves a tile at a time (``compact_kernels.cuh``, ``walk_moves``): a tile is
+    ``compact_tile`` moves (model 6; model 5 read it off the loop's vector stores, which round a
+    narrow tile up to a whole vector per thread: 8 moves of 4 vectors on 256 threads looked like 64
+    moves), and resolving a later tile chains two dependent loads, the move's index (HBM) then its
     page-table entry (shared by every head and layer of the request, an L2 hit); with index_ahead
-    the index was fetched a step earlier, so the chain is the page-table entry alone. Before the
-    first tile: the request's range, then two tiles' resolves and the first tile's loads, three HBM
-    round trips. With ``slices`` CTAs per (request, layer, KV head), each copies 1/slices of every
-    move's K and V row."""
+    the index was fetched a step earlier, so the chain is the page-table entry alone, but the index
+    load, issued one step ahead, still bounds the step (model 6, ``Walk.ahead``), as the tile's row
+    loads, issued load_ahead steps before its stores, do. Before the first tile: the request's
+    range, then two tiles' resolves and the first tile's loads, three HBM round trips. With
+    ``slices`` CTAs per (request, layer, KV head), each copies 1/slices of every move's K and V
+    row."""
     kernel = pick_kernel(features, "compact_kernel")
     slices = params.get("slices", 1)
     ctas = batch * geometry["kv_heads"] * geometry["layers"] * slices
@@ -104,14 +106,26 @@ def compact_launches(features: Mapping[str, KernelFeatures], params: Mapping[str
     walk = pick_loop(kernel, "global_load", "global_store")
     if walk is None:
         raise WorkloadError(f"{kernel.name}: no loop that loads and stores global memory (the tile walk)")
-    ring = params.get("load_ahead", 1) + 1
-    vectors = walk.memory["global_store"] / ring              # per thread per tile
-    tile = max(1, int(vectors * params["threads"] // (per_move // 16)))
+    load_ahead = params.get("load_ahead", 1)
+    ring = load_ahead + 1
+    tile = compact_tile(params, per_move // 16)
     steps = math.ceil(moves / tile)
     chain = ("l2",) if params.get("index_ahead", 0) else ("hbm", "l2")
+    ahead = (("hbm", load_ahead),) + ((("hbm", 1),) if params.get("index_ahead", 0) else ())
     return [Launch("compact", kernel, ctas, params["threads"], 0,
                    (Phase("move", 2 * moved, "hbm", walk, float(walk.load_bytes) * (ring - 1) / ring,
-                          walk=Walk(steps, 2.0 * tile * per_move, chain, prologue=3)),))]
+                          walk=Walk(steps, 2.0 * tile * per_move, chain, prologue=3, ahead=ahead)),))]
+
+
+def compact_tile(params: Mapping[str, int], per_move: int) -> int:
+    """Moves per tile as the kernel computes them (``compact_kernels.cuh``, ``tile_moves``):
+    ``tile_tokens``, capped so a thread's ring of load_ahead + 1 tiles fits 32 vectors (16 above
+    256 threads) and at one move per thread; at least one. ``per_move``: the 16-byte vectors of a
+    move one CTA copies."""
+    threads, ring = params["threads"], params.get("load_ahead", 1) + 1
+    per_thread = (16 if threads > 256 else 32) // ring       # max_vectors_per_thread
+    cap = min(per_thread * threads // per_move, threads)
+    return max(1, min(params["tile_tokens"], cap))
 
 
 def score_launches(features: Mapping[str, KernelFeatures], params: Mapping[str, int], geometry: Mapping,
