@@ -5,8 +5,9 @@
     compact_paged byte for byte. The concurrent phase (loads of tile k+D with stores of tile k,
     D = load_ahead) runs in both orders, and the addresses it touches must never overlap: that is
     the claim the kernel's single barrier per tile rests on. Grid: HND and NHD; bf16, fp16, fp8;
-    head_dim 64/128/256; tokens_per_block 16..128; every threads, tile_tokens, slices, load_ahead
-    and index_ahead choice; several layers with a sliding window layer; separate and combined
+    head_dim 64/128/256; tokens_per_block 16..128; every threads, tile_tokens, slices, load_ahead,
+    index_ahead and tail_split choice, the tail split over "SM counts" that leave 0 to 45 % of the
+    units in the tail (the launch's CTAs walked in the kernel's cta_unit order); several layers with a sliding window layer; separate and combined
     (strided) K/V pools; prompts long enough that moves cross pages.
 (b) The rendered source compiles for every target: all TriAttention families for sm_90a (device
     code, -cubin, no spills), two families for sm_100a and sm_103a, one for sm_107a (pip nvcc 13.5),
@@ -70,6 +71,8 @@ def _grid_cases(count: int = 20) -> list[dict]:
         "tile": list(TUNABLES["compact"]["tile_tokens"][0]), "slices": list(TUNABLES["compact"]["slices"][0]),
         "load_ahead": list(TUNABLES["compact"]["load_ahead"][0]),
         "index_ahead": list(TUNABLES["compact"]["index_ahead"][0]),
+        # the "SM count" as a share of the launch's units: 0.55 puts 45 % of them in the tail
+        "tail_split": list(TUNABLES["compact"]["tail_split"][0]), "sms": [1.0, 0.55, 0.3, 0.8],
         "kv_heads": [1, 2, 4], "mode": list(MODES),
         "interleaved": [False, True], "stores_first": [False, True],
     }
@@ -79,8 +82,16 @@ def _grid_cases(count: int = 20) -> list[dict]:
         case = {name: values[i % len(values)] for name, values in axes.items()}
         case = {name: value if i < 4 else rng.choice(axes[name]) for name, value in case.items()}
         case["seed"] = i
-        cases.append(case)
+        cases.append(_fold_tail_split(case))
     return cases
+
+
+def _fold_tail_split(case: dict) -> dict:
+    """``tail_split`` folded as the plan folds it (kvgen.lower.plan.fold_compact_params): the largest
+    choice that divides a slice's 16-byte vectors."""
+    vectors = 2 * case["head_dim"] * (1 if case["dtype"] == "fp8_e4m3" else 2) // 16 // case["slices"]
+    split = max(t for t in TUNABLES["compact"]["tail_split"][0] if t <= case["tail_split"] and vectors % t == 0)
+    return {**case, "tail_split": split}
 
 
 CASES = _grid_cases()
@@ -94,7 +105,9 @@ def _run_host_check(exe: Path, geo, table: torch.Tensor, moves, k_pools, v_pools
     header = [0 if geo.layout == "HND" else 1, page_bytes // (geo.kv_heads * geo.tokens_per_block), geo.kv_heads,
               geo.tokens_per_block, geo.num_layers, k_pools[0].shape[0], table.shape[0], table.shape[1],
               moves.src.shape[-1], case["threads"], case["tile"], int(case["stores_first"]), int(case["interleaved"]),
-              case["slices"], case["load_ahead"], case["index_ahead"]]
+              case["slices"], case["load_ahead"], case["index_ahead"], case.get("tail_split", 1)]
+    units = table.shape[0] * geo.kv_heads * geo.num_layers * case["slices"]
+    header.append(max(1, round(units * case.get("sms", 1.0))))
     parts = [np.asarray(header, dtype="<i8").tobytes()]
     for t in (table, moves.src, moves.dst, moves.offsets):
         parts.append(t.to(torch.int32).contiguous().numpy().astype("<i4").tobytes())
@@ -135,7 +148,7 @@ def _case_inputs(case: dict):
 
 @pytest.mark.parametrize("case", CASES, ids=[
     f"{c['layout']}-{c['dtype']}-d{c['head_dim']}-tpb{c['tpb']}-h{c['kv_heads']}-t{c['threads']}x{c['tile']}"
-    f"s{c['slices']}a{c['load_ahead']}{'i' if c['index_ahead'] else ''}-"
+    f"s{c['slices']}a{c['load_ahead']}{'i' if c['index_ahead'] else ''}x{c['tail_split']}of{c['sms']}-"
     f"{c['mode']}{'-kv' if c['interleaved'] else ''}{'-sf' if c['stores_first'] else ''}" for c in CASES])
 def test_host_walk_equals_oracle(host_check: Path, case: dict) -> None:
     _check_walk(host_check, case)
@@ -262,6 +275,9 @@ def test_every_tunable_compiles_without_spills_for_the_longest_row(tmp_path: Pat
         source = render(_compact_plan(spec, {"threads": threads, "tile_tokens": tile, "load_ahead": 2,
                                              "index_ahead": 1}))
         jobs.append((f"t{threads}x{tile}a2i", _nvcc(), source, "sm_90a"))
+    for threads, split in itertools.product((256, 512), space["tail_split"][0][1:]):   # two walks in one kernel
+        source = render(_compact_plan(spec, {"threads": threads, "tile_tokens": 128, "slices": 2, "tail_split": split}))
+        jobs.append((f"t{threads}x128s2x{split}", _nvcc(), source, "sm_90a"))
     _assert_no_spills(_compile_all(jobs, tmp_path))
 
 
@@ -269,8 +285,8 @@ def test_blackwell_and_rubin_targets(tmp_path: Path) -> None:
     specs = _triattention_specs()
     jobs = [(f"{family}-{arch}", _nvcc(), render(_compact_plan(specs[family])), arch)
             for family in ("qwen3-8b", "mistral-7b") for arch in ("sm_100a", "sm_103a")]
-    jobs.append(("qwen3-8b-slices2-sm_100a", _nvcc(), render(_compact_plan(specs["qwen3-8b"], {"slices": 2})),
-                 "sm_100a"))
+    jobs.append(("qwen3-8b-slices2-sm_100a", _nvcc(),
+                 render(_compact_plan(specs["qwen3-8b"], {"slices": 2, "tail_split": 4})), "sm_100a"))
     if PIP_NVCC:
         jobs.append(("qwen3-8b-sm_107a", str(PIP_NVCC[0]), render(_compact_plan(specs["qwen3-8b"])), "sm_107a"))
     _assert_no_spills(_compile_all(jobs, tmp_path))
@@ -311,9 +327,9 @@ def test_a_size_variant_of_another_geometry_is_refused(compact_library: Path, tm
 
 def test_library_describes_itself(compact_library: Path) -> None:
     lib = CompactLibrary(compact_library)
-    assert lib.info == {"abi_version": 3, "num_layers": 32, "kv_heads": 8, "head_dim": 128, "tokens_per_block": 16,
+    assert lib.info == {"abi_version": 4, "num_layers": 32, "kv_heads": 8, "head_dim": 128, "tokens_per_block": 16,
                         "elem_bytes": 2, "layout": "NHD", "threads": 128, "tile_tokens": 32, "slices": 1,
-                        "load_ahead": 1, "index_ahead": 0}
+                        "load_ahead": 1, "index_ahead": 0, "tail_split": 1}
 
 
 def test_argument_errors_come_back_without_a_gpu(compact_library: Path) -> None:

@@ -431,12 +431,12 @@ def test_tune_model_writes_a_model_tuned_entry_the_build_uses(tmp_path: Path) ->
 
     tuning = tmp_path / "tuning"
     rc = main(["tune", "--model", "--family", "qwen3-8b", "--op", "compact", "--arch", "sm_100a",
-               "--fix", "threads=256,tile_tokens=64,slices=1,load_ahead=1,index_ahead=0",
+               "--fix", "threads=256,tile_tokens=64,slices=1,load_ahead=1,index_ahead=0,tail_split=1",
                "--validation", str(_validation(tmp_path, True)), "--tuning", str(tuning)])
     assert rc == 0
     entry = json.loads(tuning_path(tuning, "sm_100a", "qwen3-8b").read_text())["model_ops"]["compact"]
     assert entry["method"] == "model" and entry["model_version"] == VERSION
-    params = {"threads": 256, "tile_tokens": 64, "slices": 1, "load_ahead": 1, "index_ahead": 0}
+    params = {"threads": 256, "tile_tokens": 64, "slices": 1, "load_ahead": 1, "index_ahead": 0, "tail_split": 1}
     assert entry["params"] == params
     assert entry["searched"] == {"fixed": params, "candidates": 1}
     (inputs,) = entry["inputs"].values()

@@ -2,7 +2,7 @@
 // family:   falcon-7b
 // op:       compact
 // template: compact.cu.j2
-// plan key: 406a921089763da93777bbdc9e5a28cf26d5f35f0d71806090da53cfddc5e56b
+// plan key: a99c5a472f26ce970fde497c6b0fc7ceea37ac55db585499684b3d4cc4abf6ec
 //
 // TriAttention compaction of family falcon-7b (TRIATTENTION.md §7, C ABI kvgen_compact.h).
 // This file only describes the family; the kernel is kvgen/kernels/cuda/compact_kernels.cuh.
@@ -10,6 +10,7 @@
 // Pages: NHD [tokens_per_block][kv_heads][head_dim] = [64][1][64] of bf16 (2 bytes), 32 layers, K and V pools per layer.
 // Launch: 1 CTA of 128 threads per (request, KV head, layer), tiles of up to 32 moves.
 // Pipeline: 1 tile loading while one is stored; move indices fetched when resolved.
+// Tail: one CTA per unit.
 #include "compact_host.cuh"
 
 namespace kvgen {
@@ -21,6 +22,7 @@ struct Family {
   static constexpr int kSlices = 1;
   static constexpr int kLoadAhead = 1;
   static constexpr bool kIndexAhead = false;
+  static constexpr int kTailSplit = 1;
 
   __host__ __device__ static constexpr compact::Geometry geometry() {
     return compact::Geometry{/*layout=*/compact::kNHD, /*kv_heads=*/1,
@@ -31,7 +33,7 @@ struct Family {
     return kvgen_compact_info{KVGEN_COMPACT_ABI_VERSION, /*num_layers=*/32, /*kv_heads=*/1,
                               /*head_dim=*/64, /*tokens_per_block=*/64,
                               /*elem_bytes=*/2, /*layout=*/KVGEN_LAYOUT_NHD, kThreads, kTileTokens,
-                              kSlices, kLoadAhead, kIndexAhead ? 1 : 0};
+                              kSlices, kLoadAhead, kIndexAhead ? 1 : 0, kTailSplit};
   }
 };
 

@@ -2,7 +2,7 @@
 // family:   llama-3.1-8b
 // op:       compact
 // template: compact.cu.j2
-// plan key: 3d67e61040a2e2c36d85ea376c0c8b99fe5b4744855b8c79a18556afd3d0dd0e
+// plan key: 0cf64740ee6ec9601d656dec7c2f18ca9116cefad1b723e005977b816e360cdd
 //
 // TriAttention compaction of family llama-3.1-8b (TRIATTENTION.md §7, C ABI kvgen_compact.h).
 // This file only describes the family; the kernel is kvgen/kernels/cuda/compact_kernels.cuh.
@@ -10,6 +10,7 @@
 // Pages: HND [kv_heads][tokens_per_block][head_dim] = [8][32][128] of bf16 (2 bytes), 32 layers, K and V pools per layer.
 // Launch: 1 CTA of 128 threads per (request, KV head, layer), tiles of up to 32 moves.
 // Pipeline: 1 tile loading while one is stored; move indices fetched when resolved.
+// Tail: one CTA per unit.
 #include "compact_host.cuh"
 
 namespace kvgen {
@@ -21,6 +22,7 @@ struct Family {
   static constexpr int kSlices = 1;
   static constexpr int kLoadAhead = 1;
   static constexpr bool kIndexAhead = false;
+  static constexpr int kTailSplit = 1;
 
   __host__ __device__ static constexpr compact::Geometry geometry() {
     return compact::Geometry{/*layout=*/compact::kHND, /*kv_heads=*/8,
@@ -31,7 +33,7 @@ struct Family {
     return kvgen_compact_info{KVGEN_COMPACT_ABI_VERSION, /*num_layers=*/32, /*kv_heads=*/8,
                               /*head_dim=*/128, /*tokens_per_block=*/32,
                               /*elem_bytes=*/2, /*layout=*/KVGEN_LAYOUT_HND, kThreads, kTileTokens,
-                              kSlices, kLoadAhead, kIndexAhead ? 1 : 0};
+                              kSlices, kLoadAhead, kIndexAhead ? 1 : 0, kTailSplit};
   }
 };
 

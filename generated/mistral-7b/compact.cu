@@ -2,7 +2,7 @@
 // family:   mistral-7b
 // op:       compact
 // template: compact.cu.j2
-// plan key: ff60c27de87b362920e0a4812d99d85490037f3a766481e7a9bf8baa0d2f303e
+// plan key: c7c9b7aeb007dccd031ff94e93daaca1ce4484a8b9434df92129ae1726554698
 //
 // TriAttention compaction of family mistral-7b (TRIATTENTION.md §7, C ABI kvgen_compact.h).
 // This file only describes the family; the kernel is kvgen/kernels/cuda/compact_kernels.cuh.
@@ -10,6 +10,7 @@
 // Pages: NHD [tokens_per_block][kv_heads][head_dim] = [16][8][128] of fp16 (2 bytes), 32 layers, K and V pools per layer.
 // Launch: 1 CTA of 128 threads per (request, KV head, layer), tiles of up to 32 moves.
 // Pipeline: 1 tile loading while one is stored; move indices fetched when resolved.
+// Tail: one CTA per unit.
 #include "compact_host.cuh"
 
 namespace kvgen {
@@ -21,6 +22,7 @@ struct Family {
   static constexpr int kSlices = 1;
   static constexpr int kLoadAhead = 1;
   static constexpr bool kIndexAhead = false;
+  static constexpr int kTailSplit = 1;
 
   __host__ __device__ static constexpr compact::Geometry geometry() {
     return compact::Geometry{/*layout=*/compact::kNHD, /*kv_heads=*/8,
@@ -31,7 +33,7 @@ struct Family {
     return kvgen_compact_info{KVGEN_COMPACT_ABI_VERSION, /*num_layers=*/32, /*kv_heads=*/8,
                               /*head_dim=*/128, /*tokens_per_block=*/16,
                               /*elem_bytes=*/2, /*layout=*/KVGEN_LAYOUT_NHD, kThreads, kTileTokens,
-                              kSlices, kLoadAhead, kIndexAhead ? 1 : 0};
+                              kSlices, kLoadAhead, kIndexAhead ? 1 : 0, kTailSplit};
   }
 };
 

@@ -2,7 +2,7 @@
 // family:   qwen3-8b-nhd
 // op:       compact
 // template: compact.cu.j2
-// plan key: 89d26d6a9e0c2eb6577aaf40e16126e073b274f5e0fe2c8f8c05176b0e31f250
+// plan key: d334a989f6e73efe360799e9de8f10dae0ae19164f8ce004e4f215f246bdd726
 //
 // TriAttention compaction of family qwen3-8b-nhd (TRIATTENTION.md §7, C ABI kvgen_compact.h).
 // This file only describes the family; the kernel is kvgen/kernels/cuda/compact_kernels.cuh.
@@ -10,6 +10,7 @@
 // Pages: NHD [tokens_per_block][kv_heads][head_dim] = [32][8][128] of bf16 (2 bytes), 36 layers, K and V pools per layer.
 // Launch: 1 CTA of 128 threads per (request, KV head, layer), tiles of up to 32 moves.
 // Pipeline: 1 tile loading while one is stored; move indices fetched when resolved.
+// Tail: one CTA per unit.
 #include "compact_host.cuh"
 
 namespace kvgen {
@@ -21,6 +22,7 @@ struct Family {
   static constexpr int kSlices = 1;
   static constexpr int kLoadAhead = 1;
   static constexpr bool kIndexAhead = false;
+  static constexpr int kTailSplit = 1;
 
   __host__ __device__ static constexpr compact::Geometry geometry() {
     return compact::Geometry{/*layout=*/compact::kNHD, /*kv_heads=*/8,
@@ -31,7 +33,7 @@ struct Family {
     return kvgen_compact_info{KVGEN_COMPACT_ABI_VERSION, /*num_layers=*/36, /*kv_heads=*/8,
                               /*head_dim=*/128, /*tokens_per_block=*/32,
                               /*elem_bytes=*/2, /*layout=*/KVGEN_LAYOUT_NHD, kThreads, kTileTokens,
-                              kSlices, kLoadAhead, kIndexAhead ? 1 : 0};
+                              kSlices, kLoadAhead, kIndexAhead ? 1 : 0, kTailSplit};
   }
 };
 

@@ -2,7 +2,7 @@
 // family:   qwen3.5-397b-a17b
 // op:       compact
 // template: compact.cu.j2
-// plan key: 7e439b1f092236412ca42b300a16ed66a09d9f203e0fdf7037ccafbb4feeedee
+// plan key: 9a1faf295a6375288d86fc9b746c2a9b3f88365b68be61b7297feaa91a3bc7e3
 //
 // TriAttention compaction of family qwen3.5-397b-a17b (TRIATTENTION.md §7, C ABI kvgen_compact.h).
 // This file only describes the family; the kernel is kvgen/kernels/cuda/compact_kernels.cuh.
@@ -10,6 +10,7 @@
 // Pages: HND [kv_heads][tokens_per_block][head_dim] = [2][32][256] of bf16 (2 bytes), 15 layers, K and V pools per layer.
 // Launch: 1 CTA of 128 threads per (request, KV head, layer), tiles of up to 32 moves.
 // Pipeline: 1 tile loading while one is stored; move indices fetched when resolved.
+// Tail: one CTA per unit.
 #include "compact_host.cuh"
 
 namespace kvgen {
@@ -21,6 +22,7 @@ struct Family {
   static constexpr int kSlices = 1;
   static constexpr int kLoadAhead = 1;
   static constexpr bool kIndexAhead = false;
+  static constexpr int kTailSplit = 1;
 
   __host__ __device__ static constexpr compact::Geometry geometry() {
     return compact::Geometry{/*layout=*/compact::kHND, /*kv_heads=*/2,
@@ -31,7 +33,7 @@ struct Family {
     return kvgen_compact_info{KVGEN_COMPACT_ABI_VERSION, /*num_layers=*/15, /*kv_heads=*/2,
                               /*head_dim=*/256, /*tokens_per_block=*/32,
                               /*elem_bytes=*/2, /*layout=*/KVGEN_LAYOUT_HND, kThreads, kTileTokens,
-                              kSlices, kLoadAhead, kIndexAhead ? 1 : 0};
+                              kSlices, kLoadAhead, kIndexAhead ? 1 : 0, kTailSplit};
   }
 };
 

@@ -127,6 +127,12 @@ TUNABLES: dict[str, dict[str, tuple[tuple[int, ...], int]]] = {
         # for gpt-oss-20b and qwen3.5-397b-a17b at batch 1, inside the noise.
         "load_ahead": ((1, 2), 1),
         "index_ahead": ((0, 1), 0),
+        # CTAs each unit (request, KV head, layer, slice) past the last whole multiple of the SM count
+        # is copied by, each taking 1/tail_split of the slice (compact_kernels.cuh, cta_unit): batch 1
+        # of qwen3-8b is 576 units on 132 SMs, and the 48 SMs holding a fifth ran 1.21x longer than
+        # the rest (Nsight Compute, results/2026-12-07-h100-s18/call1). Same bytes, same order per
+        # byte column; folded like slices so slices x tail_split divides a move's vectors.
+        "tail_split": ((1, 2, 4), 1),
     },
     "pack": {
         "block": ((64, 128, 256, 512), 256),
@@ -393,10 +399,17 @@ def fold_select_params(params: Mapping[str, int], query_heads: int) -> dict[str,
 
 def fold_compact_params(spec: FamilySpec, params: Mapping[str, int]) -> dict[str, int]:
     """``slices`` lowered to the largest choice that divides a move's 16-byte vectors (its K and V
-    row): the kernel cuts them into equal runs."""
+    row), then ``tail_split`` to the largest that divides a slice's: the kernel cuts them into equal
+    runs."""
     vectors = 2 * spec.row_dim * spec.elem_bytes // 16
-    slices = max(s for s in TUNABLES["compact"]["slices"][0] if s <= params["slices"] and vectors % s == 0)
-    return {**params, "slices": slices}
+    slices = _largest_dividing("slices", params["slices"], vectors)
+    return {**params, "slices": slices, "tail_split": _largest_dividing("tail_split", params["tail_split"],
+                                                                        vectors // slices)}
+
+
+def _largest_dividing(name: str, wanted: int, vectors: int) -> int:
+    """The largest choice of compaction's ``name`` at most ``wanted`` that divides ``vectors``."""
+    return max(c for c in TUNABLES["compact"][name][0] if c <= wanted and vectors % c == 0)
 
 
 def pack_geometry(spec: FamilySpec) -> dict[str, Any]:

@@ -18,11 +18,11 @@ import torch
 from kvgen.artifacts.dispatch import compact_work, dispatch_rows, serving
 from kvgen.runtime.library import LibraryError, load_once, load_typed
 
-COMPACT_ABI_VERSION = 3  # 2: kvgen_compact_info.slices; 3: load_ahead, index_ahead
+COMPACT_ABI_VERSION = 4  # 2: kvgen_compact_info.slices; 3: load_ahead, index_ahead; 4: tail_split
 LAYOUTS = ("HND", "NHD")  # kvgen_page_layout
 GEOMETRY = ("num_layers", "kv_heads", "head_dim", "tokens_per_block", "elem_bytes", "layout")
 # The launch parameters the library was built with (kvgen_compact_info after the geometry).
-LAUNCH = ("threads", "tile_tokens", "slices", "load_ahead", "index_ahead")
+LAUNCH = ("threads", "tile_tokens", "slices", "load_ahead", "index_ahead", "tail_split")
 
 
 class CompactPool(ctypes.Structure):

@@ -9,12 +9,13 @@
 //   nvcc -x cu -std=c++17 -I<repo> tests/csrc/compact_host_check.cu -o compact_host_check
 //
 // stdin (little-endian):
-//   int64 header[16]: layout (0 HND, 1 NHD), row_bytes, kv_heads, tokens_per_block, num_layers,
+//   int64 header[18]: layout (0 HND, 1 NHD), row_bytes, kv_heads, tokens_per_block, num_layers,
 //                     num_pages, max_requests, max_pages, moves_per_head (N), threads (64, 128,
 //                     256 or 512), tile_tokens, stores_first (0/1), kv_interleaved (0/1: K and V of a
 //                     layer share one buffer, page stride = 2 pages, as a combined KV pool), slices
-//                     (1, 2, 4 or 8: CTAs per (layer, head, request), walked one after another),
-//                     load_ahead (1 or 2), index_ahead (0 or 1)
+//                     (1, 2, 4 or 8: CTAs per (layer, head, request)), load_ahead (1 or 2), index_ahead
+//                     (0 or 1), tail_split (1, 2 or 4), sms (the SM count cta_unit rounds to); the
+//                     launch's CTAs (cta_unit, unit_index) are walked one after another
 //   int32 page_table[max_requests * max_pages]
 //   int32 src[num_layers * kv_heads * N], int32 dst[same], int32 offsets[max_requests + 1]
 //   per layer: K pool bytes [num_pages * page_bytes], then V pool bytes
@@ -93,7 +94,8 @@ bool read_into(std::vector<T>& v, size_t n) {
 
 struct Case {
   kc::Geometry g;
-  int64_t num_layers, num_pages, max_requests, max_pages, moves_per_head, threads, tile_tokens, slices, load_ahead;
+  int64_t num_layers, num_pages, max_requests, max_pages, moves_per_head, threads, tile_tokens, slices, load_ahead,
+      tail_split, sms;
   bool index_ahead;
   bool stores_first, kv_interleaved;
   std::vector<int32_t> table, src, dst, offsets;
@@ -108,27 +110,29 @@ template <int kThreads, int kLoadAhead, bool kIndexAhead>
 Counts compact_all(const Case& c, std::vector<kc::LayerPools>& pools, kvgen::DeviceErrors& errors) {
   HostExec<kThreads, kc::ring_tiles(kLoadAhead)> ex;
   ex.stores_first = c.stores_first;
-  const int per_move = kc::move_vectors(c.g.row_vectors(), (int)c.slices);
-  ex.tile = kc::tile_moves(kThreads, (int)c.tile_tokens, per_move, kLoadAhead);
-  ex.tiles_.resize(kc::move_buffers(kLoadAhead) * ex.tile);
-  if (kc::vectors_per_thread(kThreads, ex.tile, per_move) > kHostPer) {
-    fprintf(stderr, "rows too long for %d threads\n", kThreads);
-    return Counts{};
-  }
   const kc::MoveLimits limits = kc::move_limits(c.max_pages * c.g.tokens_per_block, c.num_pages, &errors);
-  // Any CTA order is valid (CTAs share no bytes); walk them as the grid enumerates them.
-  for (int layer = 0; layer < c.num_layers; ++layer) {
-    for (int head = 0; head < c.g.kv_heads; ++head) {
-      for (int x = 0; x < c.max_requests * c.slices; ++x) {  // the grid's x: request * slices + slice
-        const int r = x / (int)c.slices;
-        const kc::RequestRange range = kc::request_range(c.offsets.data(), r, c.moves_per_head);
-        if (range.count == 0) continue;
-        const kc::CtaTask task = kc::cta_task(c.g, pools[layer], c.table.data(), c.max_pages, c.src.data(),
-                                              c.dst.data(), c.moves_per_head, range, r, head, layer, limits,
-                                              (int)c.slices, x % (int)c.slices);
-        kc::walk_moves<kThreads, kHostPer, kLoadAhead, kIndexAhead>(ex, c.g, task, ex.tile);
-      }
+  // Any CTA order is valid (CTAs share no bytes); walk them as the kernel's grid enumerates them,
+  // one launch of every layer.
+  const int64_t units = c.max_requests * c.g.kv_heads * c.num_layers * c.slices;
+  const int64_t whole = kc::whole_units(units, (int)c.sms, (int)c.tail_split);
+  for (int x = 0; x < (int)kc::launch_ctas(units, (int)c.sms, (int)c.tail_split); ++x) {
+    const kc::CtaUnit cta = kc::cta_unit(x, (int)whole, (int)c.tail_split);
+    const kc::UnitIndex u = kc::unit_index(cta.unit, (int)c.max_requests, c.g.kv_heads, (int)c.slices);
+    const kc::RequestRange range = kc::request_range(c.offsets.data(), u.request, c.moves_per_head);
+    if (range.count == 0) continue;
+    const int slices = (int)c.slices * cta.parts;
+    const int per_move = kc::move_vectors(c.g.row_vectors(), slices);
+    ex.tile = kc::tile_moves(kThreads, (int)c.tile_tokens, per_move, kLoadAhead);
+    ex.tiles_.resize(kc::move_buffers(kLoadAhead) * ex.tile);
+    if (kc::vectors_per_thread(kThreads, ex.tile, per_move) > kHostPer) {
+      fprintf(stderr, "rows too long for %d threads\n", kThreads);
+      return Counts{};
     }
+    kc::CtaTask task = kc::cta_task(c.g, pools[u.layer], c.table.data(), c.max_pages, c.src.data(), c.dst.data(),
+                                    c.moves_per_head, range, u.request, u.head, u.layer, limits, slices,
+                                    u.slice * cta.parts + cta.part);
+    task.pools = kc::run_pools(c.g, task.pools, task.slices, task.slice);  // as the split kernel: same addresses
+    kc::walk_moves<kThreads, kHostPer, kLoadAhead, kIndexAhead>(ex, c.g, task, ex.tile);
   }
   return Counts{ex.overlaps, ex.loads};
 }
@@ -145,8 +149,8 @@ Counts compact_pipeline(const Case& c, std::vector<kc::LayerPools>& pools, kvgen
 }  // namespace
 
 int main() {
-  int64_t h[16];
-  if (fread(h, sizeof(int64_t), 16, stdin) != 16) return 2;
+  int64_t h[18];
+  if (fread(h, sizeof(int64_t), 18, stdin) != 18) return 2;
   Case c;
   c.g = kc::Geometry{(int)h[0], (int)h[2], (int)h[3], (int)h[1]};
   c.num_layers = h[4];
@@ -161,7 +165,12 @@ int main() {
   c.slices = h[13];
   c.load_ahead = h[14];
   c.index_ahead = h[15] != 0;
-  if (c.slices < 1 || 2 * c.g.row_vectors() % c.slices != 0 || c.load_ahead < 1 || c.load_ahead > 2) return 2;
+  c.tail_split = h[16];
+  c.sms = h[17];
+  if (c.slices < 1 || c.tail_split < 1 || 2 * c.g.row_vectors() % (c.slices * c.tail_split) != 0 || c.load_ahead < 1 ||
+      c.load_ahead > 2 || c.sms < 1) {
+    return 2;
+  }
   const size_t moves = (size_t)(c.num_layers * c.g.kv_heads * c.moves_per_head);
   if (!read_into(c.table, c.max_requests * c.max_pages) || !read_into(c.src, moves) || !read_into(c.dst, moves) ||
       !read_into(c.offsets, c.max_requests + 1)) {

@@ -150,7 +150,7 @@ def _render_synthetic(name: str, geometry_: dict, params: dict | None = None) ->
                              keep_trailing_newline=True)
     plan = SimpleNamespace(family=name)
     context = {"plan": plan, "g": geometry_, "p": params or {"threads": 128, "tile_tokens": 32, "slices": 1,
-                                                             "load_ahead": 1, "index_ahead": 0},
+                                                             "load_ahead": 1, "index_ahead": 0, "tail_split": 1},
                "symbol": "kvgen_test",
                "header": f"// test library {name}"}
     return env.get_template("compact.cu.j2").render(context)
@@ -202,14 +202,14 @@ def tile_library(tmp_path_factory):
     libraries: dict[tuple, CompactLibrary] = {}
 
     def library(name: str, threads: int, tile: int, slices: int, load_ahead: int = 1,
-                index_ahead: int = 0) -> CompactLibrary:
-        key = (name, threads, tile, slices, load_ahead, index_ahead)
+                index_ahead: int = 0, tail_split: int = 1) -> CompactLibrary:
+        key = (name, threads, tile, slices, load_ahead, index_ahead, tail_split)
         if key not in libraries:
-            stem = f"{name}-t{threads}x{tile}s{slices}a{load_ahead}i{index_ahead}"
+            stem = f"{name}-t{threads}x{tile}s{slices}a{load_ahead}i{index_ahead}x{tail_split}"
             source = work / f"{stem}.cu"
             source.write_text(_render_synthetic(name, BF16_GEOMETRIES[name], {
                 "threads": threads, "tile_tokens": tile, "slices": slices, "load_ahead": load_ahead,
-                "index_ahead": index_ahead}))
+                "index_ahead": index_ahead, "tail_split": tail_split}))
             compile_shared_library([source], "sm_90a", list(INCLUDE_DIRS), work / f"lib{stem}.so", toolchain)
             libraries[key] = CompactLibrary(work / f"lib{stem}.so")
         return libraries[key]
@@ -241,6 +241,18 @@ def test_pipelines_equal_oracle(tile_library, name: str, threads: int, tile: int
     assert (library.info["load_ahead"], library.info["index_ahead"]) == (load_ahead, index_ahead)
     for i, mode in enumerate(MODES):
         _check_compaction(library, mode, seed=500 + i, combined=(i == 2))
+
+
+@pytest.mark.parametrize("slices, tail_split", [(1, 2), (2, 4), (2, 2)])
+@pytest.mark.parametrize("name", sorted(BF16_GEOMETRIES))
+def test_tail_split_equals_oracle(tile_library, name: str, slices: int, tail_split: int) -> None:
+    """The units past the last whole multiple of this GPU's SM count, each copied by tail_split CTAs
+    (bf16-hnd-d128-tpb64 at 2 slices: 288 units, the last 24 split on a 132-SM GPU), move exactly
+    the oracle's bytes (bit for bit)."""
+    library = tile_library(name, 256, 32, slices, tail_split=tail_split)
+    assert library.info["tail_split"] == tail_split
+    for i, mode in enumerate(MODES):
+        _check_compaction(library, mode, seed=600 + i, combined=(i == 2))
 
 
 @pytest.mark.parametrize("name", sorted(BF16_GEOMETRIES))

@@ -1,7 +1,8 @@
 // kvgen/kernels/cuda/compact_host.cuh -- host side of kvgen_compact.h, generic over a family.
 //
 // Checks the arguments it can check without touching device memory, then launches
-// compact_kernel once per group of kLayersPerLaunch layers.  Nothing here synchronizes, and after
+// compact_kernel once per group of kLayersPerLaunch layers (a family with tail_split > 1 reads the
+// current device's SM count first: no synchronization, allowed while capturing a graph).  Nothing here synchronizes, and after
 // the first call (or kvgen_compact_check_device_errors) nothing allocates, so a call can be
 // captured in a CUDA graph.  The moves and the page table are device memory: the kernel checks
 // every token and page id against the limits given here and skips (and records) the bad ones.
@@ -62,6 +63,17 @@ inline int check_device_errors() {
   return errors != nullptr && take_device_errors(errors);
 }
 
+// SMs of the current device (what tail_split rounds the units to), 0 if it cannot be read.
+inline int multiprocessors() {
+  int device = 0, sms = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+    cudaGetLastError();  // not sticky: clear it, the call fails by its return value
+    return 0;
+  }
+  return sms;
+}
+
 // page_table_width: pages per page table row (moved tokens must be below width * tokens_per_block).
 template <class F>
 int launch(const kvgen_compact_pool_extent* pools, int num_layers, const int32_t* page_table,
@@ -78,10 +90,14 @@ int launch(const kvgen_compact_pool_extent* pools, int num_layers, const int32_t
     return fail("page_table_stride " + std::to_string(page_table_stride) + " is below the row width " +
                 std::to_string(page_table_width));
   }
+  const int sms = F::kTailSplit > 1 ? multiprocessors() : 0;
+  if (F::kTailSplit > 1 && sms == 0) return fail("cannot read the current device's SM count");
+  const int most_layers = num_layers < kLayersPerLaunch ? num_layers : kLayersPerLaunch;
+  const int64_t most_units = (int64_t)max_requests * f.kv_heads * most_layers * F::kSlices;
   if (f.kv_heads > 65535) return fail("kv_heads above the grid's y limit");
-  if ((int64_t)max_requests * F::kSlices > 2147483647) {
-    return fail("max_requests " + std::to_string(max_requests) + " x " + std::to_string(F::kSlices) +
-                " slices above the grid's x limit");
+  if (launch_ctas(most_units, sms, F::kTailSplit) > 2147483647) {
+    return fail("max_requests " + std::to_string(max_requests) + ": " + std::to_string(most_units) +
+                " (request, KV head, layer, slice) units a launch, above the grid's x limit");
   }
   DeviceErrors* errors = library_device_errors();
   if (errors == nullptr || !take_device_errors(errors)) return 0;  // an earlier launch's device indices
@@ -97,9 +113,14 @@ int launch(const kvgen_compact_pool_extent* pools, int num_layers, const int32_t
                                    static_cast<uint8_t*>(p.v_base), p.v_page_stride_bytes};
       batch.num_pages[i] = p.num_pages;
     }
-    const dim3 grid((unsigned)(max_requests * F::kSlices), (unsigned)f.kv_heads, (unsigned)count);
+    const int64_t units = (int64_t)max_requests * f.kv_heads * count * F::kSlices;
+    // kTailSplit 1: the grid the kernel reads a unit's indices from; else one CTA per cta_unit
+    const dim3 grid = F::kTailSplit == 1
+                          ? dim3((unsigned)(max_requests * F::kSlices), (unsigned)f.kv_heads, (unsigned)count)
+                          : dim3((unsigned)launch_ctas(units, sms, F::kTailSplit));
     compact_kernel<F><<<grid, F::kThreads, 0, stream>>>(batch, page_table, page_table_stride, src, dst, offsets,
-                                                        moves_per_head, table_tokens, errors);
+                                                        moves_per_head, table_tokens, max_requests,
+                                                        (int)whole_units(units, sms, F::kTailSplit), errors);
   }
   const cudaError_t status = cudaGetLastError();
   if (status != cudaSuccess) return fail(std::string("compact launch: ") + cudaGetErrorString(status));

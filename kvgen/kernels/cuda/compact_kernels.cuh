@@ -10,6 +10,11 @@
 // (a move copies column j of src(m) to column j of dst(m) and touches no other column), so the
 // argument below holds per slice, and CTAs of different slices share no bytes.  Slices raise the
 // CTAs of a launch (batch 1: layers x KV heads) at the cost of resolving every move once per slice.
+// The same argument splits a slice further: with tail_split T > 1, the units (request, head, layer,
+// slice) past the last whole multiple of the SM count are each copied by T CTAs of 1/T of the slice
+// (cta_unit).  Batch 1 of qwen3-8b is 576 units on 132 SMs: 48 SMs held 5 and set the time
+// (Nsight Compute: avg/max SM active 0.946); split by 4, every SM holds 4 units and a share of 192
+// quarter units.
 //
 // The walk (walk_moves) is written once and run two ways: on the GPU, one call per thread with
 // __syncthreads() as the barrier; on the host (tests/csrc/compact_host_check.cu), every "thread"
@@ -199,6 +204,22 @@ struct CtaTask {
   int slice;                 // the run this CTA copies, 0 .. slices-1
 };
 
+// 16-byte vectors of one move a CTA copies: its run of the K and V rows.
+__host__ __device__ constexpr int move_vectors(int row_vectors, int slices) { return 2 * row_vectors / slices; }
+
+// The pools a CTA's run reads: where the run lies inside one row (K or V), both entries name that
+// pool, so choosing a vector's pool picks between equal values and the choice folds away (the same
+// addresses).  With the slice a register rather than a function of blockIdx (cta_unit), the kernel
+// otherwise kept both pools' bases and strides for every vector: 64 registers against 48 (qwen3-8b,
+// 256 threads, 2 slices), 4 CTAs a SM instead of 5.
+__host__ __device__ inline LayerPools run_pools(const Geometry& g, const LayerPools& pools, int slices, int slice) {
+  const int per_move = move_vectors(g.row_vectors(), slices);
+  if (per_move > g.row_vectors()) return pools;  // the run spans the K row and the V row
+  const bool in_v = slice * per_move >= g.row_vectors();
+  return in_v ? LayerPools{pools.v, pools.v_page_stride, pools.v, pools.v_page_stride}
+              : LayerPools{pools.k, pools.k_page_stride, pools.k, pools.k_page_stride};
+}
+
 // The task of the CTA (request, head, layer, slice) whose request owns `range`; src/dst rows are
 // [layer][head][moves_per_head].
 __host__ __device__ inline CtaTask cta_task(const Geometry& g, const LayerPools& pools, const int32_t* page_table,
@@ -210,8 +231,50 @@ __host__ __device__ inline CtaTask cta_task(const Geometry& g, const LayerPools&
                  limits, slices, slice};
 }
 
-// 16-byte vectors of one move a CTA copies: its run of the K and V rows.
-__host__ __device__ constexpr int move_vectors(int row_vectors, int slices) { return 2 * row_vectors / slices; }
+// ---------------------------------------------------------------------------------------------
+// CTAs of a launch: units of work, the tail's split finer
+// ---------------------------------------------------------------------------------------------
+
+// A launch's work is `units` equal units, unit u = ((layer * kv_heads + head) * requests + request)
+// * slices + slice (the order of the 3-D grid a launch without a split takes).  Units [0, whole)
+// take one CTA each; with split > 1 whole is the largest multiple of the SM count, and each later
+// unit takes `split` CTAs, part p copying run p of the unit's slice (a slice of slices * split).
+// The block scheduler hands CTAs out in order, so the whole units sit evenly on the SMs and the
+// small ones fill in behind (the design; not yet measured on a GPU).
+__host__ __device__ constexpr int64_t whole_units(int64_t units, int sms, int split) {
+  return split > 1 && sms > 0 ? units / sms * sms : units;
+}
+
+__host__ __device__ constexpr int64_t launch_ctas(int64_t units, int sms, int split) {
+  return whole_units(units, sms, split) + (units - whole_units(units, sms, split)) * split;
+}
+
+// A launch's CTAs number at most 2^31 - 1 (the host refuses more), so a CTA's unit is found in
+// 32-bit arithmetic.
+struct CtaUnit {
+  int unit;
+  int part;   // 0 .. parts-1
+  int parts;  // 1 for a whole unit, split for a unit of the tail
+};
+
+__host__ __device__ inline CtaUnit cta_unit(int cta, int whole, int split) {
+  if (cta < whole) return CtaUnit{cta, 0, 1};
+  return CtaUnit{whole + (cta - whole) / split, (cta - whole) % split, split};
+}
+
+// Which (request, head, layer of the launch, slice) a unit is, for `requests` request slots.
+struct UnitIndex {
+  int request;
+  int head;
+  int layer;
+  int slice;
+};
+
+__host__ __device__ inline UnitIndex unit_index(int unit, int requests, int kv_heads, int slices) {
+  const int request_slice = unit % (requests * slices);
+  const int layer_head = unit / (requests * slices);
+  return UnitIndex{request_slice / slices, layer_head % kv_heads, layer_head / kv_heads, request_slice % slices};
+}
 
 // ---------------------------------------------------------------------------------------------
 // Tiles: which 16-byte vectors a thread copies
@@ -416,9 +479,9 @@ struct LaunchPools {
 };
 
 // Exec of one GPU thread (see walk_moves).
-template <int kPer, int kRing, int kTile>
+template <int kPer, int kRing, int kStride>
 struct ThreadExec {
-  ResolvedMove (*tiles)[kTile];  // [move_buffers][kTile] in shared memory
+  ResolvedMove (*tiles)[kStride];  // [move_buffers][kStride] in shared memory (a tile's moves from the row's start)
   TileRegs<kPer, kRing> r;
 
   template <class F>
@@ -448,37 +511,78 @@ struct ThreadExec {
   __device__ __forceinline__ void store16(uint8_t* p, uint4 v) { __stcs(reinterpret_cast<uint4*>(p), v); }
 };
 
-// F (generated) provides: static geometry(), kThreads, kTileTokens, kSlices, kLoadAhead, kIndexAhead.
-// Grid: x = request * kSlices + slice, y = KV head, z = layer within this launch's LaunchPools.
+// Moves a tile of family F holds for a CTA copying `per_move` vectors of every move.
+template <class F>
+__host__ __device__ constexpr int family_tile(int per_move) {
+  return tile_moves(F::kThreads, F::kTileTokens, per_move, F::kLoadAhead);
+}
+
+// What every CTA of a launch is given (the kernel's arguments past the pools).
+struct LaunchArgs {
+  const int32_t* page_table;
+  int64_t page_table_stride;
+  const int32_t* src;
+  const int32_t* dst;
+  int64_t moves_per_head;
+  RequestRange range;
+  MoveLimits limits;
+};
+
+// One CTA's walk over unit u, copying run `part` of kParts of the unit's slice (kPerMove vectors of
+// every move), its resolved moves in `tiles` (rows of kStride moves: the longest tile of the
+// kernel's walks).  The run's count is a constant here, so a vector's move and column divide by
+// constants.
+template <class F, int kParts, int kStride>
+__device__ __forceinline__ void walk_cta(ResolvedMove (*tiles)[kStride], const LaunchPools& pools,
+                                         const LaunchArgs& a, const UnitIndex& u, int part) {
+  constexpr Geometry g = F::geometry();
+  constexpr int kPerMove = move_vectors(g.row_vectors(), F::kSlices * kParts);
+  constexpr int kTile = family_tile<F>(kPerMove);
+  constexpr int kPer = vectors_per_thread(F::kThreads, kTile, kPerMove);
+  static_assert(kPer <= kMaxVectorsInFlight, "rows too long for the register tiles");
+  CtaTask task = cta_task(g, pools.layers[u.layer], a.page_table, a.page_table_stride, a.src, a.dst,
+                          a.moves_per_head, a.range, u.request, u.head, pools.first_layer + u.layer, a.limits,
+                          F::kSlices * kParts, u.slice * kParts + part);
+  if (F::kTailSplit > 1) task.pools = run_pools(g, task.pools, task.slices, task.slice);
+  ThreadExec<kPer, ring_tiles(F::kLoadAhead), kStride> ex{tiles, {}};
+  walk_moves<F::kThreads, kPer, F::kLoadAhead, F::kIndexAhead>(ex, g, task, kTile);
+}
+
+// F (generated) provides: static geometry(), kThreads, kTileTokens, kSlices, kLoadAhead, kIndexAhead,
+// kTailSplit.  Grid with kTailSplit 1: x = request * kSlices + slice, y = KV head, z = layer within
+// this launch's LaunchPools (a unit's indices straight from blockIdx, which the compiler re-reads
+// instead of holding them); else x = the CTAs of cta_unit over this launch's units (its layers x KV
+// heads x `requests` request slots x kSlices), the first `whole` of them one CTA each.
 template <class F>
 __global__ void __launch_bounds__(F::kThreads)
     compact_kernel(LaunchPools pools, const int32_t* __restrict__ page_table, int64_t page_table_stride,
                    const int32_t* __restrict__ src, const int32_t* __restrict__ dst,
-                   const int32_t* __restrict__ offsets, int64_t moves_per_head, int64_t table_tokens,
-                   DeviceErrors* errors) {
+                   const int32_t* __restrict__ offsets, int64_t moves_per_head, int64_t table_tokens, int requests,
+                   int whole, DeviceErrors* errors) {
   constexpr Geometry g = F::geometry();
   static_assert(g.row_bytes % 16 == 0, "rows are copied in 16-byte vectors");
-  static_assert(2 * g.row_vectors() % F::kSlices == 0, "a move's vectors split into equal slices");
-  constexpr int kPerMove = move_vectors(g.row_vectors(), F::kSlices);
+  static_assert(2 * g.row_vectors() % (F::kSlices * F::kTailSplit) == 0,
+                "a move's vectors split into equal slices, and a slice into equal tail runs");
   static_assert(F::kLoadAhead >= 1, "at least the next tile is loaded while one is stored");
-  constexpr int kTile = tile_moves(F::kThreads, F::kTileTokens, kPerMove, F::kLoadAhead);
-  constexpr int kPer = vectors_per_thread(F::kThreads, kTile, kPerMove);
-  constexpr int kRing = ring_tiles(F::kLoadAhead);
-  static_assert(kPer <= kMaxVectorsInFlight, "rows too long for the register tiles");
+  constexpr int kWholeTile = family_tile<F>(move_vectors(g.row_vectors(), F::kSlices));
+  constexpr int kTailTile = family_tile<F>(move_vectors(g.row_vectors(), F::kSlices * F::kTailSplit));
+  constexpr int kStride = kWholeTile > kTailTile ? kWholeTile : kTailTile;
 
-  const int request = blockIdx.x / F::kSlices;
-  const int slice = blockIdx.x % F::kSlices;
-  const int head = blockIdx.y;
-  const int layer = pools.first_layer + (int)blockIdx.z;
-  const RequestRange range = request_range(offsets, request, moves_per_head);
+  const CtaUnit cta = F::kTailSplit == 1 ? CtaUnit{0, 0, 1} : cta_unit((int)blockIdx.x, whole, F::kTailSplit);
+  const UnitIndex u = F::kTailSplit == 1 ? UnitIndex{(int)blockIdx.x / F::kSlices, (int)blockIdx.y, (int)blockIdx.z,
+                                                     (int)blockIdx.x % F::kSlices}
+                                         : unit_index(cta.unit, requests, g.kv_heads, F::kSlices);
+  const RequestRange range = request_range(offsets, u.request, moves_per_head);
   if (range.count == 0) return;  // uniform over the CTA: padded or inactive request
 
-  const MoveLimits limits = move_limits(table_tokens, pools.num_pages[blockIdx.z], errors);
-  const CtaTask task = cta_task(g, pools.layers[blockIdx.z], page_table, page_table_stride, src, dst, moves_per_head,
-                                range, request, head, layer, limits, F::kSlices, slice);
-  __shared__ ResolvedMove tiles[move_buffers(F::kLoadAhead)][kTile];
-  ThreadExec<kPer, kRing, kTile> ex{tiles, {}};
-  walk_moves<F::kThreads, kPer, F::kLoadAhead, F::kIndexAhead>(ex, g, task, kTile);
+  const LaunchArgs args{page_table, page_table_stride, src, dst, moves_per_head, range,
+                        move_limits(table_tokens, pools.num_pages[u.layer], errors)};
+  __shared__ ResolvedMove tiles[move_buffers(F::kLoadAhead)][kStride];
+  if (F::kTailSplit == 1 || cta.parts == 1) {
+    walk_cta<F, 1, kStride>(tiles, pools, args, u, 0);
+  } else {
+    walk_cta<F, F::kTailSplit, kStride>(tiles, pools, args, u, cta.part);
+  }
 }
 
 }  // namespace compact

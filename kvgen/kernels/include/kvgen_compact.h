@@ -1,4 +1,4 @@
-/* kvgen_compact.h -- C ABI of a kvgen family library's TriAttention compaction (ABI version 3).
+/* kvgen_compact.h -- C ABI of a kvgen family library's TriAttention compaction (ABI version 4).
  *
  * Every library built by `kvgen build` for a family with `triattention.enabled` exports these
  * symbols beside the codec's (kvgen_codec.h).  Semantics: TRIATTENTION.md §7.  For every layer,
@@ -36,7 +36,7 @@
 extern "C" {
 #endif
 
-#define KVGEN_COMPACT_ABI_VERSION 3
+#define KVGEN_COMPACT_ABI_VERSION 4
 
 typedef enum kvgen_page_layout { KVGEN_LAYOUT_HND = 0, KVGEN_LAYOUT_NHD = 1 } kvgen_page_layout;
 
@@ -61,6 +61,8 @@ typedef struct kvgen_compact_info {
   int32_t slices;           /* CTAs per (request, KV head, layer), each copying 1/slices of every row (ABI 2) */
   int32_t load_ahead;       /* tiles loading while one is stored (ABI 3) */
   int32_t index_ahead;      /* 1: move indices fetched a tile before they are resolved (ABI 3) */
+  int32_t tail_split;       /* CTAs each (request, KV head, layer, slice) past the last whole multiple of
+                               the SM count is split into (ABI 4) */
 } kvgen_compact_info;
 
 int kvgen_compact_abi_version(void);

@@ -96,7 +96,8 @@ def compact_launches(features: Mapping[str, KernelFeatures], params: Mapping[str
     loads, issued load_ahead steps before its stores, do. Before the first tile: the request's
     range, then two tiles' resolves and the first tile's loads, three HBM round trips. With
     ``slices`` CTAs per (request, layer, KV head), each copies 1/slices of every move's K and V
-    row."""
+    row. ``tail_split`` is not modelled: its split tail is counted as whole units, so its
+    candidates differ only by their compiled code (registers, instruction mix)."""
     kernel = pick_kernel(features, "compact_kernel")
     slices = params.get("slices", 1)
     ctas = batch * geometry["kv_heads"] * geometry["layers"] * slices
