@@ -29,7 +29,7 @@ import torch
 
 from kvgen.build.nvcc import compile_shared_library, find_toolchains, parse_ptxas, pip_nvcc_paths
 from kvgen.kernels import INCLUDE_DIRS
-from kvgen.lower.plan import TUNABLES, plans_for
+from kvgen.lower.plan import TUNABLES, fold_compact_runs, plans_for
 from kvgen.reference.triattention import MODES, check_moves, compact_paged, pack_moves
 from kvgen.render.source import render
 from kvgen.runtime.compact import CompactLibrary, Compactor
@@ -87,10 +87,11 @@ def _grid_cases(count: int = 20) -> list[dict]:
 
 
 def _fold_tail_split(case: dict) -> dict:
-    """``tail_split`` folded as the plan folds it (kvgen.lower.plan.fold_compact_params): the largest
-    choice that divides a slice's 16-byte vectors."""
-    vectors = 2 * case["head_dim"] * (1 if case["dtype"] == "fp8_e4m3" else 2) // 16 // case["slices"]
-    split = max(t for t in TUNABLES["compact"]["tail_split"][0] if t <= case["tail_split"] and vectors % t == 0)
+    """``tail_split`` folded as the plan folds it (``fold_compact_runs``): the largest choice that
+    divides a slice's 16-byte vectors."""
+    vectors = 2 * case["head_dim"] * (1 if case["dtype"] == "fp8_e4m3" else 2) // 16
+    slices, split = fold_compact_runs(vectors, case["slices"], case["tail_split"])
+    assert slices == case["slices"], "the grid's slices divide every row it pairs them with"
     return {**case, "tail_split": split}
 
 

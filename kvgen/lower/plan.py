@@ -401,10 +401,16 @@ def fold_compact_params(spec: FamilySpec, params: Mapping[str, int]) -> dict[str
     """``slices`` lowered to the largest choice that divides a move's 16-byte vectors (its K and V
     row), then ``tail_split`` to the largest that divides a slice's: the kernel cuts them into equal
     runs."""
-    vectors = 2 * spec.row_dim * spec.elem_bytes // 16
-    slices = _largest_dividing("slices", params["slices"], vectors)
-    return {**params, "slices": slices, "tail_split": _largest_dividing("tail_split", params["tail_split"],
-                                                                        vectors // slices)}
+    slices, tail_split = fold_compact_runs(2 * spec.row_dim * spec.elem_bytes // 16, params["slices"],
+                                           params["tail_split"])
+    return {**params, "slices": slices, "tail_split": tail_split}
+
+
+def fold_compact_runs(vectors: int, slices: int, tail_split: int) -> tuple[int, int]:
+    """(slices, tail_split) for a move of ``vectors`` 16-byte vectors: each lowered to the largest
+    choice at most the one asked for that divides the move's, then the slice's, vectors."""
+    folded = _largest_dividing("slices", slices, vectors)
+    return folded, _largest_dividing("tail_split", tail_split, vectors // folded)
 
 
 def _largest_dividing(name: str, wanted: int, vectors: int) -> int:

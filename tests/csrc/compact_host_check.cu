@@ -113,7 +113,7 @@ Counts compact_all(const Case& c, std::vector<kc::LayerPools>& pools, kvgen::Dev
   const kc::MoveLimits limits = kc::move_limits(c.max_pages * c.g.tokens_per_block, c.num_pages, &errors);
   // Any CTA order is valid (CTAs share no bytes); walk them as the kernel's grid enumerates them,
   // one launch of every layer.
-  const int64_t units = c.max_requests * c.g.kv_heads * c.num_layers * c.slices;
+  const int64_t units = kc::launch_units(c.max_requests, c.g.kv_heads, (int)c.num_layers, (int)c.slices);
   const int64_t whole = kc::whole_units(units, (int)c.sms, (int)c.tail_split);
   for (int x = 0; x < (int)kc::launch_ctas(units, (int)c.sms, (int)c.tail_split); ++x) {
     const kc::CtaUnit cta = kc::cta_unit(x, (int)whole, (int)c.tail_split);

@@ -2,9 +2,9 @@
 //
 // Checks the arguments it can check without touching device memory, then launches
 // compact_kernel once per group of kLayersPerLaunch layers (a family with tail_split > 1 reads the
-// current device's SM count first: no synchronization, allowed while capturing a graph).  Nothing here synchronizes, and after
-// the first call (or kvgen_compact_check_device_errors) nothing allocates, so a call can be
-// captured in a CUDA graph.  The moves and the page table are device memory: the kernel checks
+// current device's SM count first: no synchronization, allowed while capturing a graph).  Nothing
+// here synchronizes, and after the first call (or kvgen_compact_check_device_errors) nothing
+// allocates, so a call can be captured in a CUDA graph.  The moves and the page table are device memory: the kernel checks
 // every token and page id against the limits given here and skips (and records) the bad ones.
 #pragma once
 
@@ -93,7 +93,7 @@ int launch(const kvgen_compact_pool_extent* pools, int num_layers, const int32_t
   const int sms = F::kTailSplit > 1 ? multiprocessors() : 0;
   if (F::kTailSplit > 1 && sms == 0) return fail("cannot read the current device's SM count");
   const int most_layers = num_layers < kLayersPerLaunch ? num_layers : kLayersPerLaunch;
-  const int64_t most_units = (int64_t)max_requests * f.kv_heads * most_layers * F::kSlices;
+  const int64_t most_units = launch_units(max_requests, f.kv_heads, most_layers, F::kSlices);
   if (f.kv_heads > 65535) return fail("kv_heads above the grid's y limit");
   if (launch_ctas(most_units, sms, F::kTailSplit) > 2147483647) {
     return fail("max_requests " + std::to_string(max_requests) + ": " + std::to_string(most_units) +
@@ -113,7 +113,7 @@ int launch(const kvgen_compact_pool_extent* pools, int num_layers, const int32_t
                                    static_cast<uint8_t*>(p.v_base), p.v_page_stride_bytes};
       batch.num_pages[i] = p.num_pages;
     }
-    const int64_t units = (int64_t)max_requests * f.kv_heads * count * F::kSlices;
+    const int64_t units = launch_units(max_requests, f.kv_heads, count, F::kSlices);
     // kTailSplit 1: the grid the kernel reads a unit's indices from; else one CTA per cta_unit
     const dim3 grid = F::kTailSplit == 1
                           ? dim3((unsigned)(max_requests * F::kSlices), (unsigned)f.kv_heads, (unsigned)count)

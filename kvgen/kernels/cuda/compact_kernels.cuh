@@ -241,6 +241,10 @@ __host__ __device__ inline CtaTask cta_task(const Geometry& g, const LayerPools&
 // unit takes `split` CTAs, part p copying run p of the unit's slice (a slice of slices * split).
 // The block scheduler hands CTAs out in order, so the whole units sit evenly on the SMs and the
 // small ones fill in behind (the design; not yet measured on a GPU).
+__host__ __device__ constexpr int64_t launch_units(int64_t requests, int kv_heads, int layers, int slices) {
+  return requests * kv_heads * layers * slices;
+}
+
 __host__ __device__ constexpr int64_t whole_units(int64_t units, int sms, int split) {
   return split > 1 && sms > 0 ? units / sms * sms : units;
 }
